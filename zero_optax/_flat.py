@@ -1,0 +1,109 @@
+"""`partition="flat"`: every device owns an equal, contiguous slice of every flattened parameter.
+
+With `count` elements and world size `N`, a leaf has `slots = ceil(count / N)`; device `r` owns coordinates
+`[r*slots, (r+1)*slots)`, the tail padded with zeros. The inner optimizer runs on the 1-D slices, which is exact
+for transformations that act coordinate by coordinate (Adam, Lion, SGD, RMSProp, ...); `init` proves that from
+the inner transformation's jaxpr and refuses the others.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from zero_optax import _compat, _coupling, _layout, _reduce
+from zero_optax._errors import ZeroCouplingError
+from zero_optax._layout import FLAT, Layout
+from zero_optax._state import ZeroFlatState
+from zero_optax._validate import check_layout, check_tree
+
+COUPLING_HELP = """\
+Flat slices are exact only for transformations that act coordinate by coordinate. Either
+  * use partition="leaf", which updates every parameter as a whole tensor on one owner device
+    (Muon, Adafactor, LAMB, Shampoo), or
+  * move the global operation before zero1, on the reduced gradient:
+        optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                    zo.zero1(inner, axis_name="{axis}", reduce=False))"""
+
+
+def _pad_flat(x: jax.Array, slots: int, n: int) -> jax.Array:
+    flat = x.reshape(-1)
+    pad = slots * n - flat.shape[0]
+    return jnp.pad(flat, (0, pad)) if pad else flat
+
+
+def _own_slice(x: jax.Array, slots: int, n: int, rank: jax.Array) -> jax.Array:
+    return lax.dynamic_slice_in_dim(_pad_flat(x, slots, n), rank * slots, slots)
+
+
+def _gather_leaf(u: jax.Array, leaf: _layout.ParamLeaf, axis_name: str) -> jax.Array:
+    full = _compat.all_gather_invariant(u, axis_name).reshape(-1)
+    return full[:leaf.size].reshape(leaf.shape)
+
+
+def _check_coordinatewise(inner, params, axis_name: str) -> None:
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+    state = jax.eval_shape(inner.init, structs)
+    where = _coupling.find_coordinate_coupling(lambda g, s, p: inner.update(g, s, p), structs, state, structs)
+    if where is not None:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
+            f"{where}, which mixes coordinates of a parameter (a norm, a matrix product, a factored moment or a "
+            f"global check).\n{COUPLING_HELP.format(axis=axis_name)}")
+
+
+def flat_layout(inner, params, axis_name: str, n: int) -> Layout:
+    treedef, leaves = _layout.param_leaves(params, n, FLAT)
+    slices = [jax.ShapeDtypeStruct((leaf.slots,), leaf.dtype) for leaf in leaves]
+    entries = _layout.discover_entries(inner.init, treedef, slices)
+    for e in entries:
+        if e.leaf is not None and e.shape != (leaves[e.leaf].slots,):
+            raise ZeroCouplingError(
+                f"zero1(partition=\"flat\"): the inner state `{e.path}` of leaf `{leaves[e.leaf].path}` has shape "
+                f"{e.shape} on a slice of {leaves[e.leaf].slots} coordinates, so it is not a per-coordinate "
+                f"history.\n{COUPLING_HELP.format(axis=axis_name)}")
+    return Layout(FLAT, axis_name, n, leaves, entries, treedef)
+
+
+def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, reduce, reduce_dtype
+               ) -> optax.GradientTransformationExtraArgs:
+    """The flat-partition transformation; `zero_optax.zero1` validates the arguments."""
+
+    def init_fn(params):
+        n = _compat.axis_size(axis_name)
+        _check_coordinatewise(inner, params, axis_name)
+        layout = flat_layout(inner, params, axis_name, n)
+        rank = lax.axis_index(axis_name)
+        sliced = [_own_slice(x, leaf.slots, n, rank) for x, leaf in zip(jax.tree.leaves(params), layout.leaves)]
+        inner_state = inner.init(jax.tree_util.tree_unflatten(layout.treedef, sliced))
+        return ZeroFlatState(jax.tree.map(lambda x: x[None], inner_state), layout)
+
+    def update_fn(grads, state, params=None, *, weight=None, **extra_args):
+        layout = check_layout(state, ZeroFlatState, axis_name)
+        n, rank = layout.world_size, lax.axis_index(axis_name)
+        g_leaves = check_tree(grads, layout, "gradients")
+        denom = _reduce.denominator(weight, axis_name, n)
+        if reduce == "psum_scatter":
+            g_slices = [_reduce.scatter_mean(_pad_flat(g, leaf.slots, n), axis_name, denom, reduce_dtype)
+                        for g, leaf in zip(g_leaves, layout.leaves)]
+        else:
+            if reduce == "psum":
+                g_leaves = jax.tree.leaves(_reduce.mean_gradients(g_leaves, axis_name, denom, reduce_dtype))
+            g_slices = [_own_slice(g, leaf.slots, n, rank) for g, leaf in zip(g_leaves, layout.leaves)]
+        p_slices = None
+        if params is not None:
+            p_slices = jax.tree_util.tree_unflatten(
+                layout.treedef, [_own_slice(p, leaf.slots, n, rank)
+                                 for p, leaf in zip(check_tree(params, layout, "parameters"), layout.leaves)])
+        old = jax.tree.map(lambda x: x[0], state.inner_state)
+        u_slices, new = inner.update(jax.tree_util.tree_unflatten(layout.treedef, g_slices), old, p_slices,
+                                     **extra_args)
+        new = _reduce.skip_if_empty(denom.ok, new, old)
+        u_slices = _reduce.skip_if_empty(denom.ok, u_slices, jax.tree.map(jnp.zeros_like, u_slices))
+        updates = [_gather_leaf(u, leaf, axis_name) for u, leaf in zip(jax.tree.leaves(u_slices), layout.leaves)]
+        return (jax.tree_util.tree_unflatten(layout.treedef, updates),
+                ZeroFlatState(jax.tree.map(lambda x: x[None], new), layout))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
