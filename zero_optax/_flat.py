@@ -43,6 +43,20 @@ def _gather_leaf(u: jax.Array, leaf: _layout.ParamLeaf, axis_name: str) -> jax.A
     return full[:leaf.size].reshape(leaf.shape)
 
 
+def _zero_padding(state, layout: Layout, rank: jax.Array):
+    """Keeps the padded tail of every coordinate history at zero (some optimizers add eps to it)."""
+    values, treedef = jax.tree.flatten(state)
+    out = []
+    for x, entry in zip(values, layout.entries):
+        if entry.leaf is not None:
+            leaf = layout.leaves[entry.leaf]
+            if leaf.slots * layout.world_size != leaf.size:
+                valid = jnp.arange(leaf.slots) + rank * leaf.slots < leaf.size
+                x = jnp.where(valid, x, jnp.zeros_like(x))
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
 def _check_coordinatewise(inner, params, axis_name: str) -> None:
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
     state = jax.eval_shape(inner.init, structs)
@@ -77,7 +91,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         layout = flat_layout(inner, params, axis_name, n)
         rank = lax.axis_index(axis_name)
         sliced = [_own_slice(x, leaf.slots, n, rank) for x, leaf in zip(jax.tree.leaves(params), layout.leaves)]
-        inner_state = inner.init(jax.tree_util.tree_unflatten(layout.treedef, sliced))
+        inner_state = _zero_padding(inner.init(jax.tree_util.tree_unflatten(layout.treedef, sliced)), layout, rank)
         return ZeroFlatState(jax.tree.map(lambda x: x[None], inner_state), layout)
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):
@@ -100,7 +114,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         old = jax.tree.map(lambda x: x[0], state.inner_state)
         u_slices, new = inner.update(jax.tree_util.tree_unflatten(layout.treedef, g_slices), old, p_slices,
                                      **extra_args)
-        new = _reduce.skip_if_empty(denom.ok, new, old)
+        new = _reduce.skip_if_empty(denom.ok, _zero_padding(new, layout, rank), old)
         u_slices = _reduce.skip_if_empty(denom.ok, u_slices, jax.tree.map(jnp.zeros_like, u_slices))
         updates = [_gather_leaf(u, leaf, axis_name) for u, leaf in zip(jax.tree.leaves(u_slices), layout.leaves)]
         return (jax.tree_util.tree_unflatten(layout.treedef, updates),

@@ -1,0 +1,153 @@
+"""Shared test machinery: run zero1 on a sub-mesh and plain optax on one device fed the reduced gradient."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zero_optax as zo
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (a context manager)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._active = False
+
+    def _listener(self, event, duration, **kwargs):
+        del duration, kwargs
+        if self._active and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        self._active = True
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def mesh_of(n: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def small_params(dtype=jnp.float32) -> dict:
+    """Leaves whose sizes do not divide 3 or 8, a scalar, and matrices for matrix optimizers."""
+    return {
+        "dense": {"w": (jnp.arange(35, dtype=jnp.float32).reshape(5, 7) / 35 - 0.5).astype(dtype),
+                  "b": jnp.linspace(-1, 1, 7).astype(dtype)},
+        "scale": jnp.asarray(0.7, dtype),
+        "head": (jnp.eye(4, 6) + 0.05).astype(dtype),
+        "vec": jnp.full((13,), 0.3, dtype),
+    }
+
+
+def gradient_sequence(params, n: int, steps: int, seed: int = 0) -> list:
+    """`steps` pytrees of per-device gradients, each leaf stacked along a leading device axis of size n."""
+    key = jax.random.key(seed)
+    out = []
+    for t in range(steps):
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.fold_in(key, t), len(leaves))
+        out.append(jax.tree.unflatten(treedef, [
+            jax.random.normal(k, (n,) + x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)]))
+    return out
+
+
+def reduced(grads, weights=None, reduce_dtype=jnp.float32):
+    """The oracle's globally reduced gradient: mean over devices, or psum(grads) / psum(weights)."""
+    def one(g):
+        wide = np.asarray(g.astype(reduce_dtype), np.float64)
+        total = wide.sum(0) / (g.shape[0] if weights is None else max(float(np.sum(weights)), 1.0))
+        return jnp.asarray(total, reduce_dtype).astype(g.dtype)
+    return jax.tree.map(one, grads)
+
+
+def run_oracle(inner, params, grads_seq, weights_seq=None, reduce_dtype=jnp.float32):
+    state = inner.init(params)
+    update = jax.jit(inner.update)
+    for t, g in enumerate(grads_seq):
+        w = None if weights_seq is None else weights_seq[t]
+        if w is not None and float(np.sum(w)) == 0:
+            continue  # zero1 skips a step with zero global weight
+        u, state = update(reduced(g, w, reduce_dtype), state, params)
+        params = optax.apply_updates(params, u)
+    return params, state
+
+
+def zero_fns(tx, mesh, weighted: bool = False):
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
+
+    def step(params, state, grads, *weight):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        kw = {"weight": weight[0][0]} if weight else {}
+        updates, state = tx.update(grads, state, params, **kw)
+        return optax.apply_updates(params, updates), state
+
+    specs = (P(), P("data"), P("data")) + ((P("data"),) if weighted else ())
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), P("data"))))
+    return init, step
+
+
+def run_zero(tx, params, grads_seq, n, weights_seq=None):
+    mesh = mesh_of(n)
+    init, step = zero_fns(tx, mesh, weighted=weights_seq is not None)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = init(params)
+    shard = NamedSharding(mesh, P("data"))
+    for t, g in enumerate(grads_seq):
+        args = [jax.device_put(g, shard)]
+        if weights_seq is not None:
+            args.append(jax.device_put(jnp.asarray(weights_seq[t], jnp.float32), shard))
+        params, state = step(params, state, *args)
+    return params, state, step
+
+
+def full_state(state) -> dict[str, np.ndarray]:
+    """The inner optimizer's complete, unsharded state by entry path, read back from a zero1 state."""
+    layout = zo.describe(state)
+    out = {}
+    if layout.partition == "flat":
+        for entry, arr in zip(layout.entries, jax.tree.leaves(state.inner_state)):
+            arr = np.asarray(arr)
+            if entry.leaf is None:
+                assert all((row == arr[0]).all() for row in arr), f"shared entry {entry.path} differs across devices"
+                out[entry.path] = arr[0]
+            else:
+                leaf = layout.leaves[entry.leaf]
+                flat = arr.reshape(-1)
+                assert not flat[leaf.size:].any(), f"padding of {entry.path} leaked"
+                out[entry.path] = flat[:leaf.size].reshape(leaf.shape)
+        return out
+    buffers = {d: np.asarray(b) for d, b in state.buffers.items()}
+    for r in range(layout.world_size):
+        for j in layout.rank_entries(r):
+            entry = layout.entries[j]
+            dtype, off = layout.state_packing.offsets[r][j]
+            value = buffers[dtype][r, off:off + entry.size].reshape(entry.shape)
+            if entry.leaf is None and entry.path in out:
+                np.testing.assert_array_equal(out[entry.path], value)
+            out[entry.path] = value
+    return out
+
+
+def assert_matches(zero_params, zero_state, ref_params, ref_state, rtol=2e-5, atol=1e-6):
+    for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(ref_params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+    got = full_state(zero_state)
+    want = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(ref_state)}
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for path, x in want.items():
+        assert got[path].dtype == x.dtype, path
+        np.testing.assert_allclose(np.asarray(got[path], np.float64), np.asarray(x, np.float64), rtol=rtol,
+                                   atol=atol, err_msg=path)
