@@ -1,5 +1,8 @@
 """zero_optax: ZeRO stage 1 optimizer-state sharding for JAX, as an optax GradientTransformation."""
 
+from zero_optax._checkpoint import ZeroCheckpointHandler
+from zero_optax._checkpoint import ZeroRestore
+from zero_optax._checkpoint import ZeroSave
 from zero_optax._errors import ZeroCheckpointError
 from zero_optax._errors import ZeroCouplingError
 from zero_optax._errors import ZeroError
@@ -18,10 +21,13 @@ __version__ = "0.1.0"
 __all__ = (
     "Layout",
     "ZeroCheckpointError",
+    "ZeroCheckpointHandler",
     "ZeroCouplingError",
     "ZeroError",
     "ZeroFlatState",
     "ZeroLeafState",
+    "ZeroRestore",
+    "ZeroSave",
     "ZeroStructureError",
     "as_local",
     "balanced_owners",

@@ -130,12 +130,6 @@ def write_array(path: str | os.PathLike, value: jax.Array | np.ndarray) -> None:
     Raises:
       StoreError: If an array with different metadata already exists at ``path``.
     """
-    store = _open(
-        path,
-        create=True,
-        open=True,
-        metadata=array_spec(value.shape, value.dtype),
-    )
     if isinstance(value, jax.Array):
         regions = [
             (shard.index, np.asarray(shard.data))
@@ -144,6 +138,25 @@ def write_array(path: str | os.PathLike, value: jax.Array | np.ndarray) -> None:
         ]
     else:
         regions = [((), np.asarray(value))]
+    write_regions(path, value.shape, value.dtype, regions)
+
+
+def write_regions(
+    path: str | os.PathLike,
+    shape: tuple[int, ...],
+    dtype: Any,
+    regions: list[tuple[Any, np.ndarray]],
+) -> None:
+    """Writes host ``(index, data)`` regions of an array of ``shape`` and ``dtype`` at ``path``.
+
+    The array is created if needed, as in :func:`write_array` (which calls this with a
+    ``jax.Array``'s replica-0 shards); this form takes data already copied to host memory,
+    for writers that copy device data first and write later (asynchronous checkpointing).
+
+    Raises:
+      StoreError: If an array with different metadata already exists at ``path``.
+    """
+    store = _open(path, create=True, open=True, metadata=array_spec(shape, dtype))
     futures = [store[index].write(data) for index, data in regions]
     for future in futures:
         future.result()

@@ -1,0 +1,51 @@
+"""Subprocess for tests/test_checkpoint.py: saves step 1, then is killed (SIGKILL) in the middle of saving step 2.
+
+Usage: python _checkpoint_worker.py CHECKPOINT_DIR MARKER_FILE
+
+Trains zero1(adamw) on 8 simulated CPU devices, saves step 1 through an async CheckpointManager and waits for it,
+then makes array writes slow, starts saving step 2, and writes MARKER_FILE once the first array of step 2 is on
+disk. The test kills it after that; it never finishes on its own within the test's timeout.
+"""
+
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import orbax.checkpoint as ocp  # noqa: E402
+
+import _zero_setup as zs  # noqa: E402
+import zero_optax as zo  # noqa: E402
+from zero_optax import _store  # noqa: E402
+
+
+def main(directory: str, marker: str) -> None:
+    tr = zs.trainer("adamw", chain=True)
+    p = zs.params(tr.mesh)
+    s = tr.init(p)
+    with ocp.CheckpointManager(directory) as mngr:
+        p, s = tr.train(p, s, 0, 1)
+        mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(p), opt_state=zo.ZeroSave(s)))
+        mngr.wait_until_finished()
+        print("SAVED 1", flush=True)
+
+        write_regions = _store.write_regions
+
+        def slow_write_regions(*args, **kwargs):
+            write_regions(*args, **kwargs)
+            with open(marker, "w") as f:
+                f.write("writing step 2\n")
+            time.sleep(600)
+
+        _store.write_regions = slow_write_regions
+        p, s = tr.train(p, s, 1, 2)
+        mngr.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(p), opt_state=zo.ZeroSave(s)))
+        print("SAVING 2", flush=True)
+        mngr.wait_until_finished()
+    print("UNEXPECTEDLY FINISHED", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,56 @@
+"""One process of a two-process `jax.distributed` job on CPU, for tests/test_multihost.py.
+
+Usage: python _multihost_worker.py PORT PROCESS_ID PHASE DIRECTORY
+
+Each process has 4 CPU devices; the global mesh has 8. For zero1(adamw) flat (behind reduce_gradients and a clip)
+and zero1(muon) leaf, with the deterministic gradients of tests/_zero_setup.py:
+
+* PHASE "train": trains steps 0-1 and saves step 2 through an async CheckpointManager.
+* PHASE "resume": restores step 2 into a fresh `tx.init` target (params into StandardRestore), trains steps 2-3,
+  and process 0 writes the final parameters to DIRECTORY/<kind>/final.npz.
+"""
+
+import os
+import sys
+
+import jax
+
+SPLIT, TOTAL = 2, 4
+KINDS = (("adamw", True), ("muon", False))
+
+
+def main(port: str, process_id: int, phase: str, directory: str) -> None:
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    import _zero_setup as zs  # pylint: disable=g-import-not-at-top
+    import zero_optax as zo  # pylint: disable=g-import-not-at-top
+
+    assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+    for kind, chain in KINDS:
+        tr = zs.trainer(kind, chain=chain)
+        p0 = zs.params(tr.mesh)
+        path = os.path.join(directory, kind)
+        with ocp.CheckpointManager(path) as mngr:
+            if phase == "train":
+                p, s = tr.train(p0, tr.init(p0), 0, SPLIT)
+                mngr.save(SPLIT, args=ocp.args.Composite(params=ocp.args.StandardSave(p),
+                                                         opt_state=zo.ZeroSave(s)))
+                mngr.wait_until_finished()
+            else:
+                assert mngr.latest_step() == SPLIT, mngr.all_steps()
+                restored = mngr.restore(SPLIT, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(p0), opt_state=zo.ZeroRestore(tr.init(p0))))
+                p, _ = tr.train(restored.params, restored.opt_state, SPLIT, TOTAL)
+                if jax.process_index() == 0:
+                    np.savez(os.path.join(path, "final.npz"),
+                             **{k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()})
+        print(f"process {process_id} {phase} {kind} done", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 4)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
