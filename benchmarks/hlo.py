@@ -1,0 +1,285 @@
+"""Collective-communication accounting from optimized HLO text.
+
+``collective_bytes`` parses ``compiled.as_text()`` (the post-SPMD-partitioning HLO of
+``jax.jit(f).lower(...).compile()``), so every shape in it is a *per-device* shape. For each
+collective it records the bytes of the op's full tensor: the all-reduced buffer, the gathered
+result of an all-gather, the un-scattered operand of a reduce-scatter. Summed per kind.
+
+Notes on the format this handles:
+
+* Operands may be printed bare (``all-gather(%param.4)``, the CPU/GPU default) or with shapes
+  (``all-gather(f32[8,4]{1,0} %param.4)``); bare names are resolved through a module-wide
+  name -> result-shape table (HLO instruction names are unique within a module).
+* Tuple-shaped (combined) collectives such as ``(f32[16,4], bf16[64,4]) all-reduce(a, b)`` are
+  summed over their elements.
+* Async forms: ``all-reduce-start``, ``all-gather-start``, ``collective-permute-start`` are counted;
+  their ``-done`` halves are not. ``all-gather-start`` returns ``(operands, results)``, so its
+  full tensor is ``result - operand``. Collectives wrapped in ``async-start(..., calls=%comp)``
+  are counted once, from the plain op inside ``%comp``.
+* Counting follows the call graph from ENTRY: a collective inside a ``while`` body is multiplied
+  by the loop's ``known_trip_count`` (once if XLA does not know it; ``trip_count_known`` is then
+  False on the op), every branch of a ``conditional`` counts once (an upper bound).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+# Wire-volume weights in units of the op's full tensor: a ring all-reduce moves ~2x the buffer
+# per device (reduce-scatter + all-gather), an all-gather / reduce-scatter ~1x. all-to-all and
+# collective-permute are weighted 1x of the (per-device) tensor they move.
+WIRE_WEIGHTS: dict[str, float] = {
+    "all-reduce": 2.0,
+    "all-gather": 1.0,
+    "reduce-scatter": 1.0,
+    "all-to-all": 1.0,
+    "collective-permute": 1.0,
+}
+
+_DTYPE_BITS: dict[str, int] = {
+    "pred": 8,
+    "s2": 2, "u2": 2, "s4": 4, "u4": 4,
+    "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+    "token": 0,
+}  # fmt: skip
+
+_SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([^\]]*)\]")
+_DEF_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=(]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_NAME_RE = re.compile(r"%?([A-Za-z_][\w.\-]*)\s*$")
+_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_CALLEE_RE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+
+_COUNTED: dict[str, str] = {k: k for k in KINDS} | {
+    "all-reduce-start": "all-reduce",
+    "all-gather-start": "all-gather",
+    "collective-permute-start": "collective-permute",
+}
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    m = re.match(r"^f(\d+)e", dtype)  # f8e4m3fn, f8e5m2, f4e2m1fn, ...
+    if m:
+        return int(m.group(1))
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape string; tuples (possibly nested) are summed over their arrays."""
+    total_bits = 0
+    for dtype, dims in _SHAPE_RE.findall(shape_text):
+        dims = dims.replace("<=", "").strip()
+        n = int(np.prod([int(d) for d in dims.split(",")])) if dims else 1
+        total_bits += n * _dtype_bits(dtype)
+    return (total_bits + 7) // 8
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis group opening at ``text[start] == '('``."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced parentheses in HLO line: {text!r}")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas not nested inside (), [], {}."""
+    parts, depth, cur = [], 0, []
+    for c in text:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return [p.strip() for p in parts]
+
+
+def _parse_instruction(line: str) -> tuple[str, str, str, str] | None:
+    """``(name, result_shape, opcode, operands_text)`` of one HLO instruction line, else None."""
+    m = _DEF_RE.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    rest = rest.lstrip()
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        sp = rest.find(" ")
+        if sp < 0:
+            return None
+        end = sp
+    shape, after = rest[:end], rest[end:]
+    om = _OPCODE_RE.match(after)
+    if not om:
+        return None
+    open_idx = om.end() - 1
+    close = _balanced(after, open_idx)
+    return name, shape, om.group(1), after[open_idx + 1 : close - 1]
+
+
+def _operand_bytes(operands: str, shapes: dict[str, str]) -> int:
+    total = 0
+    for op in _split_top(operands):
+        if not op:
+            continue
+        if _SHAPE_RE.search(op):
+            total += shape_bytes(op)
+            continue
+        m = _NAME_RE.search(op)
+        if m is None or m.group(1) not in shapes:
+            raise ValueError(f"cannot resolve HLO operand {op!r}")
+        total += shape_bytes(shapes[m.group(1)])
+    return total
+
+
+def _multipliers(
+    calls: dict[str, list[tuple[str, int, bool]]], entry: str | None, comps: list[str]
+) -> tuple[dict[str, int], dict[str, bool]]:
+    """How many times each computation runs per execution of ENTRY, and whether that is exact."""
+    if entry is None:
+        return {c: 1 for c in comps}, {c: True for c in comps}
+    indeg: dict[str, int] = {c: 0 for c in comps}
+    reach, stack = {entry}, [entry]
+    while stack:  # only edges reachable from ENTRY count
+        for callee, _, _ in calls.get(stack.pop(), []):
+            if callee not in reach:
+                reach.add(callee)
+                stack.append(callee)
+    for c in reach:
+        for callee, _, _ in calls.get(c, []):
+            indeg[callee] = indeg.get(callee, 0) + 1
+    mult = {entry: 1}
+    exact = {entry: True}
+    ready = [entry]
+    while ready:  # Kahn's algorithm over the (acyclic) call graph
+        c = ready.pop()
+        for callee, weight, known in calls.get(c, []):
+            mult[callee] = mult.get(callee, 0) + mult[c] * weight
+            exact[callee] = exact.get(callee, True) and exact[c] and known
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                ready.append(callee)
+    return mult, exact
+
+
+def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
+    """Every collective in the module, reachable from ENTRY.
+
+    Each is ``{"name", "kind", "opcode", "computation", "bytes", "multiplier",
+    "trip_count_known"}``; ``bytes`` is the full-tensor size of one execution, ``multiplier`` how
+    many times it runs per step (while-loop trip counts).
+    """
+    shapes: dict[str, str] = {}
+    found: list[tuple[str, tuple[str, str, str, str]]] = []
+    calls: dict[str, list[tuple[str, int, bool]]] = {}
+    comps: list[str] = []
+    entry: str | None = None
+    current = "<module>"
+    for line in hlo_text.splitlines():
+        cm = _COMP_RE.match(line)
+        if cm:
+            current = cm.group(2)
+            comps.append(current)
+            if cm.group(1):
+                entry = current
+            continue
+        parsed = _parse_instruction(line)
+        if parsed is None:
+            continue
+        name, shape, opcode, operands = parsed
+        shapes[name] = shape
+        if opcode in _COUNTED:
+            found.append((current, parsed))
+        edges = calls.setdefault(current, [])
+        for attr, callee in _CALLEE_RE.findall(line):
+            weight, known = 1, True
+            if opcode == "while" and attr in ("body", "condition"):
+                tm = _TRIP_RE.search(line)
+                known = tm is not None
+                weight = int(tm.group(1)) + (attr == "condition") if known else 1
+            edges.append((callee, weight, known))
+        bm = _BRANCHES_RE.search(line)
+        if bm:
+            for callee in bm.group(1).split(","):
+                edges.append((callee.strip().lstrip("%"), 1, True))
+
+    mult, exact = _multipliers(calls, entry, comps)
+    ops = []
+    for comp, (name, shape, opcode, operands) in found:
+        if comp not in mult:  # not reachable from ENTRY
+            continue
+        kind = _COUNTED[opcode]
+        res = shape_bytes(shape)
+        opnd = _operand_bytes(operands, shapes)
+        if opcode == "all-gather-start":
+            full = max(opnd, res - opnd)  # result tuple is (operands, gathered results)
+        elif kind in ("all-reduce", "collective-permute"):
+            full = opnd
+        else:  # all-gather, reduce-scatter, all-to-all: the larger side is the unsharded tensor
+            full = max(opnd, res)
+        ops.append(
+            {
+                "name": name,
+                "kind": kind,
+                "opcode": opcode,
+                "computation": comp,
+                "bytes": full,
+                "multiplier": mult[comp],
+                "trip_count_known": exact[comp],
+            }
+        )
+    return ops
+
+
+def collective_bytes(compiled: Any) -> dict[str, int]:
+    """Full-tensor bytes per collective kind (all of ``KINDS``, zeros included).
+
+    ``compiled`` is a ``jax.stages.Compiled`` (anything with ``as_text()``) or HLO text.
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    out = {k: 0 for k in KINDS}
+    for op in collective_ops(text):
+        out[op["kind"]] += op["bytes"] * op["multiplier"]
+    return out
+
+
+def wire_volume(bytes_by_kind: dict[str, int], param_bytes: int) -> float:
+    """Collective traffic per device in units of the parameter bytes.
+
+    ``sum(WIRE_WEIGHTS[kind] * bytes) / param_bytes``: all-reduce counts 2x, all-gather and
+    reduce-scatter 1x of their full tensor. Plain data parallelism (one all-reduce of the
+    gradient) is ~2.0; ZeRO-1 done as reduce-scatter + all-gather is also ~2.0, and
+    all-reduce + all-gather is ~3.0. (The ring factor (N-1)/N is ignored.)
+    """
+    total = sum(WIRE_WEIGHTS[k] * b for k, b in bytes_by_kind.items() if k in WIRE_WEIGHTS)
+    return float(total) / float(param_bytes)

@@ -1,0 +1,209 @@
+"""The optimizer-step variants being compared, each built for a given ``tx``, mesh and params.
+
+Every variant exposes the same calling convention so the harness can treat them uniformly:
+
+* ``init(params) -> state``, jitted; ``params`` replicated (``P()``) on the mesh.
+* ``step(params, grads, state) -> (params, state)``, jitted, donating ``params`` and ``state``.
+  ``grads`` has a leading device axis of size N sharded ``P("data")``: device i holds its own
+  full-size *local* (not yet reduced) gradient, as after its backward pass. We feed explicit
+  per-device gradients instead of calling ``jax.grad`` inside ``shard_map`` because in JAX 0.10
+  (``check_vma=True``) the gradient w.r.t. a replicated parameter there comes back already
+  psum'd, which would hide the data-parallel reduction we want to measure.
+
+Variants:
+
+1. ``replicated``: plain data parallelism; ``pmean`` of the gradient (one all-reduce), then every
+   device runs the full optimizer on replicated params and state.
+2. ``gspmd``: MaxText-style; ``jax.jit`` with params replicated and every optimizer-state leaf
+   sharded over "data" on its first dimension divisible by N, leaving GSPMD to partition the update.
+3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf``: ``zero_optax.zero1`` under
+   ``jax.shard_map``; unavailable (``VariantUnavailable``) until ``zero_optax`` provides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "data"
+
+Step = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+class VariantUnavailable(Exception):
+    """The variant cannot be built in this environment (e.g. ``zero_optax.zero1`` missing)."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A variant instantiated for one optimizer, mesh and parameter pytree."""
+
+    init: Callable[[Any], Any]
+    step: Step
+    param_sharding: NamedSharding
+    grad_sharding: NamedSharding
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named recipe ``build(tx, mesh, params) -> Built``; ``zero1`` marks the variants under test."""
+
+    name: str
+    build: Callable[[optax.GradientTransformation, Mesh, Any], Built]
+    zero1: bool = False
+
+
+def make_mesh(n: int, devices: list[Any] | None = None) -> Mesh:
+    """1-D "data" mesh over the first ``n`` devices, with *Auto* axis type.
+
+    Auto matters for the gspmd variant: ``jax.make_mesh`` defaults to Explicit axes in JAX 0.10,
+    under which ``jit`` type-checks shardings (sharding-in-types) and e.g. Muon's ``x @ x.T`` on a
+    state leaf sharded along the contracted dim is a ``ShardingTypeError`` instead of being left
+    to the GSPMD partitioner as MaxText does.
+    """
+    devs = (devices if devices is not None else jax.devices())[:n]
+    if len(devs) < n:
+        raise ValueError(f"need {n} devices, have {len(devs)}")
+    return Mesh(np.array(devs), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def optimizers() -> dict[str, optax.GradientTransformation]:
+    """The inner optimizers benchmarked: AdamW and Muon (optax.contrib)."""
+    return {
+        "adamw": optax.adamw(3e-4, weight_decay=0.1),
+        "muon": optax.contrib.muon(2e-2),
+    }
+
+
+def _local(grads: Any) -> Any:
+    """Inside shard_map: drop the size-1 leading device axis of this device's gradient block."""
+    return jax.tree_util.tree_map(lambda g: g[0], grads)
+
+
+def _shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+
+
+# ----------------------------------------------------------------------------- 1. replicated
+
+
+def build_replicated(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+    """Plain data parallelism: all-reduce (pmean) the gradient, full optimizer on every device."""
+    rep, dat = _shardings(mesh)
+
+    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        g = jax.lax.pmean(_local(grads), AXIS)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    sm = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=(P(), P()))
+    return Built(
+        init=jax.jit(tx.init, out_shardings=rep),
+        step=jax.jit(sm, donate_argnums=(0, 2)),
+        param_sharding=rep,
+        grad_sharding=dat,
+    )
+
+
+# ----------------------------------------------------------------------------- 2. gspmd
+
+
+def first_divisible_spec(shape: tuple[int, ...], n: int) -> P:
+    """``P`` sharding the first dimension divisible by ``n`` over "data"; ``P()`` if none (or scalar)."""
+    for i, d in enumerate(shape):
+        if d % n == 0 and d >= n:
+            return P(*([None] * i), AXIS)
+    return P()
+
+
+def gspmd_state_specs(tx: optax.GradientTransformation, params: Any, n: int) -> Any:
+    """Pytree (matching ``tx.init(params)``) of the ``PartitionSpec`` the gspmd variant uses."""
+    abstract = jax.eval_shape(tx.init, params)
+    return jax.tree_util.tree_map(lambda x: first_divisible_spec(x.shape, n), abstract)
+
+
+def build_gspmd(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+    """MaxText-style: jit with replicated params and state leaves sharded on a divisible dim.
+
+    The data-parallel reduction is modeled honestly as part of the jitted program: the gradient
+    arrives as the stacked per-device local gradients (leading axis sharded over "data") and the
+    step takes their mean over that axis. That is exactly what GSPMD sees when a data-parallel
+    ``jax.grad`` is jitted with a batch-sharded input (a partial sum per device), and it is free to
+    lower it as an all-reduce or, since the optimizer state only needs its own slice, as a
+    reduce-scatter followed by an all-gather of the updated params.
+    """
+    rep, dat = _shardings(mesh)
+    n = mesh.shape[AXIS]
+    specs = gspmd_state_specs(tx, params, n)
+    state_sh = jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+
+    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return Built(
+        init=jax.jit(tx.init, out_shardings=state_sh),
+        step=jax.jit(
+            step,
+            in_shardings=(rep, dat, state_sh),
+            out_shardings=(rep, state_sh),
+            donate_argnums=(0, 2),
+        ),
+        param_sharding=rep,
+        grad_sharding=dat,
+        notes={"state_specs": specs, "sharded_leaves": sum(s != P() for s in leaves), "leaves": len(leaves)},
+    )
+
+
+# ----------------------------------------------------------------------------- 3. zero1
+
+
+def _zero1_builder(**zero1_kwargs: Any) -> Callable[[optax.GradientTransformation, Mesh, Any], Built]:
+    """Builder for ``zo.zero1(tx, axis_name="data", **zero1_kwargs)`` under ``jax.shard_map``."""
+
+    def build(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+        try:
+            import zero_optax as zo
+
+            ztx = zo.zero1(tx, axis_name=AXIS, **zero1_kwargs)
+        except (ImportError, AttributeError) as e:
+            raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
+        rep, dat = _shardings(mesh)
+
+        def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+            updates, state = ztx.update(_local(grads), state, params)
+            return optax.apply_updates(params, updates), state
+
+        init = jax.shard_map(ztx.init, mesh=mesh, in_specs=P(), out_specs=P(AXIS))
+        sm = jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS))
+        )
+        return Built(
+            init=jax.jit(init),
+            step=jax.jit(sm, donate_argnums=(0, 2)),
+            param_sharding=rep,
+            grad_sharding=dat,
+            notes={"zero1_kwargs": zero1_kwargs},
+        )
+
+    return build
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("replicated", build_replicated),
+    Variant("gspmd", build_gspmd),
+    Variant("zero1_flat_psum", _zero1_builder(partition="flat", reduce="psum"), zero1=True),
+    Variant("zero1_flat_scatter", _zero1_builder(partition="flat", reduce="psum_scatter"), zero1=True),
+    Variant("zero1_leaf", _zero1_builder(partition="leaf"), zero1=True),
+)
