@@ -140,14 +140,21 @@ def full_state(state) -> dict[str, np.ndarray]:
     return out
 
 
+def _tol(dtype, rtol, atol):
+    """16-bit values may differ by one rounding of the reduced gradient (the sum order of psum is not ours)."""
+    return (max(rtol, 1e-2), max(atol, 1e-2)) if np.dtype(dtype).itemsize == 2 else (rtol, atol)
+
+
 def assert_matches(zero_params, zero_state, ref_params, ref_state, rtol=2e-5, atol=1e-6):
     for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(ref_params)):
         assert a.dtype == b.dtype
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+        r, t = _tol(a.dtype, rtol, atol)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=r, atol=t)
     got = full_state(zero_state)
     want = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(ref_state)}
     assert set(got) == set(want), (sorted(got), sorted(want))
     for path, x in want.items():
         assert got[path].dtype == x.dtype, path
-        np.testing.assert_allclose(np.asarray(got[path], np.float64), np.asarray(x, np.float64), rtol=rtol,
-                                   atol=atol, err_msg=path)
+        r, t = _tol(x.dtype, rtol, atol)
+        np.testing.assert_allclose(np.asarray(got[path], np.float64), np.asarray(x, np.float64), rtol=r,
+                                   atol=t, err_msg=path)
