@@ -71,14 +71,14 @@ def _check_coordinatewise(inner, params, axis_name: str) -> None:
 def flat_layout(inner, params, axis_name: str, n: int) -> Layout:
     treedef, leaves = _layout.param_leaves(params, n, FLAT)
     slices = [jax.ShapeDtypeStruct((leaf.slots,), leaf.dtype) for leaf in leaves]
-    entries = _layout.discover_entries(inner.init, treedef, slices)
+    entries, state_tree = _layout.discover_entries(inner.init, treedef, slices)
     for e in entries:
         if e.leaf is not None and e.shape != (leaves[e.leaf].slots,):
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\"): the inner state `{e.path}` of leaf `{leaves[e.leaf].path}` has shape "
                 f"{e.shape} on a slice of {leaves[e.leaf].slots} coordinates, so it is not a per-coordinate "
                 f"history.\n{COUPLING_HELP.format(axis=axis_name)}")
-    return Layout(FLAT, axis_name, n, leaves, entries, treedef)
+    return Layout(FLAT, axis_name, n, leaves, entries, treedef, state_tree)
 
 
 def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, reduce, reduce_dtype

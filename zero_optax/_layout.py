@@ -115,6 +115,8 @@ class Layout:
       leaves: the trainable parameter leaves, in tree-flatten order.
       entries: the inner optimizer's state leaves, in tree-flatten order of the full (unsharded) state.
       treedef: the parameter tree structure.
+      state_tree: the inner optimizer's state structure (`str` of its treedef, with the state's type names), which
+        tells apart optimizers whose states have the same paths (Adam and AdaBelief, say).
     """
 
     partition: str
@@ -123,13 +125,15 @@ class Layout:
     leaves: tuple[ParamLeaf, ...]
     entries: tuple[StateEntry, ...]
     treedef: Any = dataclasses.field(repr=False)
+    state_tree: str = dataclasses.field(default="", repr=False)
 
     def __hash__(self) -> int:
         return self._hash
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef))
+        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
+                     self.state_tree))
 
     # Views that users read.
     @property
@@ -196,8 +200,11 @@ def _paths(tree) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[StateEntry, ...]:
+def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct]
+                     ) -> tuple[tuple[StateEntry, ...], str]:
     """Finds which inner-state leaves belong to which parameter leaf, from `init_fn` on partial trees.
+
+    Returns the entries in the full state's flatten order and the full state's tree structure as a string.
 
     The inner optimizer is initialised (abstractly) on the whole tree, on a tree with every leaf replaced by
     `optax.MaskedNode()`, and on trees holding one leaf each. State present without any leaf is shared; state
@@ -209,20 +216,21 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
 
     def shape_of(leaves):
         try:
-            return _paths(jax.eval_shape(init_fn, jax.tree_util.tree_unflatten(treedef, leaves)))
+            return jax.eval_shape(init_fn, jax.tree_util.tree_unflatten(treedef, leaves))
         except Exception as e:  # noqa: BLE001 - re-raised with context
             raise ZeroCouplingError(
                 "zero1 could not tell which optimizer state belongs to which parameter: the inner "
                 "transformation's init failed on a tree whose other leaves are optax.MaskedNode() "
                 f"(the way optax.masked calls it): {type(e).__name__}: {e}") from e
 
-    full = shape_of(list(leaf_structs))
-    shared = {p for p, _ in shape_of(masked)}
+    full_state = shape_of(list(leaf_structs))
+    full = _paths(full_state)
+    shared = {p for p, _ in _paths(shape_of(masked))}
     owner_of: dict[str, int] = {}
     for i in range(n):
         view = list(masked)
         view[i] = leaf_structs[i]
-        for path, _ in shape_of(view):
+        for path, _ in _paths(shape_of(view)):
             if path in shared:
                 continue
             if path in owner_of:
@@ -237,7 +245,7 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
                 f"The inner optimizer's state `{path}` depends on several parameter leaves at once; zero1 can only "
                 "shard state that belongs to one leaf or to none.")
         entries.append(StateEntry(path, owner_of.get(path), tuple(x.shape), np.dtype(x.dtype).name))
-    return tuple(entries)
+    return tuple(entries), str(jax.tree.structure(full_state))
 
 
 def param_leaves(params, world_size: int, partition: str, owners: Sequence[int] | None = None):

@@ -90,7 +90,7 @@ def _switch(rank, branches, *operands):
 def leaf_layout(inner, params, axis_name: str, n: int, owners) -> Layout:
     leaves, treedef = jax.tree.flatten(params)
     structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-    entries = _layout.discover_entries(inner.init, treedef, structs)
+    entries, state_tree = _layout.discover_entries(inner.init, treedef, structs)
     if owners is None:
         costs = [0] * len(leaves)
         for e in entries:
@@ -100,7 +100,7 @@ def leaf_layout(inner, params, axis_name: str, n: int, owners) -> Layout:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     owners = _owners.check_owners(owners, len(leaves), n, paths)
     _, param_leaves = _layout.param_leaves(params, n, LEAF, owners)
-    return Layout(LEAF, axis_name, n, param_leaves, entries, treedef)
+    return Layout(LEAF, axis_name, n, param_leaves, entries, treedef, state_tree)
 
 
 def _check_leafwise(inner, layout: Layout, params, axis_name: str) -> None:

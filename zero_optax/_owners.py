@@ -32,7 +32,7 @@ def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
     leaves, treedef = jax.tree.flatten(params)
     structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     costs = [0] * len(leaves)
-    for e in discover_entries(inner.init, treedef, structs):
+    for e in discover_entries(inner.init, treedef, structs)[0]:
         if e.leaf is not None:
             costs[e.leaf] += e.nbytes
     return costs

@@ -13,7 +13,8 @@ The record (format version 1)::
         "partition": "flat" | "leaf", "axis_name": "data", "world_size": 8,
         "owners": null | [int per leaf],
         "leaves":  [{"path", "shape", "dtype", "slots", "owner"}],   # trainable parameter leaves
-        "entries": [{"path", "leaf", "shape", "dtype"}],              # inner-state leaves (the inner state tree)
+        "state_tree": "<treedef of the inner state, with its type names>",
+        "entries": [{"path", "leaf", "shape", "dtype"}],              # inner-state leaves, in flatten order
         "clocks":  {entry path: scalar},  # shared scalar entries (step counts ...), identical on every device
         "arrays":  [{"name", "shape", "dtype", "entry": j} | {"name", "shape", "dtype", "buffer": dtype}],
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
@@ -76,6 +77,7 @@ def layout_record(layout: Layout, index: int, clocks: dict[str, Any] | None = No
         "owners": None if layout.owners is None else list(layout.owners),
         "leaves": [{"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner}
                    for x in layout.leaves],
+        "state_tree": layout.state_tree,
         "entries": [{"path": e.path, "leaf": e.leaf, "shape": list(e.shape), "dtype": e.dtype}
                     for e in layout.entries],
         "clocks": clocks or {},
@@ -88,7 +90,8 @@ def layout_from_record(rec: dict[str, Any]) -> Layout:
     """A `Layout` (without a parameter treedef) rebuilt from a state record, for offline tools."""
     leaves = tuple(ParamLeaf(x["path"], tuple(x["shape"]), x["dtype"], x["slots"], x["owner"]) for x in rec["leaves"])
     entries = tuple(StateEntry(e["path"], e["leaf"], tuple(e["shape"]), e["dtype"]) for e in rec["entries"])
-    return Layout(rec["partition"], rec["axis_name"], rec["world_size"], leaves, entries, None)
+    return Layout(rec["partition"], rec["axis_name"], rec["world_size"], leaves, entries, None,
+                  rec.get("state_tree", ""))
 
 
 def read_clocks(state) -> dict[str, Any]:
@@ -103,7 +106,6 @@ def read_clocks(state) -> dict[str, Any]:
             shard = np.asarray(arr.addressable_shards[0].data).reshape(-1)
             value = shard[0]
         else:
-            rank = None
             arr = state.buffers[e.dtype]
             shard = arr.addressable_shards[0]
             rank = shard.index[0].start or 0
@@ -148,7 +150,7 @@ def new_record(tree_str: str, states: list[dict[str, Any]]) -> dict[str, Any]:
             "tree": tree_str, "states": states}
 
 
-_KEYS = ("partition", "owners", "leaves", "entries", "arrays")
+_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "arrays")
 
 
 def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str) -> str | None:
