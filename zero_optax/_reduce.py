@@ -26,8 +26,8 @@ class WeightError(ZeroError):
     """A sample/token weight is negative or not a scalar."""
 
 
-def _raise_negative(bad):
-    if bad:
+def _raise_negative(negative):
+    if negative:
         raise WeightError(
             "zero1: a device passed a negative `weight`. `weight` is this device's sample or token count "
             "(its gradient being a loss sum) and must be >= 0.")
@@ -44,6 +44,8 @@ def global_weight(weight, axis_name: str) -> jax.Array:
         raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {jnp.shape(weight)}.")
     w = jnp.asarray(weight, jnp.float32)
     if not isinstance(weight, (numbers.Number, np.ndarray)):
+        # A traced weight is checked on the devices; only a negative one calls back to the host, which raises
+        # (the step then fails with this message inside a JaxRuntimeError).
         negative = lax.psum((w < 0).astype(jnp.int32), axis_name) > 0
         lax.cond(negative, lambda: jax.debug.callback(_raise_negative, negative), lambda: None)
     return lax.psum(w, axis_name)

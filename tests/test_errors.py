@@ -1,0 +1,117 @@
+"""Bad input gets a clear ValueError that names what is wrong and how to fix it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zero_optax as zo
+from tests import _harness as h
+
+
+def test_init_outside_shard_map_shows_the_pattern():
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+    with pytest.raises(zo.ZeroError, match=r"no enclosing jax.shard_map binds it[\s\S]*in_specs=P\(\), out_specs=P"):
+        tx.init(h.small_params())
+    with pytest.raises(zo.ZeroError, match="shard_map"):
+        zo.reduce_gradients("data").update(h.small_params(), None)
+
+
+def test_unbound_axis_name():
+    tx = zo.zero1(optax.adam(1e-2), axis_name="batch")
+    with pytest.raises(zo.ZeroError, match=r"needs the mesh axis `batch`"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(h.small_params())
+
+
+def test_update_outside_shard_map():
+    mesh = h.mesh_of(2)
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))(h.small_params())
+    with pytest.raises(zo.ZeroError, match="no enclosing jax.shard_map"):
+        tx.update(h.small_params(), state, h.small_params())
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_gradient_structure_and_shape_mismatch(partition):
+    mesh = h.mesh_of(2)
+    params = h.small_params()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data", partition=partition)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))(params)
+
+    def step(grads, state):
+        return tx.update(grads, state, params)
+
+    run = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
+    missing = dict(params)
+    del missing["vec"]
+    with pytest.raises(zo.ZeroStructureError, match="gradients do not have the structure of the parameters"):
+        run(missing, state)
+    wrong = dict(params, vec=jnp.zeros((12,)))
+    with pytest.raises(zo.ZeroStructureError, match=r"gradients leaf `\['vec'\]` has shape \(12,\), but the "
+                                                     r"parameter has shape \(13,\)"):
+        run(wrong, state)
+
+
+def test_state_from_another_world_size():
+    params = h.small_params()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+    state = jax.jit(jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data")))(params)
+    mesh4 = h.mesh_of(4)
+    state4 = jax.device_put(jax.tree.map(lambda x: jnp.concatenate([x, x]), state), NamedSharding(mesh4, P("data")))
+    step = jax.shard_map(lambda g, s: tx.update(g, s, params), mesh=mesh4, in_specs=(P(), P("data")),
+                         out_specs=(P(), P("data")))
+    with pytest.raises(zo.ZeroStructureError, match=r"initialised for axis `data` with 2 devices, but update runs "
+                                                     r"over axis `data` with 4[\s\S]*zero_optax.reshard"):
+        step(params, state4)
+
+
+def test_negative_weight():
+    mesh = h.mesh_of(2)
+    params = h.small_params()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))(params)
+
+    def step(s, w):
+        return tx.update(params, s, params, weight=w)
+
+    concrete = jax.shard_map(lambda s: step(s, -1.0), mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+    with pytest.raises(zo.ZeroError, match=r"`weight` must be >= 0"):
+        concrete(state)
+    traced = jax.jit(jax.shard_map(lambda s, w: step(s, w[0]), mesh=mesh, in_specs=(P("data"), P("data")),
+                                   out_specs=(P(), P("data"))))
+    weights = jax.device_put(jnp.array([1.0, -2.0]), NamedSharding(mesh, P("data")))
+    with pytest.raises(Exception, match=r"negative `weight`"):
+        jax.block_until_ready(traced(state, weights))
+    with pytest.raises(Exception, match=r"negative `weight`"):
+        jax.effects_barrier()  # the runtime reports a failed callback once more, then is clean
+    jax.effects_barrier()
+    with pytest.raises(zo.ZeroError, match="`weight` must be a scalar"):
+        jax.shard_map(lambda s: step(s, np.ones(2)), mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))(state)
+
+
+@pytest.mark.parametrize("inner, culprit", [
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "clip_by_global_norm"),
+    (optax.adafactor(1e-2), "factored"),
+    (optax.contrib.muon(1e-2), "newton_schulz"),
+    (optax.lamb(1e-2), "trust_ratio"),
+])
+def test_flat_refuses_transformations_that_couple_coordinates(inner, culprit):
+    tx = zo.zero1(inner, axis_name="data")
+    params = dict(h.small_params(), big=jnp.zeros((130, 129)))
+    with pytest.raises(zo.ZeroCouplingError, match=rf"(?s)cannot run this inner transformation on coordinate "
+                                                   rf"slices.*{culprit}.*partition=\"leaf\".*reduce_gradients"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(params)
+
+
+def test_bad_arguments():
+    with pytest.raises(zo.ZeroError, match="`partition` must be"):
+        zo.zero1(optax.adam(1e-2), axis_name="data", partition="rows")
+    with pytest.raises(zo.ZeroError, match="`reduce` must be"):
+        zo.zero1(optax.adam(1e-2), axis_name="data", reduce="allreduce")
+    with pytest.raises(zo.ZeroError, match="`axis_name`"):
+        zo.zero1(optax.adam(1e-2), axis_name="")
+    with pytest.raises(zo.ZeroError, match="describe expects a state returned by a zero1"):
+        zo.describe(optax.adam(1e-2).init({"a": jnp.ones(2)}))
