@@ -35,10 +35,15 @@ def _pad_flat(x: jax.Array, slots: int, n: int) -> jax.Array:
 
 
 def _own_slice(x: jax.Array, slots: int, n: int, rank: jax.Array) -> jax.Array:
+    if n == 1:
+        return x.reshape(-1)
     return lax.dynamic_slice_in_dim(_pad_flat(x, slots, n), rank * slots, slots)
 
 
-def _gather_leaf(u: jax.Array, leaf: _layout.ParamLeaf, axis_name: str) -> jax.Array:
+def _gather_leaf(u: jax.Array, leaf: _layout.ParamLeaf, axis_name: str, n: int) -> jax.Array:
+    if n == 1:  # nothing to gather; a one-device psum only retypes the value as replicated (XLA drops it)
+        return lax.psum(u, axis_name).reshape(leaf.shape)
+        return u.reshape(leaf.shape)
     full = _compat.all_gather_invariant(u, axis_name).reshape(-1)
     return full[:leaf.size].reshape(leaf.shape)
 
@@ -99,7 +104,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         n, rank = layout.world_size, lax.axis_index(axis_name)
         g_leaves = check_tree(grads, layout, "gradients")
         denom = _reduce.denominator(weight, axis_name, n)
-        if reduce == "psum_scatter":
+        if reduce == "psum_scatter" and n > 1:
             g_slices = [_reduce.scatter_mean(_pad_flat(g, leaf.slots, n), axis_name, denom, reduce_dtype)
                         for g, leaf in zip(g_leaves, layout.leaves)]
         else:
@@ -116,7 +121,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
                                      **extra_args)
         new = _reduce.skip_if_empty(denom.ok, _zero_padding(new, layout, rank), old)
         u_slices = _reduce.skip_if_empty(denom.ok, u_slices, jax.tree.map(jnp.zeros_like, u_slices))
-        updates = [_gather_leaf(u, leaf, axis_name) for u, leaf in zip(jax.tree.leaves(u_slices), layout.leaves)]
+        updates = [_gather_leaf(u, leaf, axis_name, n) for u, leaf in zip(jax.tree.leaves(u_slices), layout.leaves)]
         return (jax.tree_util.tree_unflatten(layout.treedef, updates),
                 ZeroFlatState(jax.tree.map(lambda x: x[None], new), layout))
 
