@@ -29,18 +29,16 @@ Move global operations before zero1, on the reduced gradient:
                 zo.zero1(inner, axis_name="{axis}", partition="leaf", reduce=False))"""
 
 
-def pack(values: dict[int, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int]
-         ) -> dict[str, jax.Array]:
-    """Concatenates `values` (item -> array) into per-dtype 1-D buffers at `offsets`, zero-padded to `sizes`."""
-    pieces: dict[str, list[jax.Array]] = {d: [] for d in sizes}
-    for item, (dtype, _) in sorted(offsets.items(), key=lambda kv: kv[1][1]):
-        pieces[dtype].append(values[item].reshape(-1).astype(dtype))
-    out = {}
-    for dtype, size in sizes.items():
-        used = sum(p.shape[0] for p in pieces[dtype])
-        if used < size:
-            pieces[dtype].append(jnp.zeros((size - used,), dtype))
-        out[dtype] = jnp.concatenate(pieces[dtype]) if len(pieces[dtype]) > 1 else pieces[dtype][0]
+def pack(values: dict[int, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
+         base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """Writes `values` (item -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
+
+    With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
+    XLA performs in place, so a step touches only the bytes it changes; otherwise the buffers start at zero.
+    """
+    out = {d: (jnp.zeros((size,), d) if base is None else base[d]) for d, size in sizes.items()}
+    for item, (dtype, off) in offsets.items():
+        out[dtype] = lax.dynamic_update_slice_in_dim(out[dtype], values[item].reshape(-1).astype(dtype), off, 0)
     return out
 
 
@@ -151,7 +149,7 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
         shapes = {i: leaf.shape for i, leaf in enumerate(layout.leaves)}
         denom = _reduce.denominator(weight, axis_name, n)
 
-        if reduce == "psum_scatter":
+        if reduce == "psum_scatter" and n > 1:
             rows = [pack({i: g_leaves[i] for i in plan.offsets[r]}, plan.offsets[r], plan.sizes) for r in range(n)]
             grad_input = {d: _reduce.scatter_mean(jnp.concatenate([row[d] for row in rows]), axis_name, denom,
                                                   reduce_dtype) for d in plan.sizes}
@@ -166,7 +164,7 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
             owned = _owned(layout, rank)
 
             def run(grad_input, buffers, p_leaves):
-                if reduce == "psum_scatter":
+                if reduce == "psum_scatter" and n > 1:
                     got = unpack(grad_input, plan.offsets[rank], shapes)
                     g = [got.get(i) for i in range(len(layout.leaves))]
                 else:
@@ -182,7 +180,9 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
                 u = jax.tree.leaves(updates)
                 u_by_leaf = dict(zip(sorted(owned), u))
                 new_buffers = pack(dict(zip(entries, jax.tree.leaves(new_state))), packing.offsets[rank],
-                                   packing.sizes)
+                                   packing.sizes, base=buffers)
+                if n == 1:  # the only device owns everything: no packing, no gather
+                    return new_buffers, u
                 u_buffers = pack(u_by_leaf, plan.offsets[rank], plan.sizes)
                 return _compat.pvary((new_buffers, u_buffers), axis_name)
             return run
@@ -190,6 +190,10 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
         new, u_buffers = _switch(rank, [branch(r) for r in range(n)], grad_input, old, p_leaves)
         new = _reduce.skip_if_empty(denom.ok, new, old)
         u_buffers = _reduce.skip_if_empty(denom.ok, u_buffers, jax.tree.map(jnp.zeros_like, u_buffers))
+        if n == 1:  # a one-device psum only retypes the updates as replicated (XLA drops it)
+            updates = [lax.psum(u, axis_name).astype(g.dtype) for u, g in zip(u_buffers, g_leaves)]
+            return (jax.tree_util.tree_unflatten(layout.treedef, updates),
+                    ZeroLeafState({d: b[None] for d, b in new.items()}, layout))
         gathered = {d: _compat.all_gather_invariant(b, axis_name) for d, b in u_buffers.items()}
         updates = []
         for i, leaf in enumerate(layout.leaves):
