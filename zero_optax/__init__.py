@@ -10,6 +10,12 @@ from zero_optax._errors import ZeroStructureError
 from zero_optax._layout import Layout
 from zero_optax._owners import balanced_owners
 from zero_optax._reduce import reduce_gradients
+from zero_optax._reshard import Migration
+from zero_optax._reshard import ParamSlice
+from zero_optax._reshard import RankRecord
+from zero_optax._reshard import load_rank_records
+from zero_optax._reshard import reshard
+from zero_optax._reshard import reshard_explicit
 from zero_optax._state import ZeroFlatState
 from zero_optax._state import ZeroLeafState
 from zero_optax._zero1 import as_local
@@ -20,6 +26,9 @@ __version__ = "0.1.0"
 
 __all__ = (
     "Layout",
+    "Migration",
+    "ParamSlice",
+    "RankRecord",
     "ZeroCheckpointError",
     "ZeroCheckpointHandler",
     "ZeroCouplingError",
@@ -32,6 +41,9 @@ __all__ = (
     "as_local",
     "balanced_owners",
     "describe",
+    "load_rank_records",
     "reduce_gradients",
+    "reshard",
+    "reshard_explicit",
     "zero1",
 )
