@@ -79,6 +79,23 @@ def _update_plan(layout: Layout, dtypes: list[str]) -> Packing:
                               for r in range(layout.world_size)])
 
 
+def _choose_reduce(reduce, plan: Packing, g_leaves: list, n: int) -> str | None:
+    """The gradient collective: a one-device mesh needs none, "auto" picks the one that moves fewer bytes.
+
+    A reduce-scatter of owner-packed buffers moves `n * padded share` bytes; an all-reduce moves about twice the
+    gradient bytes. They differ when one owner's share is far above the average (a large embedding).
+    """
+    if reduce is None:
+        return None
+    if n == 1:
+        return "psum"
+    if reduce != "auto":
+        return reduce
+    scatter = n * sum(size * np.dtype(d).itemsize for d, size in plan.sizes.items())
+    allreduce = 2 * sum(g.size * g.dtype.itemsize for g in g_leaves)
+    return "psum_scatter" if scatter <= allreduce else "psum"
+
+
 def _switch(rank, branches, *operands):
     if len(branches) == 1:
         return branches[0](*operands)
@@ -148,12 +165,13 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
         plan = _update_plan(layout, [jnp.dtype(g.dtype).name for g in g_leaves])
         shapes = {i: leaf.shape for i, leaf in enumerate(layout.leaves)}
         denom = _reduce.denominator(weight, axis_name, n)
+        mode = _choose_reduce(reduce, plan, g_leaves, n)
 
-        if reduce == "psum_scatter" and n > 1:
+        if mode == "psum_scatter":
             rows = [pack({i: g_leaves[i] for i in plan.offsets[r]}, plan.offsets[r], plan.sizes) for r in range(n)]
             grad_input = {d: _reduce.scatter_mean(jnp.concatenate([row[d] for row in rows]), axis_name, denom,
                                                   reduce_dtype) for d in plan.sizes}
-        elif reduce == "psum":
+        elif mode == "psum":
             grad_input = _reduce.mean_gradients(g_leaves, axis_name, denom, reduce_dtype)
         else:
             grad_input = g_leaves
@@ -164,7 +182,7 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
             owned = _owned(layout, rank)
 
             def run(grad_input, buffers, p_leaves):
-                if reduce == "psum_scatter" and n > 1:
+                if mode == "psum_scatter":
                     got = unpack(grad_input, plan.offsets[rank], shapes)
                     g = [got.get(i) for i in range(len(layout.leaves))]
                 else:

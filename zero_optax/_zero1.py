@@ -56,8 +56,10 @@ def zero1(
       partition: `"flat"` (default) or `"leaf"`.
       owners: leaf partition only: one device index per leaf in tree-flatten order; None balances the
         optimizer-state bytes (`zero_optax.balanced_owners`).
-      reduce: `True` reduces the gradients with the default collective (`"psum_scatter"`, a reduce-scatter);
-        `"psum"` all-reduces instead; `False` takes gradients that are already reduced and replicated, for
+      reduce: `True` reduces the gradients with the default collective: a reduce-scatter (`"psum_scatter"`)
+        for the flat partition; for the leaf partition a reduce-scatter of owner-packed buffers unless padding to
+        the largest owner's share would move more bytes than an all-reduce. `"psum"` all-reduces, `"psum_scatter"`
+        reduce-scatters; `False` takes gradients that are already reduced and replicated, for
         example by `zero_optax.reduce_gradients` followed by a global operation.
       reduce_dtype: reduce bf16/f16 gradients in this dtype (for example `jnp.float32`); the inner optimizer
         still sees each gradient in its own dtype.
@@ -84,7 +86,7 @@ def zero1(
         raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
     if not isinstance(axis_name, str) or not axis_name:
         raise ZeroError(f"`axis_name` must be the name of the data mesh axis, got {axis_name!r}.")
-    mode = DEFAULT_REDUCE if reduce is True else (None if reduce is False else reduce)
+    mode = (DEFAULT_REDUCE if partition == FLAT else "auto") if reduce is True else (None if reduce is False else reduce)
     dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
     inner = optax.with_extra_args_support(inner)
     if partition == FLAT:
