@@ -1,4 +1,5 @@
-"""Tests for zero_optax.reshard / reshard_explicit and the `python -m zero_optax.reshard` command line.
+"""Tests for zero_optax.reshard (`_reshard`), reshard_explicit / load_rank_records (`_migrate`) and the
+`python -m zero_optax.reshard` command line.
 
 The oracle: plain optax on one device fed the mean gradient. A run trains on N devices, saves through Orbax,
 reshards to M, restores into `tx.init` on M devices and continues; it must match the uninterrupted oracle.

@@ -6,8 +6,8 @@ leaf's complete state from its old owner's row to its new owner's. Shared entrie
 after checking that every source row agrees. Nothing is replayed or summed, so a restored run continues exactly.
 
 `reshard` streams one chunk of one array at a time and writes into a temporary sibling directory that is
-renamed into place at the end. `reshard_explicit` migrates rank-local records whose data-parallel groups differ
-per parameter (tensor-parallel or expert parameters).
+renamed into place at the end. The source checks and the re-slicing helpers here are shared with
+`zero_optax._migrate`, which migrates rank-local records whose data-parallel groups differ per parameter.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import shutil
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, so np.dtype("bfloat16") works)
@@ -30,16 +30,17 @@ Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality, so NaN clocks compare equal to themselves and -0.0 differs from 0.0."""
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def _show(x: np.ndarray) -> str:
+def show(x: np.ndarray) -> str:
+    """A short text form of a value, for error messages."""
     return str(x.item() if x.size == 1 else x.tolist())
 
 
-def _recut(out: np.ndarray, start: int, stop: int, slots: int, read: Callable[[int, int, int], Any]) -> np.ndarray:
+def recut(out: np.ndarray, start: int, stop: int, slots: int, read: Callable[[int, int, int], Any]) -> np.ndarray:
     """Fills `out` with coordinates `[start, stop)` of a history kept as rows of `slots`; `read(row, lo, hi)`."""
     at = 0
     while start < stop:
@@ -53,7 +54,7 @@ def _recut(out: np.ndarray, start: int, stop: int, slots: int, read: Callable[[i
 # ------------------------------------------------------------------------------------------------ source checks
 
 
-def _load_states(src: str) -> tuple[dict[str, Any], list[Layout]]:
+def load_states(src: str) -> tuple[dict[str, Any], list[Layout]]:
     """The record of `src` and one layout per state, after validating every array it names."""
     if not os.path.isdir(src):
         raise _Error(f"{src} is not a zero_optax checkpoint: no such directory.")
@@ -75,7 +76,7 @@ def _load_states(src: str) -> tuple[dict[str, Any], list[Layout]]:
             raise _Error(f"{src}: the packing recorded for state {k} does not match its owners; the record is damaged.")
         for a in expected:
             try:
-                _store.validate_array(_array_dir(src, a["name"]), a["shape"], a["dtype"])
+                _store.validate_array(array_dir(src, a["name"]), a["shape"], a["dtype"])
             except _store.StoreError as e:
                 raise _Error(f"{src} is damaged: {e}") from None
         layouts.append(layout)
@@ -84,28 +85,29 @@ def _load_states(src: str) -> tuple[dict[str, Any], list[Layout]]:
     return rec, layouts
 
 
-def _array_dir(root: str, name: str) -> str:
+def array_dir(root: str, name: str) -> str:
+    """The directory of array `name` in item directory `root`."""
     return os.path.join(root, _record.ARRAYS_DIR, name)
 
 
-def _shared_values(src: str, layout: Layout, k: int) -> dict[int, np.ndarray]:
+def shared_values(src: str, layout: Layout, k: int) -> dict[int, np.ndarray]:
     """Entry index -> value of every shared entry, checked to agree on every source row."""
     values = {}
     for j, e in enumerate(layout.entries):
         if e.leaf is not None:
             continue
         if layout.partition == FLAT:
-            rows = list(_store.read(_array_dir(src, f"{k}.entry{j:04d}")))
+            rows = list(_store.read(array_dir(src, f"{k}.entry{j:04d}")))
         else:
             rows = []
             for r, offsets in enumerate(layout.state_packing.offsets):
                 d, off = offsets[j]
-                flat = _store.read(_array_dir(src, f"{k}.buffer_{d}"), (r, slice(off, off + e.size)))
+                flat = _store.read(array_dir(src, f"{k}.buffer_{d}"), (r, slice(off, off + e.size)))
                 rows.append(flat.reshape(e.shape))
         for r, row in enumerate(rows):
-            if not _same(row, rows[0]):
+            if not same(row, rows[0]):
                 raise _Error(f"{src}: shared entry `{e.path}` of state {k} differs between source rows: row 0 holds "
-                             f"{_show(rows[0])}, row {r} holds {_show(row)}; the checkpoint is inconsistent.")
+                             f"{show(rows[0])}, row {r} holds {show(row)}; the checkpoint is inconsistent.")
         values[j] = rows[0]
     return values
 
@@ -173,24 +175,24 @@ def _write_flat(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: di
     for j, (e_old, e) in enumerate(zip(old.entries, new.entries)):
         name = f"{k}.entry{j:04d}"
         if e.leaf is None:  # small: written whole
-            _store.write_array(_array_dir(tmp, name), np.broadcast_to(shared[j], (new.world_size, *e.shape)))
+            _store.write_array(array_dir(tmp, name), np.broadcast_to(shared[j], (new.world_size, *e.shape)))
             tick(shared[j].nbytes * new.world_size)
             continue
         size, s_old, s_new = old.leaves[e.leaf].size, e_old.shape[0], e.shape[0]
-        source = _open_old(_array_dir(src, name))
+        source = _open_old(array_dir(src, name))
 
         def fill(t: int, a: int, b: int, source=source, size=size, s_old=s_old, s_new=s_new, dtype=e.dtype):
             out = np.zeros(b - a, np.dtype(dtype))  # coordinates past `size` stay zero: the new padding
-            return _recut(out, min(t * s_new + a, size), min(t * s_new + b, size), s_old,
+            return recut(out, min(t * s_new + a, size), min(t * s_new + b, size), s_old,
                           lambda r, lo, hi: source[r, lo:hi].read().result())
 
-        _write(_array_dir(tmp, name), (new.world_size, s_new), e.dtype, fill, tick)
+        _write(array_dir(tmp, name), (new.world_size, s_new), e.dtype, fill, tick)
 
 
 def _write_leaf(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: dict[int, np.ndarray],
                 tick: Callable[[int], None]) -> None:
     p_old, p_new = old.state_packing, new.state_packing
-    sources = {d: _open_old(_array_dir(src, f"{k}.buffer_{d}")) for d in p_old.sizes}
+    sources = {d: _open_old(array_dir(src, f"{k}.buffer_{d}")) for d in p_old.sizes}
     for d, size in p_new.sizes.items():
         def fill(t: int, a: int, b: int, d=d):
             out = np.zeros(b - a, np.dtype(d))
@@ -207,7 +209,7 @@ def _write_leaf(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: di
                     out[lo - a:hi - a] = sources[d][owner, at + lo - off:at + hi - off].read().result()
             return out
 
-        _write(_array_dir(tmp, f"{k}.buffer_{d}"), (new.world_size, size), d, fill, tick)
+        _write(array_dir(tmp, f"{k}.buffer_{d}"), (new.world_size, size), d, fill, tick)
 
 
 def _install(tmp: str, dst: str, force: bool) -> None:
@@ -264,9 +266,9 @@ def reshard(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, world_size: 
         raise _Error(f"`world_size` must be a positive int, got {world_size!r}.")
     if os.path.lexists(dst) and not force:
         raise _Error(f"{dst} already exists; pass force=True (--force) to replace it.")
-    rec, layouts = _load_states(src)
+    rec, layouts = load_states(src)
     per_state = _owners_per_state(owners, layouts)
-    shared = [_shared_values(src, x, k) for k, x in enumerate(layouts)]
+    shared = [shared_values(src, x, k) for k, x in enumerate(layouts)]
     new = [_flat_layout(x, int(world_size)) if x.partition == FLAT else _leaf_layout(x, int(world_size), o)
            for x, o in zip(layouts, per_state)]
     total = sum(math.prod(a["shape"]) * np.dtype(a["dtype"]).itemsize
@@ -292,198 +294,3 @@ def reshard(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, world_size: 
         _install(tmp, dst, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------------ rank-local records
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlice:
-    """One parameter's coordinate histories on one device of its data-parallel group.
-
-    Attributes:
-      shape: the full parameter shape.
-      buffers: history name (for zero1 states, the inner-state entry path such as `"[0].mu['w']"`) -> 1-D numpy
-        array of this rank's `ceil(size / world_size)` coordinates, zero-padded at the tail, in its own dtype.
-        Empty for a parameter without history (frozen or never updated).
-    """
-
-    shape: tuple[int, ...]
-    buffers: Mapping[str, np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class RankRecord:
-    """The rank-local record of one device in one data-parallel group (one zero1 state on one device).
-
-    Attributes:
-      rank: this device's index in the group, in `[0, world_size)`.
-      world_size: the size of the group the record was saved in.
-      params: parameter id -> its `ParamSlice` on this rank.
-      clocks: shared entries (step counts ...), name -> numpy value; identical on every rank of a run.
-    """
-
-    rank: int
-    world_size: int
-    params: Mapping[str, ParamSlice]
-    clocks: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Migration:
-    """Where one parameter's history goes, and which source records together hold all of it.
-
-    Attributes:
-      param: the parameter id (a key of `RankRecord.params`).
-      target_rank: the rank in the new data-parallel group whose coordinates this migration produces.
-      target_world_size: the size of the new group.
-      sources: indices into `records` of the whole old group: one record per old rank, in any order.
-      target: the output record this slice is placed into; defaults to `target_rank`, which is enough when all
-        migrated parameters share one data-parallel group. Give distinct labels (e.g. `("tp1", 0)`) when
-        tensor-parallel or expert groups reuse rank numbers.
-    """
-
-    param: str
-    target_rank: int
-    target_world_size: int
-    sources: Sequence[int]
-    target: Hashable | None = None
-
-
-def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[RankRecord]:
-    """The rank-local records (one per device row) of flat zero1 state `state` in an item directory.
-
-    Parameters are keyed by their leaf path, buffers by their entry path, clocks by the shared entries' paths.
-    Loads the whole state into memory; `reshard` streams instead.
-    """
-    src = os.path.abspath(os.fspath(directory))
-    rec, layouts = _load_states(src)
-    if not 0 <= state < len(layouts):
-        raise _Error(f"`state` {state} is out of range: {src} holds {len(layouts)} zero1 states.")
-    layout = layouts[state]
-    if layout.partition != FLAT:
-        raise _Error(f"state {state} of {src} uses the leaf partition; move whole leaves with reshard(..., owners=).")
-    clocks = {layout.entries[j].path: v for j, v in _shared_values(src, layout, state).items()}
-    rows = {j: _store.read(_array_dir(src, f"{state}.entry{j:04d}"))
-            for j, e in enumerate(layout.entries) if e.leaf is not None}
-    return [RankRecord(r, layout.world_size, {
-        x.path: ParamSlice(x.shape, {layout.entries[j].path: rows[j][r] for j in rows
-                                     if layout.entries[j].leaf == i}) for i, x in enumerate(layout.leaves)},
-        dict(clocks)) for r in range(layout.world_size)]
-
-
-def _clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> str | None:
-    if set(a) != set(b):
-        return f"clocks {sorted(a)} vs {sorted(b)}"
-    for name in sorted(a):
-        x, y = np.asarray(a[name]), np.asarray(b[name])
-        if not _same(x, y):
-            return f"clock `{name}` is {_show(x)} vs {_show(y)}"
-    return None
-
-
-def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The sources of migration `i` sorted by rank, after every check that concerns them."""
-    where = f"migrations[{i}] (`{m.param}`)"
-    for s in m.sources:
-        if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
-            raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
-    group = [records[s] for s in m.sources]
-    for s, rec in zip(m.sources, group):
-        if m.param not in rec.params:
-            raise _Error(f"{where}: source records[{s}] (rank {rec.rank}) lacks the parameter.")
-        if rec.world_size != len(group):
-            raise _Error(f"{where}: the source group has {len(group)} records, but records[{s}] was saved with "
-                         f"world size {rec.world_size}; name exactly one record per rank of that group.")
-        if not 0 <= rec.rank < rec.world_size:
-            raise _Error(f"{where}: records[{s}] has rank {rec.rank}, out of range for world size {rec.world_size}.")
-    seen: dict[int, int] = {}
-    for s, rec in zip(m.sources, group):
-        if rec.rank in seen:
-            raise _Error(f"{where}: records[{seen[rec.rank]}] and records[{s}] both hold rank {rec.rank}: repeated "
-                         "source ranks.")
-        seen[rec.rank] = s
-    first, a = m.sources[0], group[0].params[m.param]
-    size = math.prod(a.shape)
-    for s, rec in zip(m.sources, group):
-        diff = _clock_difference(group[0].clocks, rec.clocks)
-        if diff:
-            raise _Error(f"{where}: clocks differ between sources records[{first}] and records[{s}]: {diff}.")
-        b = rec.params[m.param]
-        if set(b.buffers) != set(a.buffers):
-            raise _Error(f"{where}: optional buffers differ between sources: records[{first}] has "
-                         f"{sorted(a.buffers)}, records[{s}] has {sorted(b.buffers)}.")
-        if tuple(b.shape) != tuple(a.shape):
-            raise _Error(f"{where}: buffer structure differs: the parameter shape is {tuple(a.shape)} in "
-                         f"records[{first}] but {tuple(b.shape)} in records[{s}].")
-        for name, x in b.buffers.items():
-            y = a.buffers[name]
-            if x.dtype != y.dtype:
-                raise _Error(f"{where}: buffer `{name}` dtype differs: {y.dtype} in records[{first}], {x.dtype} in "
-                             f"records[{s}].")
-            if x.shape != (-(-size // len(group)),):
-                raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
-                             f"parameter of {size} elements on {len(group)} ranks has ({-(-size // len(group))},).")
-    return sorted(group, key=lambda rec: rec.rank)
-
-
-def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
-    """Migrates parameters whose data-parallel groups differ, each from its own group of rank-local records.
-
-    For every migration the source records (one per old rank) are concatenated in rank order, the padding is
-    dropped and the target rank's `ceil(size / target_world_size)` coordinates are cut out (zero padded).
-    Clocks are copied and must agree between all sources of a target; nothing is replayed or summed.
-
-    Args:
-      records: the rank-local source records, e.g. `load_rank_records(dir)` of several checkpoints joined.
-      migrations: one `Migration` per (parameter, target rank).
-
-    Returns:
-      `Migration.target` (default `target_rank`) -> new `RankRecord` holding the migrated slices.
-
-    Raises:
-      ZeroCheckpointError: duplicate target ownership, a source lacking the parameter, a group whose size
-        differs from the recorded world size, repeated source ranks, differing clocks or optional buffers,
-        differing buffer structure or dtype, or an index out of range; each with its own message.
-
-    Examples:
-      >>> import numpy as np, zero_optax as zo
-      >>> src = [zo.RankRecord(r, 2, {"w": zo.ParamSlice((3,), {"mu": np.arange(2.) + 2 * r})}) for r in range(2)]
-      >>> out = zo.reshard_explicit(src, [zo.Migration("w", t, 3, sources=[0, 1]) for t in range(3)])
-      >>> [out[t].params["w"].buffers["mu"].tolist() for t in range(3)]
-      [[0.0], [1.0], [2.0]]
-    """
-    out: dict[Hashable, RankRecord] = {}
-    placed: dict[Hashable, tuple[int, int, int]] = {}  # target -> (rank, world size, migration index)
-    owned: dict[tuple, int] = {}
-    for i, m in enumerate(migrations):
-        n, t = m.target_world_size, m.target_rank
-        if not isinstance(n, (int, np.integer)) or n < 1 or not isinstance(t, (int, np.integer)) or not 0 <= t < n:
-            raise _Error(f"migrations[{i}] (`{m.param}`): target rank {t!r} is out of range for target world size "
-                         f"{n!r}.")
-        if not m.sources:
-            raise _Error(f"migrations[{i}] (`{m.param}`): no source records are named.")
-        key = t if m.target is None else m.target
-        for own in ((key, m.param), (m.param, tuple(sorted(m.sources)), t)):
-            if own in owned:
-                raise _Error(f"migrations[{owned[own]}] and migrations[{i}] both place `{m.param}` at target "
-                             f"{key!r} (rank {t}): duplicate target ownership.")
-            owned[own] = i
-        if key in placed and placed[key][:2] != (t, n):
-            r0, n0, j = placed[key]
-            raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
-                         f"of {n}: one target record has one placement.")
-        group = _check_group(i, m, records)
-        if key in out and (diff := _clock_difference(out[key].clocks, group[0].clocks)):
-            raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
-                         f"clocks differ: {diff}.")
-        src = group[0].params[m.param]
-        size, s_old, s_new = math.prod(src.shape), -(-math.prod(src.shape) // len(group)), -(-math.prod(src.shape) // n)
-        buffers = {name: _recut(np.zeros(s_new, first.dtype), min(t * s_new, size), min((t + 1) * s_new, size),
-                                s_old, lambda r, lo, hi, name=name: group[r].params[m.param].buffers[name][lo:hi])
-                   for name, first in src.buffers.items()}
-        if key not in out:
-            placed[key] = (t, n, i)
-            out[key] = RankRecord(t, n, {}, {c: np.array(v, copy=True) for c, v in group[0].clocks.items()})
-        out[key].params[m.param] = ParamSlice(tuple(src.shape), buffers)  # type: ignore[index]
-    return out
