@@ -20,7 +20,9 @@ from zero_optax import _store
 from zero_optax._store import (
     StoreError,
     array_spec,
+    create_array,
     expected_chunk_files,
+    open_array,
     read,
     read_to_jax,
     validate_array,
@@ -107,8 +109,9 @@ def test_array_spec_chunks_whole_rows(shape, chunks):
 @pytest.mark.parametrize(
     "shape, chunks",
     [
-        ((4, 100), [1, 16]),  # 1-row chunks split along the last axis.
-        ((4, 3, 100), [1, 1, 16]),  # last axis too long: middle axes at 1.
+        ((4, 100), [1, 15]),  # 1-row chunks split along the last axis, 7 balanced pieces.
+        ((4, 3, 100), [1, 1, 15]),  # last axis too long: middle axes at 1.
+        ((4, 96), [1, 16]),  # 6 full pieces.
         ((4, 5, 3, 4), [1, 1, 3, 4]),  # trailing axes fit whole, axis 1 does not.
         ((4, 5, 2, 3), [1, 2, 2, 3]),  # axis 1 split into pieces that fit.
     ],
@@ -522,9 +525,75 @@ def test_row_longer_than_chunk_elements(tmp_path):
     x[:, -3:] = True
     path = tmp_path / "a"
     write_array(path, x)
-    assert array_spec(x.shape, x.dtype)["chunks"] == [1, _store.CHUNK_ELEMENTS]
+    half = _store.CHUNK_ELEMENTS // 2 + 2  # two balanced pieces, not CHUNK_ELEMENTS + 3
+    assert array_spec(x.shape, x.dtype)["chunks"] == [1, half]
     assert expected_chunk_files(path, x.shape, x.dtype) == [
-        (name, _store.CHUNK_ELEMENTS) for name in ["0.0", "0.1", "1.0", "1.1"]
+        (name, half) for name in ["0.0", "0.1", "1.0", "1.1"]
     ]
     validate_array(path, x.shape, x.dtype)
     np.testing.assert_array_equal(read(path, (1, slice(n - 5, n))), x[1, -5:])
+
+
+@pytest.mark.parametrize("extra", [3, 1, 0, -1])
+@pytest.mark.parametrize("pieces", [1, 2, 5])
+def test_split_rows_have_balanced_chunk_widths(tmp_path, monkeypatch, pieces, extra):
+    """A row of `pieces * CHUNK_ELEMENTS + extra` wastes less than one element per piece."""
+    monkeypatch.setattr(_store, "CHUNK_ELEMENTS", 16)
+    n = pieces * 16 + extra
+    [_, width] = array_spec((2, n), np.float32)["chunks"]
+    count = -(-n // width)
+    assert width <= 16 and count == -(-n // 16)  # the fewest pieces that fit
+    assert 0 <= count * width - n < count
+    x = _random((2, n), np.float32)
+    write_array(tmp_path / "a", x)
+    files = expected_chunk_files(tmp_path / "a", x.shape, x.dtype)
+    assert {name: len(data) for name, data in _files(tmp_path / "a").items()} == dict(files)
+    assert sum(size for _, size in files) == 2 * count * width * 4 < 2 * (n + count) * 4
+    validate_array(tmp_path / "a", x.shape, x.dtype)
+    _assert_bit_equal(read(tmp_path / "a"), x)
+
+
+def test_row_of_chunk_elements_plus_three_is_split_evenly(monkeypatch):
+    monkeypatch.setattr(_store, "CHUNK_ELEMENTS", 64)
+    # Not [1, 64], whose second piece would hold 3 elements and 61 of padding.
+    assert array_spec((4, 67), np.float32)["chunks"] == [1, 34]
+    assert expected_chunk_files("x", (1, 67), np.float32) == [("0.0", 136), ("0.1", 136)]
+
+
+def test_validate_accepts_arrays_written_before_balanced_widths(tmp_path, monkeypatch):
+    monkeypatch.setattr(_store, "CHUNK_ELEMENTS", 16)
+    x = _random((2, 100), np.float32)
+    path = tmp_path / "a"
+    old = array_spec(x.shape, x.dtype) | {"chunks": [1, 16]}
+    _store._open(path, create=True, metadata=old)[...].write(x).result()
+    assert len(os.listdir(path)) == 1 + 2 * 7
+    validate_array(path, x.shape, x.dtype)
+    _assert_bit_equal(read(path), x)
+    with open(path / "1.6", "r+b") as f:
+        f.truncate(16)
+    with pytest.raises(StoreError, match=r"truncated chunk file .*1\.6: 16 bytes, expected 64"):
+        validate_array(path, x.shape, x.dtype)
+    _store._open(tmp_path / "b", create=True, metadata=old | {"chunks": [1, 10]})
+    with pytest.raises(StoreError, match=r"chunks is \[1, 10\], expected \[1, 15\]"):
+        validate_array(tmp_path / "b", x.shape, x.dtype)
+
+
+def test_open_array_and_create_array_stream_regions(tmp_path, monkeypatch):
+    monkeypatch.setattr(_store, "CHUNK_ELEMENTS", 4)
+    x = _random((3, 10), np.float32)
+    out = create_array(tmp_path / "a", x.shape, x.dtype)
+    step = array_spec(x.shape, x.dtype)["chunks"][1]
+    for r in range(3):
+        for a in range(0, 10, step):
+            b = min(a + step, 10)
+            out[r, a:b].write(x[r, a:b]).result()
+    validate_array(tmp_path / "a", x.shape, x.dtype)
+    source = open_array(tmp_path / "a")
+    pieces = [
+        source[r, a : min(a + 3, 10)].read().result() for r in range(3) for a in range(0, 10, 3)
+    ]
+    _assert_bit_equal(np.concatenate(pieces), x.reshape(-1))
+    with pytest.raises(StoreError, match="cannot open"):
+        open_array(tmp_path / "missing")
+    with pytest.raises(StoreError, match="cannot open"):
+        create_array(tmp_path / "a", (3, 11), x.dtype)

@@ -154,14 +154,10 @@ def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] 
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def _open_old(path: str):
-    return _store._open(path, open=True, read=True)  # pylint: disable=protected-access
-
-
 def _write(path: str, shape: tuple[int, ...], dtype: str, fill: Callable[[int, int, int], np.ndarray],
            tick: Callable[[int], None]) -> None:
     """Creates a `[rows, width]` array and writes it one chunk at a time; `fill(t, a, b)` is row t's `[a, b)`."""
-    out = _store._open(path, create=True, metadata=_store.array_spec(shape, dtype))  # pylint: disable=protected-access
+    out = _store.create_array(path, shape, dtype)
     step = _store.array_spec(shape, dtype)["chunks"][1]
     for t in range(shape[0]):
         for a in range(0, shape[1], step):
@@ -179,7 +175,7 @@ def _write_flat(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: di
             tick(shared[j].nbytes * new.world_size)
             continue
         size, s_old, s_new = old.leaves[e.leaf].size, e_old.shape[0], e.shape[0]
-        source = _open_old(array_dir(src, name))
+        source = _store.open_array(array_dir(src, name))
 
         def fill(t: int, a: int, b: int, source=source, size=size, s_old=s_old, s_new=s_new, dtype=e.dtype):
             out = np.zeros(b - a, np.dtype(dtype))  # coordinates past `size` stay zero: the new padding
@@ -192,7 +188,7 @@ def _write_flat(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: di
 def _write_leaf(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: dict[int, np.ndarray],
                 tick: Callable[[int], None]) -> None:
     p_old, p_new = old.state_packing, new.state_packing
-    sources = {d: _open_old(array_dir(src, f"{k}.buffer_{d}")) for d in p_old.sizes}
+    sources = {d: _store.open_array(array_dir(src, f"{k}.buffer_{d}")) for d in p_old.sizes}
     for d, size in p_new.sizes.items():
         def fill(t: int, a: int, b: int, d=d):
             out = np.zeros(b - a, np.dtype(d))

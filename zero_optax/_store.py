@@ -8,6 +8,8 @@ device holds one row. Arrays are stored so that:
 * chunks are uncompressed, so every chunk file has an exact, known byte size
   (``prod(chunks) * itemsize``; zarr v2 edge chunks are stored full size) and missing or
   truncated files can be detected by :func:`validate_array` before anything is loaded;
+* an axis split into chunks is split into pieces of balanced width, so the full-size edge
+  chunk wastes less than one element (of that axis) per piece;
 * any region (one row, or part of one) can be read without loading the rest.
 
 On-disk layout of an array at ``path``::
@@ -49,12 +51,15 @@ def _zarr_dtype(dtype: Any) -> str:
     return dtype.newbyteorder("<").str
 
 
-def _chunks(shape: tuple[int, ...]) -> list[int]:
+def _chunks(shape: tuple[int, ...], balanced: bool = True) -> list[int]:
     """Returns chunk sizes: one row per chunk, trailing axes kept whole while they fit.
 
     Axis 0 is always chunked at 1. Walking from the last axis towards axis 1, each axis
     is kept whole while the chunk stays within ``CHUNK_ELEMENTS``; the first axis that does
-    not fit is split into pieces that do, and the axes before it are chunked at 1.
+    not fit is split into the fewest pieces that do, all of width
+    ``ceil(size / pieces)``, and the axes before it are chunked at 1. ``balanced=False``
+    gives the layout of checkpoints written before widths were balanced: pieces as wide
+    as fit, so the last one may be almost empty.
     Zero-sized axes get chunk size 1 (zarr requires positive chunk sizes).
     """
     chunks = [1] * len(shape)
@@ -65,7 +70,8 @@ def _chunks(shape: tuple[int, ...]) -> list[int]:
             chunks[axis] = size
             elements *= size
         else:
-            chunks[axis] = max(CHUNK_ELEMENTS // elements, 1)
+            widest = max(CHUNK_ELEMENTS // elements, 1)
+            chunks[axis] = -(-size // -(-size // widest)) if balanced else widest
             break
     return chunks
 
@@ -112,6 +118,33 @@ def _open(
         raise StoreError(f"cannot open array at {os.fspath(path)}: {e}") from e
 
 
+def open_array(path: str | os.PathLike) -> ts.TensorStore:
+    """Opens the array at ``path`` for reading, once, for callers that read many regions.
+
+    ``open_array(path)[index].read().result()`` is :func:`read` without opening the array
+    again for every region. Missing chunks read as zeros; run :func:`validate_array` first.
+
+    Raises:
+      StoreError: If no readable array is stored at ``path``.
+    """
+    return _open(path, open=True, read=True)
+
+
+def create_array(
+    path: str | os.PathLike, shape: tuple[int, ...], dtype: Any
+) -> ts.TensorStore:
+    """Creates (or opens, if its metadata is identical) the array at ``path`` for writing.
+
+    For writers that fill an array region by region (e.g. one chunk, ``array_spec(shape,
+    dtype)["chunks"]``, at a time): ``create_array(...)[index].write(data).result()``.
+    Writes of whole chunks from different processes never touch the same file.
+
+    Raises:
+      StoreError: If an array with different metadata already exists at ``path``.
+    """
+    return _open(path, create=True, open=True, metadata=array_spec(shape, dtype))
+
+
 def write_array(path: str | os.PathLike, value: jax.Array | np.ndarray) -> None:
     """Writes ``value`` as a zarr array at ``path``, creating the array if needed.
 
@@ -156,7 +189,7 @@ def write_regions(
     Raises:
       StoreError: If an array with different metadata already exists at ``path``.
     """
-    store = _open(path, create=True, open=True, metadata=array_spec(shape, dtype))
+    store = create_array(path, shape, dtype)
     futures = [store[index].write(data) for index, data in regions]
     for future in futures:
         future.result()
@@ -178,9 +211,15 @@ def expected_chunk_files(
     """
     del path
     spec = array_spec(shape, dtype)
-    chunks = spec["chunks"]
+    return _chunk_files(spec["shape"], spec["chunks"], dtype)
+
+
+def _chunk_files(
+    shape: list[int], chunks: list[int], dtype: Any
+) -> list[tuple[str, int]]:
+    """:func:`expected_chunk_files` of an array of ``shape`` stored in ``chunks``."""
     nbytes = math.prod(chunks) * np.dtype(dtype).itemsize
-    grid = [range(math.ceil(d / c)) for d, c in zip(spec["shape"], chunks)]
+    grid = [range(math.ceil(d / c)) for d, c in zip(shape, chunks)]
     if not grid:  # 0-d arrays have one chunk, named "0".
         return [("0", nbytes)]
     return [
@@ -194,7 +233,8 @@ def validate_array(path: str | os.PathLike, shape: tuple[int, ...], dtype: Any) 
 
     Only file metadata is read: ``.zarray`` must match :func:`array_spec`, and every chunk
     file must exist with exactly its expected size. TensorStore silently reads fill values
-    for missing chunks, so call this before reading a checkpoint.
+    for missing chunks, so call this before reading a checkpoint. Arrays written before
+    chunk widths were balanced (``_chunks(shape, balanced=False)``) are accepted too.
 
     Args:
       path: Directory of the array.
@@ -213,12 +253,15 @@ def validate_array(path: str | os.PathLike, shape: tuple[int, ...], dtype: Any) 
     except (OSError, ValueError) as e:
         raise StoreError(f"cannot read array metadata {zarray}: {e}") from e
     expected = array_spec(shape, dtype) | {"zarr_format": 2}
+    unbalanced = _chunks(tuple(expected["shape"]), balanced=False)
+    if metadata.get("chunks") == unbalanced:
+        expected["chunks"] = unbalanced
     for key, want in expected.items():
         if metadata.get(key) != want:
             raise StoreError(
                 f"{zarray}: {key} is {metadata.get(key)!r}, expected {want!r}"
             )
-    for name, size in expected_chunk_files(path, shape, dtype):
+    for name, size in _chunk_files(expected["shape"], expected["chunks"], dtype):
         file = os.path.join(path, name)
         try:
             actual = os.path.getsize(file)
@@ -242,8 +285,7 @@ def read(path: str | os.PathLike, index: Any = ...) -> np.ndarray:
     Returns:
       The region as a numpy array.
     """
-    store = _open(path, open=True, read=True)
-    return np.asarray(store[index].read().result())
+    return np.asarray(open_array(path)[index].read().result())
 
 
 def read_to_jax(
@@ -274,7 +316,7 @@ def read_to_jax(
     shape = tuple(int(d) for d in shape)
     if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
         raise StoreError(f"{np.dtype(dtype)} arrays need jax_enable_x64 to load into JAX")
-    store = _open(path, open=True, read=True)
+    store = open_array(path)
     stored_dtype = store.dtype.numpy_dtype
     if tuple(store.shape) != shape or _zarr_dtype(stored_dtype) != _zarr_dtype(dtype):
         raise StoreError(
