@@ -248,6 +248,42 @@ def test_progress_and_force(root, tmp_path):
     assert files(tmp_path / "back") == files(src)
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_output_is_flushed_before_it_is_renamed_into_place(root, tmp_path, monkeypatch, force):
+    src, _ = saved_run("adamw", 8, root)
+    dst = str(tmp_path / "out")
+    if force:
+        zo.reshard(src, dst, world_size=2)
+    events = []
+    fsync_tree, fsync_path, replace = _store.fsync_tree, _store.fsync_path, os.replace
+
+    def spy_tree(path):
+        events.append(("fsync_tree", os.fspath(path), sorted(files(path))))
+        fsync_tree(path)
+
+    def spy_path(path):
+        events.append(("fsync_path", os.fspath(path)))
+        fsync_path(path)
+
+    def spy_replace(a, b):
+        if os.fspath(b) == dst:  # not the record's own temporary file, nor moving an old `dst` aside
+            events.append(("replace", os.fspath(a), dst))
+        replace(a, b)
+
+    monkeypatch.setattr(_store, "fsync_tree", spy_tree)
+    monkeypatch.setattr(_store, "fsync_path", spy_path)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    zo.reshard(src, dst, world_size=3, force=force)
+    tmp = events[0][1]
+    assert os.path.dirname(tmp) == str(tmp_path) and tmp != dst
+    assert events[0] == ("fsync_tree", tmp, sorted(files(dst)))  # complete when flushed
+    everything = {os.path.join(tmp, os.path.relpath(os.path.join(base, name), dst))
+                  for base, dirs, names in os.walk(dst) for name in dirs + names} | {tmp}
+    assert sorted(events[1:-2]) == sorted(("fsync_path", path) for path in everything)
+    assert events[-2:] == [("replace", tmp, dst), ("fsync_path", str(tmp_path))]
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
 def test_several_states_in_one_item(root, tmp_path):
     """A flat and a leaf state saved as one item; the unsharded state is unchanged, bit for bit."""
     states = []

@@ -315,6 +315,50 @@ def test_rewrite_with_same_metadata_overwrites(stored):
     np.testing.assert_array_equal(read(path), x + 1)
 
 
+# --- durability ------------------------------------------------------------------------
+
+
+def _record_fsyncs(monkeypatch):
+    """The inode numbers of everything fsynced from now on, in order."""
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_fsync_tree_flushes_every_file_and_directory_children_first(tmp_path, monkeypatch):
+    write_array(tmp_path / "arrays" / "a", _random((2, 3), np.float32))
+    write_array(tmp_path / "arrays" / "b", _random((), np.int32))
+    (tmp_path / "record.json").write_text("{}")
+    os.symlink(tmp_path / "record.json", tmp_path / "link")
+    synced = _record_fsyncs(monkeypatch)
+    _store.fsync_tree(tmp_path)
+    everything = [str(tmp_path)] + [
+        os.path.join(root, name)
+        for root, dirs, files in os.walk(tmp_path)
+        for name in dirs + files
+        if name != "link"
+    ]
+    paths = {os.stat(path).st_ino: path for path in everything}
+    assert sorted(synced) == sorted(paths)  # each once; the link is not followed
+    position = {paths[ino]: i for i, ino in enumerate(synced)}
+    for path in everything[1:]:
+        assert position[path] < position[os.path.dirname(path)]
+    assert position[str(tmp_path)] == len(synced) - 1
+
+
+def test_fsync_path_flushes_one_file_or_directory(tmp_path, monkeypatch):
+    (tmp_path / "f").write_text("x")
+    synced = _record_fsyncs(monkeypatch)
+    _store.fsync_path(tmp_path / "f")
+    _store.fsync_path(tmp_path)
+    assert synced == [os.stat(tmp_path / "f").st_ino, os.stat(tmp_path).st_ino]
+
+
 # --- jax.Array writes and reads --------------------------------------------------------
 
 

@@ -209,9 +209,15 @@ def _write_leaf(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: di
 
 
 def _install(tmp: str, dst: str, force: bool) -> None:
-    """Renames `tmp` to `dst`; an existing `dst` (only with `force`) is moved aside first, then deleted."""
+    """Renames `tmp` to `dst`; an existing `dst` (only with `force`) is moved aside first, then deleted.
+
+    Everything in `tmp` is flushed to stable storage before the rename, and the parent directory after it, so a
+    power loss never leaves a `dst` with missing or incomplete files.
+    """
+    _store.fsync_tree(tmp)
     if not os.path.lexists(dst):
         os.replace(tmp, dst)
+        _store.fsync_path(os.path.dirname(dst))
         return
     if not force:
         raise _Error(f"{dst} already exists; pass force=True (--force) to replace it.")
@@ -222,6 +228,7 @@ def _install(tmp: str, dst: str, force: bool) -> None:
     except OSError:
         os.replace(aside, dst)
         raise
+    _store.fsync_path(os.path.dirname(dst))
     shutil.rmtree(aside) if os.path.isdir(aside) and not os.path.islink(aside) else os.remove(aside)
 
 
