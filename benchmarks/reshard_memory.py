@@ -87,6 +87,12 @@ _MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], chec
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
+def disk_bytes(directory: str) -> int:
+    """Bytes of the chunk files of a checkpoint (not the `.zarray` metadata or the record)."""
+    return sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(os.path.join(directory, "arrays"))
+               for f in fs if not f.startswith("."))
+
+
 def child_rss_mb(args: list[str]) -> tuple[float, float]:
     """Runs `python *args` as the only child of a small measuring process; returns (peak RSS in MB, seconds).
 
@@ -117,8 +123,7 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     me = [os.path.abspath(__file__), "--dir", args.dir, "--scale", str(args.scale)]
     build_mb, built = child_rss_mb([*me, "--phase", "build"])
-    nbytes = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(os.path.join(src, "arrays"))
-                 for f in fs if not f.startswith("."))
+    nbytes = disk_bytes(src)
     largest_entry = 4 * max(sizes)
     logical = 8 * 4 + 2 * sum(4 * 8 * -(-x // 8) for x in sizes)
     base_mb, _ = child_rss_mb(["-c", "import zero_optax"])
@@ -127,10 +132,11 @@ def main() -> None:
     report = {
         "checkpoint_MB (array data)": round(logical / 2**20, 1),
         "checkpoint_MB (on disk)": round(nbytes / 2**20, 1),
+        "resharded_MB (on disk)": round(disk_bytes(dst) / 2**20, 1),
         "largest_leaf_history_MB (one entry)": round(largest_entry / 2**20, 1),
         "largest_leaf_complete_history_MB (mu+nu)": round(2 * largest_entry / 2**20, 1),
         "largest_target_row_MB": round(4 * math.ceil(max(sizes) / 3) / 2**20, 1),
-        "chunk_MB": 16.0,
+        "chunk_MB (at most)": 16.0,
         "import_zero_optax_peak_rss_MB": round(base_mb, 1),
         "reshard_peak_rss_MB (RUSAGE_CHILDREN ru_maxrss)": round(peak_mb, 1),
         "reshard_peak_minus_import_MB": round(peak_mb - base_mb, 1),
