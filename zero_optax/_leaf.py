@@ -168,9 +168,10 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
         mode = _choose_reduce(reduce, plan, g_leaves, n)
 
         if mode == "psum_scatter":
-            rows = [pack({i: g_leaves[i] for i in plan.offsets[r]}, plan.offsets[r], plan.sizes) for r in range(n)]
-            grad_input = {d: _reduce.scatter_mean(jnp.concatenate([row[d] for row in rows]), axis_name, denom,
-                                                  reduce_dtype) for d in plan.sizes}
+            # One [n * size] buffer per dtype, row r holding the gradients of the leaves device r owns.
+            rows = {i: (d, r * plan.sizes[d] + off) for r in range(n) for i, (d, off) in plan.offsets[r].items()}
+            stacked = pack(dict(enumerate(g_leaves)), rows, {d: n * size for d, size in plan.sizes.items()})
+            grad_input = {d: _reduce.scatter_mean(b, axis_name, denom, reduce_dtype) for d, b in stacked.items()}
         elif mode == "psum":
             grad_input = _reduce.mean_gradients(g_leaves, axis_name, denom, reduce_dtype)
         else:
