@@ -11,9 +11,9 @@ from zero_optax._errors import ZeroAxisError
 SHARD_MAP_PATTERN = """\
 zero1 runs inside jax.shard_map over the data axis, for example:
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
-        step = jax.jit(jax.shard_map(step_fn, mesh=mesh,
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
+    step = jax.jit(jax.shard_map(step_fn, mesh=mesh,
                                  in_specs=(P(), P("data"), P("data")),
                                  out_specs=(P(), P("data"))))"""
 

@@ -146,10 +146,9 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
 
         def branch(rank):
             def run(leaves):
-                treedef = _rank_state(inner, layout, rank, structs)
+                _rank_state(inner, layout, rank, structs)  # checks the entry order this device packs
                 state = inner.init(jax.tree_util.tree_unflatten(layout.treedef, _view(leaves, _owned(layout, rank))))
                 values = dict(zip(layout.rank_entries(rank), jax.tree.leaves(state)))
-                del treedef
                 return _compat.pvary(pack(values, packing.offsets[rank], packing.sizes), axis_name)
             return run
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -118,7 +119,6 @@ def describe(state) -> Layout:
 
 def find_states(tree) -> list[ZeroFlatState | ZeroLeafState]:
     """Every zero1 state inside `tree`, in tree order."""
-    import jax  # pylint: disable=g-import-not-at-top
     is_zero = lambda x: isinstance(x, (ZeroFlatState, ZeroLeafState))  # noqa: E731
     return [x for x in jax.tree.leaves(tree, is_leaf=is_zero) if is_zero(x)]
 
