@@ -64,9 +64,9 @@ _SKIP_REPORTED: set[str] = set()
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line flags; ``--quick`` shrinks everything to a smoke test."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--mlp-ratio", type=int, default=4)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds at the largest N")
     p.add_argument("--steps", type=int, default=5, help="max steps per timing sample")
