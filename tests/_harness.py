@@ -67,7 +67,7 @@ def reduced(grads, weights=None, reduce_dtype=jnp.float32):
     """The oracle's globally reduced gradient: mean over devices, or psum(grads) / psum(weights)."""
     def one(g):
         wide = np.asarray(g.astype(reduce_dtype), np.float64)
-        total = wide.sum(0) / (g.shape[0] if weights is None else max(float(np.sum(weights)), 1.0))
+        total = wide.sum(0) / (g.shape[0] if weights is None else float(np.sum(weights)) or 1.0)
         return jnp.asarray(total, reduce_dtype).astype(g.dtype)
     return jax.tree.map(one, grads)
 

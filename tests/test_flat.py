@@ -62,12 +62,14 @@ def test_bf16_params_reduced_in_float32():
 
 
 @pytest.mark.parametrize("reduce", ["psum", "psum_scatter"])
-def test_weighted_reduction_uneven_and_zero_weights(reduce):
+@pytest.mark.parametrize("n", [1, 8])
+def test_weighted_reduction_uneven_and_zero_weights(reduce, n):
     params = h.small_params()
-    n = 8
     grads = h.gradient_sequence(params, n, steps=4)
     weights = [np.array([3, 0, 1, 7, 2, 0, 5, 1.0]), np.array([1, 1, 1, 1, 1, 1, 1, 0.0]),
-               np.zeros(n), np.array([0, 0, 0, 4, 0, 0, 0, 0.0])]
+               np.zeros(8), np.array([0, 0, 0, 4, 0, 0, 0, 0.0])]
+    if n == 1:
+        weights = [np.array([2.5]), np.array([0.0]), np.array([4.0]), np.array([0.5])]
     tx = zo.zero1(optax.adamw(1e-2, weight_decay=0.1), axis_name="data", reduce=reduce)
     zp, zs, _ = h.run_zero(tx, params, grads, n, weights)
     rp, rs = h.run_oracle(optax.adamw(1e-2, weight_decay=0.1), params, grads, weights)

@@ -108,11 +108,11 @@ def test_invalid_owners_are_refused():
 
 
 @pytest.mark.parametrize("reduce", ["psum", "psum_scatter"])
-def test_weighted_reduction(reduce):
+@pytest.mark.parametrize("n", [1, 3])
+def test_weighted_reduction(reduce, n):
     params = mixed_params()
-    n = 3
     grads = h.gradient_sequence(params, n, steps=3)
-    weights = [np.array([2.0, 0.0, 5.0]), np.zeros(3), np.array([0.0, 0.0, 1.0])]
+    weights = [np.array([2.0, 0.0, 5.0])[-n:], np.zeros(n), np.array([0.0, 0.0, 3.0])[-n:]]
     tx = zo.zero1(optax.adafactor(1e-2, min_dim_size_to_factor=4), axis_name="data", partition="leaf",
                   reduce=reduce)
     zp, zs, _ = h.run_zero(tx, params, grads, n, weights)

@@ -162,12 +162,14 @@ def _subjaxprs(params: dict[str, Any]) -> list[jcore.Jaxpr]:
     return found
 
 
-def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+def _scan_counts(eqn: Any) -> tuple[int, int]:
     """How many of a scan's operands are constants and carries (JAX <= 0.10 names them; 0.11 groups them)."""
+    params = eqn.params
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"]  # JAX >= 0.11: one group of operands each for consts, carry and xs
-    return len(consts), len(carry)
+    # JAX >= 0.11: `ft_in` is a flat tree grouping the operands into (consts, carry, xs).
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))
 
 
 def _open(jaxpr: Any) -> jcore.Jaxpr:
@@ -393,7 +395,7 @@ class _Analysis:
     def _scan(self, eqn: Any, taints: list[Taint]) -> list[Taint]:
         """Iterates the carry taint to a fixed point over ``consts + carry + xs``."""
         p = eqn.params
-        nc, nk = _scan_counts(p)
+        nc, nk = _scan_counts(eqn)
         consts, carry, xs = taints[:nc], taints[nc:nc + nk], taints[nc + nk:]
         if any(xs) and not self.per_leaf:
             raise self._coupled(

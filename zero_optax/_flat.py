@@ -104,11 +104,12 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         n, rank = layout.world_size, lax.axis_index(axis_name)
         g_leaves = check_tree(grads, layout, "gradients")
         denom = _reduce.denominator(weight, axis_name, n)
-        if reduce == "psum_scatter" and n > 1:
+        mode = "psum" if reduce == "psum_scatter" and n == 1 else reduce  # one device: nothing to scatter
+        if mode == "psum_scatter":
             g_slices = [_reduce.scatter_mean(_pad_flat(g, leaf.slots, n), axis_name, denom, reduce_dtype)
                         for g, leaf in zip(g_leaves, layout.leaves)]
         else:
-            if reduce == "psum":
+            if mode == "psum":
                 g_leaves = jax.tree.leaves(_reduce.mean_gradients(g_leaves, axis_name, denom, reduce_dtype))
             g_slices = [_own_slice(g, leaf.slots, n, rank) for g, leaf in zip(g_leaves, layout.leaves)]
         p_slices = None
