@@ -117,3 +117,18 @@ def test_bad_arguments():
         zo.zero1(optax.adam(1e-2), axis_name="")
     with pytest.raises(zo.ZeroError, match="describe expects a state returned by a zero1"):
         zo.describe(optax.adam(1e-2).init({"a": jnp.ones(2)}))
+
+
+def test_flat_refuses_masks_computed_from_parameter_shapes():
+    """A callable mask that reads `ndim` would see 1-D slices and silently drop weight decay: refused."""
+    params = h.small_params()
+    by_ndim = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    tx = zo.zero1(by_ndim, axis_name="data")
+    with pytest.raises(zo.ZeroCouplingError, match=r"(?s)applies \d+ operations to the parameters but \d+ to "
+                                                   r"coordinate slices.*pass the tree instead"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(3), in_specs=P(), out_specs=P("data"))(params)
+    labelled = optax.partition({"m": optax.adam(1e-2), "v": optax.sgd(1e-2)},
+                               lambda p: jax.tree.map(lambda x: "m" if x.ndim == 2 else "v", p))
+    with pytest.raises(zo.ZeroCouplingError, match="inner state on coordinate slices has the structure"):
+        jax.shard_map(zo.zero1(labelled, axis_name="data").init, mesh=h.mesh_of(3), in_specs=P(),
+                      out_specs=P("data"))(params)

@@ -140,6 +140,30 @@ class _Labels:
         self.labels = labels
 
 
+# Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
+                         "copy_p", "pjit", "jit", "closed_call"})
+
+
+def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The primitives `fn(*args)` applies, in order and through sub-jaxprs, without shape-only ones.
+
+    An elementwise optimizer applies the same primitives to a parameter and to a slice of it; a transformation
+    whose behaviour depends on parameter shapes (a weight-decay mask computed from `ndim`, say) does not.
+    """
+    out: list[str] = []
+
+    def walk(jaxpr: jcore.Jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name not in _SHAPE_ONLY:
+                out.append(eqn.primitive.name)
+            for sub in _subjaxprs(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
 def _expand_sources(sources: tuple[Any, ...], args: tuple[Any, ...]) -> list[int | None]:
     """Flattens ``sources`` (a prefix of ``args``, None being a leaf) to one label per arg leaf."""
     expanded = jax.tree.map(

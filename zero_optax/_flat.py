@@ -62,7 +62,16 @@ def _zero_padding(state, layout: Layout, rank: jax.Array):
     return jax.tree.unflatten(treedef, out)
 
 
-def _check_coordinatewise(inner, params, axis_name: str) -> None:
+SHAPE_HELP = """\
+The inner transformation does something different on the 1-D coordinate slices that flat zero1 gives it than on
+the full parameters, so its result would be silently wrong. Usually a mask or label function reads the parameter
+shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
+parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
+partition="leaf", which gives the inner transformation whole parameters."""
+
+
+def _check_coordinatewise(inner, params, axis_name: str, slots: list[int]) -> None:
+    """Refuses inner transformations whose flat-slice execution would differ from the full-parameter one."""
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
     state = jax.eval_shape(inner.init, structs)
     where = _coupling.find_coordinate_coupling(lambda g, s, p: inner.update(g, s, p), structs, state, structs)
@@ -71,6 +80,21 @@ def _check_coordinatewise(inner, params, axis_name: str) -> None:
             f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
             f"{where}, which mixes coordinates of a parameter (a norm, a matrix product, a factored moment or a "
             f"global check).\n{COUPLING_HELP.format(axis=axis_name)}")
+    leaves, treedef = jax.tree.flatten(structs)
+    sliced = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct((k,), x.dtype) for x, k in zip(leaves, slots)])
+    sliced_state = jax.eval_shape(inner.init, sliced)
+    if jax.tree.structure(sliced_state) != jax.tree.structure(state):
+        raise ZeroCouplingError(
+            f"zero1(partition=\"flat\"): the inner state on coordinate slices has the structure "
+            f"{jax.tree.structure(sliced_state)}, but on the parameters {jax.tree.structure(state)}.\n{SHAPE_HELP}")
+    full = _coupling.program_signature(lambda g, s, p: inner.update(g, s, p), structs, state, structs)
+    part = _coupling.program_signature(lambda g, s, p: inner.update(g, s, p), sliced, sliced_state, sliced)
+    if full != part:
+        i = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
+        raise ZeroCouplingError(
+            f"zero1(partition=\"flat\"): the inner update applies {len(full)} operations to the parameters but "
+            f"{len(part)} to coordinate slices (first difference at operation {i}: "
+            f"{full[i] if i < len(full) else 'none'} vs {part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
 
 
 def flat_layout(inner, params, axis_name: str, n: int) -> Layout:
@@ -92,7 +116,8 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
 
     def init_fn(params):
         n = _compat.axis_size(axis_name)
-        _check_coordinatewise(inner, params, axis_name)
+        _, leaves = _layout.param_leaves(params, n, FLAT)
+        _check_coordinatewise(inner, params, axis_name, [leaf.slots for leaf in leaves])
         layout = flat_layout(inner, params, axis_name, n)
         rank = lax.axis_index(axis_name)
         sliced = [_own_slice(x, leaf.slots, n, rank) for x, leaf in zip(jax.tree.leaves(params), layout.leaves)]
