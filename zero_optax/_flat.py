@@ -35,17 +35,33 @@ def _pad_flat(x: jax.Array, slots: int, n: int) -> jax.Array:
 
 
 def _own_slice(x: jax.Array, slots: int, n: int, rank: jax.Array) -> jax.Array:
+    """This device's `[1, slots]` row of the flattened, zero-padded `x`.
+
+    The inner optimizer runs on rows shaped like the stored state (`[1, slots]` per device), so no reshape
+    separates a donated state buffer from its update; XLA:CPU copies whole buffers around such reshapes.
+    """
     if n == 1:
-        return x.reshape(-1)
-    return lax.dynamic_slice_in_dim(_pad_flat(x, slots, n), rank * slots, slots)
+        return x.reshape(1, -1)
+    return lax.dynamic_slice_in_dim(_pad_flat(x, slots, n), rank * slots, slots)[None]
 
 
 def _gather_leaf(u: jax.Array, leaf: _layout.ParamLeaf, axis_name: str, n: int) -> jax.Array:
     if n == 1:  # nothing to gather; a one-device psum only retypes the value as replicated (XLA drops it)
         return lax.psum(u, axis_name).reshape(leaf.shape)
-        return u.reshape(leaf.shape)
     full = _compat.all_gather_invariant(u, axis_name).reshape(-1)
     return full[:leaf.size].reshape(leaf.shape)
+
+
+def _to_rows(state, layout: Layout):
+    """Inner state -> stored state: coordinate histories already are `[1, slots]` rows; shared entries gain one."""
+    values, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, [x if e.leaf is not None else x[None] for x, e in zip(values, layout.entries)])
+
+
+def _from_rows(state, layout: Layout):
+    """Stored state -> inner state (the inverse of `_to_rows`)."""
+    values, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, [x if e.leaf is not None else x[0] for x, e in zip(values, layout.entries)])
 
 
 def _zero_padding(state, layout: Layout, rank: jax.Array):
@@ -81,7 +97,7 @@ def _check_coordinatewise(inner, params, axis_name: str, slots: list[int]) -> No
             f"{where}, which mixes coordinates of a parameter (a norm, a matrix product, a factored moment or a "
             f"global check).\n{COUPLING_HELP.format(axis=axis_name)}")
     leaves, treedef = jax.tree.flatten(structs)
-    sliced = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct((k,), x.dtype) for x, k in zip(leaves, slots)])
+    sliced = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct((1, k), x.dtype) for x, k in zip(leaves, slots)])
     sliced_state = jax.eval_shape(inner.init, sliced)
     if jax.tree.structure(sliced_state) != jax.tree.structure(state):
         raise ZeroCouplingError(
@@ -122,7 +138,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         rank = lax.axis_index(axis_name)
         sliced = [_own_slice(x, leaf.slots, n, rank) for x, leaf in zip(jax.tree.leaves(params), layout.leaves)]
         inner_state = _zero_padding(inner.init(jax.tree_util.tree_unflatten(layout.treedef, sliced)), layout, rank)
-        return ZeroFlatState(jax.tree.map(lambda x: x[None], inner_state), layout)
+        return ZeroFlatState(_to_rows(inner_state, layout), layout)
 
     def update_fn(grads, state, params=None, *, weight=None, **extra_args):
         layout = check_layout(state, ZeroFlatState, axis_name)
@@ -131,7 +147,7 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
         denom = _reduce.denominator(weight, axis_name, n)
         mode = "psum" if reduce == "psum_scatter" and n == 1 else reduce  # one device: nothing to scatter
         if mode == "psum_scatter":
-            g_slices = [_reduce.scatter_mean(_pad_flat(g, leaf.slots, n), axis_name, denom, reduce_dtype)
+            g_slices = [_reduce.scatter_mean(_pad_flat(g, leaf.slots, n), axis_name, denom, reduce_dtype)[None]
                         for g, leaf in zip(g_leaves, layout.leaves)]
         else:
             if mode == "psum":
@@ -142,13 +158,13 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
             p_slices = jax.tree_util.tree_unflatten(
                 layout.treedef, [_own_slice(p, leaf.slots, n, rank)
                                  for p, leaf in zip(check_tree(params, layout, "parameters"), layout.leaves)])
-        old = jax.tree.map(lambda x: x[0], state.inner_state)
+        old = _from_rows(state.inner_state, layout)
         u_slices, new = inner.update(jax.tree_util.tree_unflatten(layout.treedef, g_slices), old, p_slices,
                                      **extra_args)
         new = _reduce.skip_if_empty(denom.ok, _zero_padding(new, layout, rank), old)
         u_slices = _reduce.skip_if_empty(denom.ok, u_slices, jax.tree.map(jnp.zeros_like, u_slices))
         updates = [_gather_leaf(u, leaf, axis_name, n) for u, leaf in zip(jax.tree.leaves(u_slices), layout.leaves)]
         return (jax.tree_util.tree_unflatten(layout.treedef, updates),
-                ZeroFlatState(jax.tree.map(lambda x: x[None], new), layout))
+                ZeroFlatState(_to_rows(new, layout), layout))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
