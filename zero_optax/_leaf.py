@@ -36,6 +36,12 @@ def pack(values: dict[int, jax.Array], offsets: dict[int, tuple[str, int]], size
     With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
     XLA performs in place, so a step touches only the bytes it changes; otherwise the buffers start at zero.
     """
+    if base is None:
+        by_dtype: dict[str, list] = {d: [] for d in sizes}
+        for item, (dtype, off) in sorted(offsets.items(), key=lambda kv: kv[1][1]):
+            by_dtype[dtype].append(values[item].reshape(-1).astype(dtype))
+        if all(sum(x.shape[0] for x in xs) == sizes[d] for d, xs in by_dtype.items()):  # no padding: concatenate
+            return {d: jnp.concatenate(xs) if len(xs) > 1 else xs[0] for d, xs in by_dtype.items()}
     out = {d: (jnp.zeros((size,), d) if base is None else base[d]) for d, size in sizes.items()}
     for item, (dtype, off) in offsets.items():
         out[dtype] = lax.dynamic_update_slice_in_dim(out[dtype], values[item].reshape(-1).astype(dtype), off, 0)
@@ -198,7 +204,7 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
                 u = jax.tree.leaves(updates)
                 u_by_leaf = dict(zip(sorted(owned), u))
                 new_buffers = pack(dict(zip(entries, jax.tree.leaves(new_state))), packing.offsets[rank],
-                                   packing.sizes, base=buffers)
+                                   packing.sizes, base=buffers if n > 1 else None)
                 if n == 1:  # the only device owns everything: no packing, no gather
                     return new_buffers, u
                 u_buffers = pack(u_by_leaf, plan.offsets[rank], plan.sizes)
