@@ -34,7 +34,8 @@ def pack(values: dict[int, jax.Array], offsets: dict[int, tuple[str, int]], size
     """Writes `values` (item -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
 
     With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
-    XLA performs in place, so a step touches only the bytes it changes; otherwise the buffers start at zero.
+    XLA performs in place, so a step touches only the bytes it changes. Without it, buffers that the values fill
+    exactly are concatenated, and the others start at zero.
     """
     if base is None:
         by_dtype: dict[str, list] = {d: [] for d in sizes}
@@ -113,11 +114,7 @@ def leaf_layout(inner, params, axis_name: str, n: int, owners) -> Layout:
     structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     entries, state_tree = _layout.discover_entries(inner.init, treedef, structs)
     if owners is None:
-        costs = [0] * len(leaves)
-        for e in entries:
-            if e.leaf is not None:
-                costs[e.leaf] += e.nbytes
-        owners = _owners._greedy(costs, n)  # pylint: disable=protected-access
+        owners = _owners.owners_for_entries(entries, len(leaves), n)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     owners = _owners.check_owners(owners, len(leaves), n, paths)
     _, param_leaves = _layout.param_leaves(params, n, LEAF, owners)

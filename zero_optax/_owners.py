@@ -25,17 +25,27 @@ def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
+def entry_bytes(entries, n_leaves: int) -> list[int]:
+    """Optimizer-state bytes of each parameter leaf, summed over the state entries that belong to it."""
+    costs = [0] * n_leaves
+    for e in entries:
+        if e.leaf is not None:
+            costs[e.leaf] += e.nbytes
+    return costs
+
+
+def owners_for_entries(entries, n_leaves: int, world_size: int) -> list[int]:
+    """Balanced owners for leaves whose state entries are known (what zero1 and reshard use by default)."""
+    return _greedy(entry_bytes(entries, n_leaves), world_size)
+
+
 def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
     """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
     from zero_optax._layout import discover_entries  # pylint: disable=g-import-not-at-top
 
     leaves, treedef = jax.tree.flatten(params)
     structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-    costs = [0] * len(leaves)
-    for e in discover_entries(inner.init, treedef, structs)[0]:
-        if e.leaf is not None:
-            costs[e.leaf] += e.nbytes
-    return costs
+    return entry_bytes(discover_entries(inner.init, treedef, structs)[0], len(leaves))
 
 
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:

@@ -124,11 +124,7 @@ def _flat_layout(old: Layout, n: int) -> Layout:
 
 def _leaf_layout(old: Layout, n: int, owners: Sequence[int] | None) -> Layout:
     if owners is None:
-        costs = [0] * len(old.leaves)
-        for e in old.entries:
-            if e.leaf is not None:
-                costs[e.leaf] += e.nbytes
-        owners = _owners._greedy(costs, n)  # pylint: disable=protected-access
+        owners = _owners.owners_for_entries(old.entries, len(old.leaves), n)
     owners = _owners.check_owners(owners, len(old.leaves), n, old.paths)
     leaves = tuple(dataclasses.replace(x, owner=o) for x, o in zip(old.leaves, owners))
     return dataclasses.replace(old, world_size=n, leaves=leaves)
