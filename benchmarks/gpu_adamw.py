@@ -69,7 +69,6 @@ def copy_bandwidth(n_elems: int, steps: int, warmup: int) -> float:
     x = jnp.zeros((n_elems,), jnp.float32)
     f = jax.jit(lambda x: x + 1.0)
     t = statistics.median(time_calls(lambda: f(x).block_until_ready(), steps, warmup))
-    del x
     return 2 * 4 * n_elems / t
 
 
@@ -93,7 +92,6 @@ def run_optax(tx: optax.GradientTransformation, shapes: list, grads: list, steps
         jax.block_until_ready(box)
 
     t = statistics.median(time_calls(one, steps, warmup))
-    del box, params, state
     return t
 
 
@@ -122,7 +120,6 @@ def run_zero1(tx: optax.GradientTransformation, shapes: list, grads: list, steps
         jax.block_until_ready(box)
 
     t = statistics.median(time_calls(one, steps, warmup))
-    del box, params, local
     return t
 
 
