@@ -20,32 +20,33 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_NUM_CPU_DEVICES", "8")))
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
 
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
 
-from benchmarks.hlo import KINDS, collective_bytes, wire_volume  # noqa: E402
-from benchmarks.memory import (  # noqa: E402
+from benchmarks.hlo import KINDS, collective_bytes, wire_volume
+from benchmarks.memory import (
     largest_leaf_state_bytes,
     replicated_state_bytes,
     state_bytes_per_device,
 )
-from benchmarks.model import gpt_params, param_count, per_device_grads, tree_bytes  # noqa: E402
-from benchmarks.variants import (  # noqa: E402
+from benchmarks.model import gpt_params, param_count, per_device_grads, tree_bytes
+from benchmarks.variants import (
     VARIANTS,
     Variant,
     VariantUnavailable,

@@ -14,11 +14,11 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import orbax.checkpoint as ocp  # noqa: E402
+import _zero_setup as zs
+import orbax.checkpoint as ocp
 
-import _zero_setup as zs  # noqa: E402
-import zero_optax as zo  # noqa: E402
-from zero_optax import _store  # noqa: E402
+import zero_optax as zo
+from zero_optax import _store
 
 
 def main(directory: str, marker: str) -> None:

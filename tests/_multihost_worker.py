@@ -22,10 +22,10 @@ KINDS = (("adamw", True), ("muon", False))
 def main(port: str, process_id: int, phase: str, directory: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
+    import _zero_setup as zs  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-    import _zero_setup as zs  # pylint: disable=g-import-not-at-top
     import zero_optax as zo  # pylint: disable=g-import-not-at-top
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4

@@ -8,16 +8,15 @@ import subprocess
 import sys
 import time
 
+import _zero_setup as zs
 import jax
 import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
 
-import _zero_setup as zs
 import zero_optax as zo
-from zero_optax import _record
-from zero_optax import _store
+from zero_optax import _record, _store
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -216,7 +216,7 @@ def test_weight_decay_mask_given_as_a_tree():
     params = h.small_params()
     mask = jax.tree.map(lambda x: x.ndim > 1, params)  # computed once from the real parameters
     grads = h.gradient_sequence(params, 3, steps=3)
-    inner = lambda: optax.adamw(1e-2, weight_decay=0.5, mask=mask)  # noqa: E731
+    inner = lambda: optax.adamw(1e-2, weight_decay=0.5, mask=mask)
     zp, zs, _ = h.run_zero(zo.zero1(inner(), axis_name="data"), params, grads, 3)
     rp, rs = h.run_oracle(inner(), params, grads)
     h.assert_matches(zp, zs, rp, rs)

@@ -6,12 +6,12 @@ import subprocess
 import sys
 import time
 
+import _multihost_worker as worker
+import _zero_setup as zs
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-import _multihost_worker as worker
-import _zero_setup as zs
 import zero_optax as zo
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -36,8 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zero_optax import _record
-from zero_optax import _store
+from zero_optax import _record, _store
 from zero_optax._errors import ZeroCheckpointError
 from zero_optax._state import ZeroFlatState, ZeroLeafState
 

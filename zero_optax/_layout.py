@@ -190,7 +190,7 @@ class Layout:
                  f"{'leaf':<40} {'shape':<16} {'dtype':<9} {'slots':>10} {'owner':>5}"]
         for leaf in self.leaves:
             owner = "-" if leaf.owner is None else str(leaf.owner)
-            lines.append(f"{leaf.path:<40} {str(leaf.shape):<16} {leaf.dtype:<9} {leaf.slots:>10} {owner:>5}")
+            lines.append(f"{leaf.path:<40} {leaf.shape!s:<16} {leaf.dtype:<9} {leaf.slots:>10} {owner:>5}")
         lines.append(f"state bytes per device: {list(self.state_bytes_per_device)}; "
                      f"stored per device: {self.stored_bytes_per_device}")
         return "\n".join(lines)
@@ -217,7 +217,7 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     def shape_of(leaves):
         try:
             return jax.eval_shape(init_fn, jax.tree_util.tree_unflatten(treedef, leaves))
-        except Exception as e:  # noqa: BLE001 - re-raised with context
+        except Exception as e:
             raise ZeroCouplingError(
                 "zero1 could not tell which optimizer state belongs to which parameter: the inner "
                 "transformation's init failed on a tree whose other leaves are optax.MaskedNode() "

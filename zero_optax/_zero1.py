@@ -119,7 +119,7 @@ def describe(state) -> Layout:
 
 def find_states(tree) -> list[ZeroFlatState | ZeroLeafState]:
     """Every zero1 state inside `tree`, in tree order."""
-    is_zero = lambda x: isinstance(x, (ZeroFlatState, ZeroLeafState))  # noqa: E731
+    is_zero = lambda x: isinstance(x, (ZeroFlatState, ZeroLeafState))
     return [x for x in jax.tree.leaves(tree, is_leaf=is_zero) if is_zero(x)]
 
 

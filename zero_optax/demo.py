@@ -25,14 +25,14 @@ if not os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORMS") == "cp
     except Exception:  # noqa: BLE001
         pass
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import zero_optax as zo  # noqa: E402
+import zero_optax as zo
 
 VOCAB, DIM, SEQ, BATCH_PER_DEVICE = 61, 24, 12, 4
 
@@ -157,7 +157,7 @@ def main() -> int:
               f"{mine / rep:.3f} | {sec:.1f} |")
 
     # Checkpoint on n devices, reshard to 3, resume: compare with 40 uninterrupted steps of plain optax.
-    inner_fn = lambda: optax.adamw(3e-3, weight_decay=0.01)  # noqa: E731
+    inner_fn = lambda: optax.adamw(3e-3, weight_decay=0.01)
     trainer = ZeroTrainer(inner_fn(), n)
     params = trainer.replicate(params0)
     params, state, _ = trainer.train(params, trainer.init(params), range(20))
