@@ -109,7 +109,7 @@ def read_clocks(state) -> dict[str, Any]:
             arr = state.buffers[e.dtype]
             shard = arr.addressable_shards[0]
             rank = shard.index[0].start or 0
-            dtype, off = layout.state_packing.offsets[rank][j]
+            _, off = layout.state_packing.offsets[rank][j]
             value = np.asarray(shard.data).reshape(-1)[off]
         clocks[e.path] = value.item()
     return clocks

@@ -35,7 +35,7 @@ def _raise_negative(negative):
 
 def global_weight(weight, axis_name: str) -> jax.Array:
     """`psum(weight)` in float32, after checking that every device's weight is a non-negative scalar."""
-    if isinstance(weight, numbers.Number) or isinstance(weight, np.ndarray):
+    if isinstance(weight, (numbers.Number, np.ndarray)):
         if np.ndim(weight) != 0:
             raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
         if weight < 0:
