@@ -88,7 +88,7 @@ partition="leaf", which gives the inner transformation whole parameters."""
 
 def _check_coordinatewise(inner, params, axis_name: str, slots: list[int]) -> None:
     """Refuses inner transformations whose flat-slice execution would differ from the full-parameter one."""
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+    structs = _layout.abstract(params)
     state = jax.eval_shape(inner.init, structs)
     where = _coupling.find_coordinate_coupling(lambda g, s, p: inner.update(g, s, p), structs, state, structs)
     if where is not None:
@@ -113,8 +113,7 @@ def _check_coordinatewise(inner, params, axis_name: str, slots: list[int]) -> No
             f"{full[i] if i < len(full) else 'none'} vs {part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
 
 
-def flat_layout(inner, params, axis_name: str, n: int) -> Layout:
-    treedef, leaves = _layout.param_leaves(params, n, FLAT)
+def flat_layout(inner, treedef, leaves: tuple[_layout.ParamLeaf, ...], axis_name: str, n: int) -> Layout:
     slices = [jax.ShapeDtypeStruct((leaf.slots,), leaf.dtype) for leaf in leaves]
     entries, state_tree = _layout.discover_entries(inner.init, treedef, slices)
     for e in entries:
@@ -132,9 +131,9 @@ def flat_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, red
 
     def init_fn(params):
         n = _compat.axis_size(axis_name)
-        _, leaves = _layout.param_leaves(params, n, FLAT)
+        treedef, leaves = _layout.param_leaves(params, n, FLAT)
         _check_coordinatewise(inner, params, axis_name, [leaf.slots for leaf in leaves])
-        layout = flat_layout(inner, params, axis_name, n)
+        layout = flat_layout(inner, treedef, leaves, axis_name, n)
         rank = lax.axis_index(axis_name)
         sliced = [_own_slice(x, leaf.slots, n, rank) for x, leaf in zip(jax.tree.leaves(params), layout.leaves)]
         inner_state = _zero_padding(inner.init(jax.tree_util.tree_unflatten(layout.treedef, sliced)), layout, rank)

@@ -196,6 +196,11 @@ class Layout:
         return "\n".join(lines)
 
 
+def abstract(tree):
+    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape and dtype."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
 def _paths(tree) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
 

@@ -110,19 +110,18 @@ def _switch(rank, branches, *operands):
 
 
 def leaf_layout(inner, params, axis_name: str, n: int, owners) -> Layout:
-    leaves, treedef = jax.tree.flatten(params)
-    structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    structs, treedef = jax.tree.flatten(_layout.abstract(params))
     entries, state_tree = _layout.discover_entries(inner.init, treedef, structs)
     if owners is None:
-        owners = _owners.owners_for_entries(entries, len(leaves), n)
+        owners = _owners.owners_for_entries(entries, len(structs), n)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    owners = _owners.check_owners(owners, len(leaves), n, paths)
+    owners = _owners.check_owners(owners, len(structs), n, paths)
     _, param_leaves = _layout.param_leaves(params, n, LEAF, owners)
     return Layout(LEAF, axis_name, n, param_leaves, entries, treedef, state_tree)
 
 
 def _check_leafwise(inner, layout: Layout, params, axis_name: str) -> None:
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+    structs = _layout.abstract(params)
     state = jax.eval_shape(inner.init, structs)
     labels = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.leaves))))
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in layout.entries])
@@ -144,7 +143,7 @@ def leaf_zero1(inner: optax.GradientTransformationExtraArgs, axis_name: str, own
         layout = leaf_layout(inner, params, axis_name, n, owners)
         _check_leafwise(inner, layout, params, axis_name)
         leaves = jax.tree.leaves(params)
-        structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+        structs = jax.tree.leaves(_layout.abstract(leaves))
         packing = layout.state_packing
 
         def branch(rank):

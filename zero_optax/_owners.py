@@ -41,11 +41,10 @@ def owners_for_entries(entries, n_leaves: int, world_size: int) -> list[int]:
 
 def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
     """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
-    from zero_optax._layout import discover_entries  # pylint: disable=g-import-not-at-top
+    from zero_optax._layout import abstract, discover_entries  # pylint: disable=g-import-not-at-top
 
-    leaves, treedef = jax.tree.flatten(params)
-    structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-    return entry_bytes(discover_entries(inner.init, treedef, structs)[0], len(leaves))
+    structs, treedef = jax.tree.flatten(abstract(params))
+    return entry_bytes(discover_entries(inner.init, treedef, structs)[0], len(structs))
 
 
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:

@@ -138,7 +138,7 @@ def reduce_gradients(axis_name: str, *, reduce_dtype=None) -> optax.GradientTran
         denom = denominator(weight, axis_name, n)
         reduced = mean_gradients(updates, axis_name, denom, reduce_dtype)
         if denom.ok is not None:
-            reduced = jax.tree.map(lambda g: jnp.where(denom.ok, g, jnp.zeros_like(g)), reduced)
+            reduced = skip_if_empty(denom.ok, reduced, jax.tree.map(jnp.zeros_like, reduced))
         return reduced, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
