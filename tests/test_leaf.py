@@ -39,9 +39,7 @@ def shampoo_like(learning_rate: float = 1e-2, eps: float = 1e-3) -> optax.Gradie
             acc = s + jnp.sum(g * g)
             return -learning_rate * g / jnp.sqrt(acc + eps), acc
 
-        is_stat = lambda x: isinstance(x, tuple) or isinstance(x, jax.Array)
         out = jax.tree.map(one, updates, state.stats, is_leaf=lambda x: x is None)
-        del is_stat
         treedef = jax.tree.structure(updates)
         pairs = treedef.flatten_up_to(out)
         return (treedef.unflatten([u for u, _ in pairs]), ShampooState(treedef.unflatten([s for _, s in pairs])))
