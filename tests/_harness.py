@@ -113,30 +113,34 @@ def run_zero(tx, params, grads_seq, n, weights_seq=None):
 
 
 def full_state(state) -> dict[str, np.ndarray]:
-    """The inner optimizer's complete, unsharded state by entry path, read back from a zero1 state."""
+    """The inner optimizer's complete, unsharded state by entry path, read back from a zero1 state (1-D mesh).
+
+    Reads the documented layout directly (`zero_optax._layout`): sliced histories are 1-D arrays of the padded,
+    flattened coordinates; shared entries are `[N, *shape]`; owned entries sit in the packed buffers.
+    """
     layout = zo.describe(state)
     out = {}
-    if layout.partition == "flat":
-        for entry, arr in zip(layout.entries, jax.tree.leaves(state.inner_state)):
-            arr = np.asarray(arr)
-            if entry.leaf is None:
-                assert all((row == arr[0]).all() for row in arr), f"shared entry {entry.path} differs across devices"
-                out[entry.path] = arr[0]
-            else:
-                leaf = layout.leaves[entry.leaf]
-                flat = arr.reshape(-1)
-                assert not flat[leaf.size:].any(), f"padding of {entry.path} leaked"
-                out[entry.path] = flat[:leaf.size].reshape(leaf.shape)
-        return out
+    unpacked = [j for j in layout.inner_entries if layout.kind(layout.entries[j]) != "owned"]
+    arrays = jax.tree.leaves(state.inner_state)
+    assert len(arrays) == len(unpacked)
+    for j, arr in zip(unpacked, arrays):
+        entry, arr = layout.entries[j], np.asarray(arr)
+        if entry.leaf is None:
+            assert all((row == arr[0]).all() for row in arr), f"shared entry {entry.path} differs across devices"
+            out[entry.path] = arr[0]
+        else:
+            leaf = layout.leaves[entry.leaf]
+            assert arr.shape == (leaf.group * leaf.slots,), (entry.path, arr.shape)
+            assert not arr[leaf.size:].any(), f"padding of {entry.path} leaked"
+            out[entry.path] = arr[:leaf.size].reshape(leaf.shape)
     buffers = {d: np.asarray(b) for d, b in state.buffers.items()}
     for r in range(layout.world_size):
         for j in layout.rank_entries(r):
             entry = layout.entries[j]
+            if entry.role != "state":
+                continue
             dtype, off = layout.state_packing.offsets[r][j]
-            value = buffers[dtype][r, off:off + entry.size].reshape(entry.shape)
-            if entry.leaf is None and entry.path in out:
-                np.testing.assert_array_equal(out[entry.path], value)
-            out[entry.path] = value
+            out[entry.path] = buffers[dtype][r, off:off + entry.size].reshape(entry.shape)
     return out
 
 

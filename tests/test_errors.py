@@ -75,7 +75,7 @@ def test_negative_weight():
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))(params)
 
     def step(s, w):
-        return tx.update(params, s, params, weight=w)
+        return tx.update(zo.as_local(params, "data"), s, params, weight=w)
 
     concrete = jax.shard_map(lambda s: step(s, -1.0), mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
     with pytest.raises(zo.ZeroError, match=r"`weight` must be >= 0"):

@@ -98,46 +98,6 @@ def test_reduce_false_after_reduce_gradients_and_global_clipping():
     h.assert_matches(zp, zs[2], rp, rs[1])
 
 
-def test_autodiff_gradients_inside_shard_map_are_not_summed_twice():
-    """The issue's usage: jax.value_and_grad inside shard_map (autodiff psums), with and without as_local."""
-    n = 8
-    mesh = h.mesh_of(n)
-    params = {"w": jnp.linspace(-1, 1, 15).reshape(5, 3), "b": jnp.asarray(0.1)}
-    x = jax.random.normal(jax.random.key(1), (n * 4, 5))
-    y = jax.random.normal(jax.random.key(2), (n * 4, 3))
-
-    def loss_sum(p, xb, yb):
-        return jnp.sum((xb @ p["w"] + p["b"] - yb) ** 2)
-
-    results = []
-    for local in (False, True):
-        tx = zo.zero1(optax.adam(1e-2), axis_name="data")
-        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
-
-        def step(p, s, xb, yb, local=local):
-            arg = zo.as_local(p, "data") if local else p
-            _, g = jax.value_and_grad(loss_sum)(arg, xb, yb)
-            u, s = tx.update(g, s, p, weight=xb.shape[0])
-            return optax.apply_updates(p, u), s
-
-        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                                     out_specs=(P(), P("data"))))
-        shard = NamedSharding(mesh, P("data"))
-        p, s = params, init(params)
-        for _ in range(3):
-            p, s = step(p, s, jax.device_put(x, shard), jax.device_put(y, shard))
-        results.append(p)
-
-    ref = optax.adam(1e-2)
-    rp, rs = params, ref.init(params)
-    for _ in range(3):
-        g = jax.grad(lambda q: loss_sum(q, x, y) / x.shape[0])(rp)
-        u, rs = ref.update(g, rs, rp)
-        rp = optax.apply_updates(rp, u)
-    for p in results:
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), p, rp)
-
-
 def test_frozen_leaves_hold_no_state():
     params = h.small_params()
     labels = jax.tree.map(lambda _: "train", params)

@@ -2,9 +2,14 @@
 
 from zero_optax._checkpoint import ZeroCheckpointHandler, ZeroRestore, ZeroSave
 from zero_optax._errors import (
+    OwnersError,
+    StoreError,
+    WeightError,
+    ZeroAxisError,
     ZeroCheckpointError,
     ZeroCouplingError,
     ZeroError,
+    ZeroGradientError,
     ZeroStructureError,
 )
 from zero_optax._layout import Layout
@@ -18,24 +23,31 @@ from zero_optax._migrate import (
 from zero_optax._owners import balanced_owners
 from zero_optax._reduce import reduce_gradients
 from zero_optax._reshard import reshard
-from zero_optax._state import ZeroFlatState, ZeroLeafState
+from zero_optax._state import ZeroFlatState, ZeroLeafState, ZeroState
+from zero_optax._specs import state_specs
 from zero_optax._zero1 import as_local, describe, zero1
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = (
     "Layout",
     "Migration",
+    "OwnersError",
     "ParamSlice",
     "RankRecord",
+    "StoreError",
+    "WeightError",
+    "ZeroAxisError",
     "ZeroCheckpointError",
     "ZeroCheckpointHandler",
     "ZeroCouplingError",
     "ZeroError",
     "ZeroFlatState",
+    "ZeroGradientError",
     "ZeroLeafState",
     "ZeroRestore",
     "ZeroSave",
+    "ZeroState",
     "ZeroStructureError",
     "as_local",
     "balanced_owners",
@@ -44,5 +56,6 @@ __all__ = (
     "reduce_gradients",
     "reshard",
     "reshard_explicit",
+    "state_specs",
     "zero1",
 )

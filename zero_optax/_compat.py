@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from zero_optax._errors import ZeroAxisError
+
+Axes = str | tuple[str, ...]
 
 SHARD_MAP_PATTERN = """\
 zero1 runs inside jax.shard_map over the data axis, for example:
@@ -15,65 +21,142 @@ zero1 runs inside jax.shard_map over the data axis, for example:
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
     step = jax.jit(jax.shard_map(step_fn, mesh=mesh,
                                  in_specs=(P(), P("data"), P("data")),
-                                 out_specs=(P(), P("data"))))"""
+                                 out_specs=(P(), P("data"))))
+
+or, bound to a mesh, under plain jax.jit: zo.zero1(inner, axis_name="data", mesh=mesh)."""
 
 
-def axis_size(axis_name: str, what: str = "zero1") -> int:
-    """The static size of a bound mesh axis, or a `ZeroAxisError` that shows the shard_map pattern."""
+def as_tuple(axes: Axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def is_bound(axes: Axes) -> bool:
+    """Whether every axis in `axes` is bound by an enclosing `shard_map` (or `vmap`/`pmap`)."""
     try:
-        return int(lax.axis_size(axis_name))
+        for a in as_tuple(axes):
+            lax.axis_size(a)
     except NameError:
-        raise ZeroAxisError(
-            f"{what} needs the mesh axis `{axis_name}`, but no enclosing jax.shard_map binds it. "
-            f"Call it inside jax.shard_map over a mesh with an axis named `{axis_name}`, or pass the "
-            f"axis name your mesh uses.\n\n{SHARD_MAP_PATTERN}") from None
+        return False
+    return True
+
+
+def axis_size(axes: Axes, what: str = "zero1") -> int:
+    """The static size of a bound mesh axis (or the product over a tuple of axes), or a `ZeroAxisError`."""
+    sizes = []
+    for a in as_tuple(axes):
+        try:
+            sizes.append(int(lax.axis_size(a)))
+        except NameError:
+            raise ZeroAxisError(
+                f"{what} needs the mesh axis `{a}`, but no enclosing jax.shard_map binds it. Call it inside "
+                f"jax.shard_map over a mesh with an axis named `{a}`, or pass the axis name your mesh uses.\n\n"
+                f"{SHARD_MAP_PATTERN}") from None
+    return math.prod(sizes)
+
+
+def axis_index(axes: Axes) -> jax.Array:
+    """This device's linear index along `axes` (row-major over a tuple); 0 for an empty tuple."""
+    axes = as_tuple(axes)
+    if not axes:
+        return jnp.int32(0)
+    return lax.axis_index(axes if len(axes) > 1 else axes[0])
+
+
+def manual_axes() -> dict[str, int]:
+    """The mesh axes an enclosing `shard_map` makes manual, with their sizes (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", True):
+        return {}
+    manual = getattr(mesh, "manual_axes", mesh.axis_names)
+    return {a: int(mesh.shape[a]) for a in mesh.axis_names if a in manual}
 
 
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
     if manual is not None:
-        return manual.varying
-    return getattr(aval, "vma", frozenset())
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
 
 
-def vma_enabled(axis_name: str) -> bool:
+def vma_enabled(axes: Axes) -> bool:
     """Whether values carry varying-manual-axes types (shard_map's `check_vma=True`, the default)."""
-    return axis_name in _varying_axes(lax.axis_index(axis_name))
+    return all(a in _varying_axes(lax.axis_index(a)) for a in as_tuple(axes))
 
 
-def is_varying(x: jax.Array, axis_name: str) -> bool:
-    """Whether `x` is typed as varying across `axis_name` (always False when `check_vma=False`)."""
-    return axis_name in _varying_axes(x)
+def varying_axes(x) -> frozenset:
+    """The mesh axes `x` is typed as varying across (empty when `check_vma=False`)."""
+    return _varying_axes(x)
 
 
-def pvary(x, axis_name: str):
-    """Marks a pytree of invariant values as varying across `axis_name` (a no-op if already varying)."""
+def is_varying(x: jax.Array, axes: Axes) -> bool:
+    """Whether `x` is typed as varying across every axis of `axes` (always False when `check_vma=False`)."""
+    return set(as_tuple(axes)) <= _varying_axes(x)
+
+
+def pvary(x, axes: Axes):
+    """Marks a pytree of values as varying across `axes` (a no-op for axes they already vary across)."""
+    axes = as_tuple(axes)
+    if not axes or not vma_enabled(axes):
+        return x
+
     def one(v):
-        if is_varying(v, axis_name) or not vma_enabled(axis_name):
+        missing = tuple(a for a in axes if a not in _varying_axes(v))
+        if not missing:
             return v
         if hasattr(lax, "pcast"):
-            return lax.pcast(v, axis_name, to="varying")
-        return lax.pvary(v, axis_name)  # JAX < 0.8
+            return lax.pcast(v, missing, to="varying")
+        return lax.pvary(v, missing)  # JAX < 0.8
     return jax.tree.map(one, x)
 
 
-def all_gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
-    """Gathers `x` from every device along a new leading axis; the result is invariant across the axis.
+def _axis_arg(axes: Sequence[str]):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def psum_scatter(x: jax.Array, axes: Axes) -> jax.Array:
+    """Reduce-scatters `x` along its leading dimension over `axes` (tiled: this device keeps its block)."""
+    return lax.psum_scatter(x, _axis_arg(as_tuple(axes)), scatter_dimension=0, tiled=True)
+
+
+def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> jax.Array:
+    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant
+    across `axes`.
 
     `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects. JAX ships an
     invariant all-gather under a private name; without it, a masked psum gives the same value at twice the
     traffic.
     """
-    if not vma_enabled(axis_name):
-        return lax.all_gather(x, axis_name)
+    axes = as_tuple(axes)
+    if not vma_enabled(axes):
+        return lax.all_gather(x, _axis_arg(axes), tiled=tiled)
     try:
         from jax._src.lax.parallel import all_gather_invariant as gather  # pylint: disable=g-import-not-at-top
     except ImportError:  # pragma: no cover - depends on the JAX release
         gather = None
     if gather is not None:
-        return gather(pvary(x, axis_name), axis_name)
-    n = axis_size(axis_name)
-    onehot = jnp.arange(n) == lax.axis_index(axis_name)
+        return gather(pvary(x, axes), _axis_arg(axes), tiled=tiled)
+    n = axis_size(axes)  # pragma: no cover - depends on the JAX release
+    onehot = jnp.arange(n) == axis_index(axes)
     placed = jnp.where(onehot.reshape((n,) + (1,) * x.ndim), x[None], jnp.zeros_like(x)[None])
-    return lax.psum(placed, axis_name)
+    out = lax.psum(placed, _axis_arg(axes))
+    return out.reshape((n * x.shape[0],) + x.shape[1:]) if tiled else out
+
+
+def reshard(x, sharding):
+    """`x` moved to `sharding` inside or outside `jax.jit` (`jax.reshard` where it exists)."""
+    if hasattr(jax, "reshard"):
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)  # pragma: no cover - JAX < 0.7
+
+
+def pure(tree):
+    """`tree` with Flax `nnx.Variable` wrappers replaced by their values, as `nnx.Optimizer` passes them to
+    `update` (its `init` receives the Variables themselves)."""
+    nnx = sys.modules.get("flax.nnx")
+    if tree is None or nnx is None:
+        return tree
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    if not any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
+        return tree
+    return jax.tree.map(lambda x: pure(x.get_value()) if is_var(x) else x, tree, is_leaf=is_var)

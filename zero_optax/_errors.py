@@ -1,4 +1,5 @@
-"""Exceptions raised by zero_optax. Every one is a `ValueError`, so callers can catch bad input uniformly."""
+"""Every exception zero_optax raises. Each is a `ValueError` (through `ZeroError`), so callers can catch bad input
+uniformly, and each message names what is wrong and how to fix it."""
 
 
 class ZeroError(ValueError):
@@ -6,11 +7,15 @@ class ZeroError(ValueError):
 
 
 class ZeroAxisError(ZeroError):
-    """`init`/`update` ran outside `jax.shard_map`, or with an axis name the mesh does not bind."""
+    """`init`/`update` ran outside `jax.shard_map` without a mesh, or with an axis name the mesh does not bind."""
 
 
 class ZeroStructureError(ZeroError):
-    """Gradients, parameters or state do not match the layout the state was initialised with."""
+    """Gradients, parameters, extra arguments or state do not match the layout the state was initialised with."""
+
+
+class ZeroGradientError(ZeroError):
+    """Gradients whose meaning (per-device sum or global mean) does not fit the `reduce` setting."""
 
 
 class ZeroCouplingError(ZeroError):
@@ -19,3 +24,15 @@ class ZeroCouplingError(ZeroError):
 
 class ZeroCheckpointError(ZeroError):
     """A checkpoint record is missing, damaged, or does not match what it is restored into."""
+
+
+class WeightError(ZeroError):
+    """A sample/token weight is negative or not a scalar."""
+
+
+class OwnersError(ZeroError):
+    """An `owners` list does not fit the parameters or the world size."""
+
+
+class StoreError(ZeroCheckpointError):
+    """A stored array is missing, incomplete, or does not match what was expected."""

@@ -8,11 +8,7 @@ import jax
 import numpy as np
 import optax
 
-from zero_optax._errors import ZeroError
-
-
-class OwnersError(ZeroError):
-    """An `owners` list does not fit the parameters or the world size."""
+from zero_optax._errors import OwnersError
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
@@ -34,9 +30,16 @@ def entry_bytes(entries, n_leaves: int) -> list[int]:
     return costs
 
 
-def owners_for_entries(entries, n_leaves: int, world_size: int) -> list[int]:
-    """Balanced owners for leaves whose state entries are known (what zero1 and reshard use by default)."""
-    return _greedy(entry_bytes(entries, n_leaves), world_size)
+def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[int | None]:
+    """Balanced owners of the `owned` leaves, whose state entries are known (what zero1 and reshard use by
+    default); None for the others."""
+    costs = entry_bytes(entries, len(owned))
+    which = [i for i, o in enumerate(owned) if o]
+    chosen = _greedy([costs[i] for i in which], world_size)
+    out: list[int | None] = [None] * len(owned)
+    for i, r in zip(which, chosen):
+        out[i] = r
+    return out
 
 
 def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
@@ -44,7 +47,8 @@ def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
     from zero_optax._layout import abstract, discover_entries  # pylint: disable=g-import-not-at-top
 
     structs, treedef = jax.tree.flatten(abstract(params))
-    return entry_bytes(discover_entries(inner.init, treedef, structs)[0], len(structs))
+    return entry_bytes(discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0],
+                       len(structs))
 
 
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:

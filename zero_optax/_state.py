@@ -1,4 +1,4 @@
-"""The state pytrees zero1 returns. Every array leaf is sharded along its leading axis over the data axis."""
+"""The state pytree zero1 returns. Every array leaf is sharded along its leading axis over the ZeRO axes."""
 
 from __future__ import annotations
 
@@ -11,37 +11,44 @@ import jax
 from zero_optax._layout import Layout
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner_state"], meta_fields=["layout"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner_state", "buffers", "master"],
+                   meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
-class ZeroFlatState:
-    """State of `zero1(..., partition="flat")`.
+class ZeroState:
+    """State of `zero1(...)`, for every partition.
 
     Attributes:
-      inner_state: the inner optimizer's state over this device's coordinate slices. Every leaf has a leading
-        device axis: a coordinate history of leaf `i` is `[N, slots_i]` globally (row `r` = device `r`'s
-        coordinates `[r*slots_i, (r+1)*slots_i)` of the flattened leaf, zero-padded), a shared scalar such as a
-        step count is `[N]` (one identical copy per device). Sharding: `P(axis_name)` on every leaf.
+      inner_state: the inner optimizer's state over the *sliced* leaves, the owned leaves replaced by
+        `optax.MaskedNode()` (the way `optax.masked` sees them). A sliced leaf's history is a 1-D array of
+        `blocks * group * slots` elements (device `r` of the group holds its `slots` coordinates; sharding
+        `P((*leaf axes, *ZeRO axes))`); a shared entry such as a step count is `[N, *shape]`, one identical copy
+        per device (sharding `P(ZeRO axes)`).
+      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the complete state (and
+        master copies) of the leaves device `r` owns, padded with zeros to the largest device's share. Empty when
+        no leaf is owned. Sharding `P(ZeRO axes)`.
+      master: None without `master_dtype`; otherwise a tree like the parameters holding each sliced leaf's master
+        slice (laid out like its histories) and `optax.MaskedNode()` for owned leaves, whose masters are packed in
+        `buffers`.
       layout: static description of the partition (see `zero_optax.describe`).
     """
 
     inner_state: Any
-    layout: Layout
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["buffers"], meta_fields=["layout"])
-@dataclasses.dataclass(frozen=True)
-class ZeroLeafState:
-    """State of `zero1(..., partition="leaf")`.
-
-    Attributes:
-      buffers: dtype name -> `[N, size]` packed buffer; row `r` holds, in the inner state's flatten order, the
-        complete state of the leaves device `r` owns plus its copy of the shared entries (step counts), padded
-        with zeros to the largest device's share. Sharding: `P(axis_name)`.
-      layout: static description, including each entry's offset (`layout.state_packing`).
-    """
-
     buffers: dict[str, jax.Array]
+    master: Any
     layout: Layout
 
 
-ZeroState = ZeroFlatState | ZeroLeafState
+ZeroFlatState = ZeroState
+"""Alias kept from zero_optax 0.1 (the flat partition's state is a `ZeroState`)."""
+
+ZeroLeafState = ZeroState
+"""Alias kept from zero_optax 0.1 (the leaf partition's state is a `ZeroState`)."""
+
+
+def is_state(x: Any) -> bool:
+    return isinstance(x, ZeroState)
+
+
+def find_states(tree: Any) -> list[ZeroState]:
+    """Every zero1 state inside `tree`, in tree order."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]

@@ -41,8 +41,7 @@ CHUNK_ELEMENTS = 1 << 22
 _DIMENSION_SEPARATOR = "."
 
 
-class StoreError(ValueError):
-    """A stored array is missing, incomplete, or does not match what was expected."""
+from zero_optax._errors import StoreError  # noqa: E402  (re-exported: zero_optax._store.StoreError)
 
 
 def _zarr_dtype(dtype: Any) -> str:

@@ -6,36 +6,64 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from zero_optax import _compat
+from zero_optax import _compat, _engine, _plan, _sliced
 from zero_optax._errors import ZeroError
-from zero_optax._flat import flat_zero1
-from zero_optax._layout import FLAT, LEAF, Layout
-from zero_optax._leaf import leaf_zero1
-from zero_optax._state import ZeroFlatState, ZeroLeafState
+from zero_optax._layout import PARTITIONS, LEAF, Layout
+from zero_optax._state import ZeroState, find_states
 
-# Chosen by benchmarks/run.py (see benchmarks/RESULTS.md): reduce-scatter moves half the gradient traffic of an
-# all-reduce and was no slower on any mesh we measured.
-DEFAULT_REDUCE = "psum_scatter"
 _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
+
+
+class Zero1:
+    """The object behind a zero1 transformation: `tx.init` and `tx.update` are its bound methods.
+
+    Functions that need zero1's own view of a transformation (`zero_optax.scatter_state`, `zero_optax.state_specs`)
+    find it as `tx.init.__self__`.
+    """
+
+    def __init__(self, cfg: _plan.Config, mesh: jax.sharding.Mesh | None):
+        self.cfg = cfg
+        self.engine = _engine.Engine(cfg)
+        self.mesh = mesh
+
+    def init(self, params) -> ZeroState:
+        params = _compat.pure(params)
+        if self.mesh is not None and not _compat.is_bound(self.cfg.axes):
+            from zero_optax import _mesh  # pylint: disable=g-import-not-at-top
+            return _mesh.init(self, params)
+        return self.engine.init(params)
+
+    def update(self, grads, state, params=None, *, weight=None, **extra_args):
+        grads, params = _compat.pure(grads), _compat.pure(params)
+        if self.mesh is not None and not _compat.is_bound(self.cfg.axes):
+            from zero_optax import _mesh  # pylint: disable=g-import-not-at-top
+            return _mesh.update(self, grads, state, params, weight=weight, **extra_args)
+        return self.engine.update(grads, state, params, weight=weight, **extra_args)
 
 
 def zero1(
     inner: optax.GradientTransformation,
     *,
-    axis_name: str,
-    partition: str = FLAT,
+    axis_name: str | Sequence[str],
+    partition: str = "flat",
     owners: Sequence[int] | None = None,
     reduce: bool | str = True,
     reduce_dtype=None,
+    master_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    assume_elementwise: bool = False,
+    bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
 
-    `init` and `update` run inside `jax.shard_map` over `axis_name`. `update` reduces each device's local
-    gradients, updates only the state this device owns, and all-gathers the updates, so every device receives
-    the same replicated updates (`P()`) that `inner` would compute on one device from the reduced gradient.
-    Every leaf of the state is sharded along its leading axis, so `P(axis_name)` is the spec of the whole state.
+    `init` and `update` run inside `jax.shard_map` over `axis_name` (or, with `mesh=`, anywhere: see below).
+    `update` reduces each device's local gradients, updates only the state this device owns, and all-gathers the
+    result, so every device receives the same replicated updates (`P()`) that `inner` would compute on one device
+    from the reduced gradient. On a 1-D mesh every leaf of the state is sharded along its leading axis, so
+    `P(axis_name)` is the spec of the whole state; on any mesh `zero_optax.state_specs` gives the specs.
 
     Partitions:
       * `"flat"`: every device owns `ceil(count / N)` consecutive coordinates of every flattened leaf. Exact
@@ -43,27 +71,47 @@ def zero1(
         `inject_hyperparams`, `MultiSteps`); transformations that couple coordinates are refused.
       * `"leaf"`: every leaf has one owner that keeps its state and updates it as a whole tensor (Muon,
         Adafactor, LAMB, Shampoo). Per-device state is at least the largest leaf's state.
+      * `"auto"`: per leaf, from the inner transformation itself: leaves it updates elementwise are sliced, the
+        others get one owner (Muon's matrices owned, the embedding and vectors of its AdamW branch sliced).
 
-    `update(grads, state, params=None, *, weight=None, **extra_args)`: without `weight` the reduced gradient is
-    the mean over devices; with `weight` (this device's sample or token count, its gradient being a loss sum)
-    it is `psum(grads) / psum(weight)`. A step whose global weight is zero is skipped: the updates are zero and
-    the state, step counts included, is returned unchanged. Gradients that `jax.grad` already summed across the
-    axis (invariant values, which is what differentiating with respect to replicated parameters inside
-    `shard_map` gives) are not summed again; see `zero_optax.as_local` to get per-device gradients instead.
+    Gradients. Inside `shard_map`, zero1 tells per-device gradients (typed varying: differentiate with respect to
+    `zero_optax.as_local(params, axis_name)`) from gradients that are the same on every device (typed
+    invariant), and never guesses what an invariant gradient means (a sum, or already the mean): with a reducing
+    `reduce` it refuses them, with `reduce=False` it takes them as the global mean. `update(grads, state,
+    params=None, *, weight=None, **extra_args)`: without `weight` the reduced gradient is the mean over devices;
+    with `weight` (this device's sample or token count, its gradient being a loss sum) it is
+    `psum(grads) / psum(weight)`, divided in float32. A step whose global weight is zero is skipped: the updates
+    are zero and the state, step counts included, is returned unchanged. Extra arguments (`value=` for
+    `optax.contrib.reduce_on_plateau`) must be the same on every device.
 
     Args:
       inner: the optax transformation to shard.
-      axis_name: the data-parallel mesh axis.
-      partition: `"flat"` (default) or `"leaf"`.
+      axis_name: the data-parallel mesh axis, or a tuple of axes (`("replica", "data")`) the state is sharded
+        over jointly. Parameters sharded over other mesh axes (tensor or expert parallel) keep those shardings;
+        each device's block is sharded over the data axes.
+      partition: `"flat"` (default), `"leaf"` or `"auto"`.
       owners: leaf partition only: one device index per leaf in tree-flatten order; None balances the
         optimizer-state bytes (`zero_optax.balanced_owners`).
-      reduce: `True` reduces the gradients with the default collective: a reduce-scatter (`"psum_scatter"`)
-        for the flat partition; for the leaf partition a reduce-scatter of owner-packed buffers unless padding to
-        the largest owner's share would move more bytes than an all-reduce. `"psum"` all-reduces, `"psum_scatter"`
-        reduce-scatters; `False` takes gradients that are already reduced and replicated, for
-        example by `zero_optax.reduce_gradients` followed by a global operation.
-      reduce_dtype: reduce bf16/f16 gradients in this dtype (for example `jnp.float32`); the inner optimizer
-        still sees each gradient in its own dtype.
+      reduce: `True` reduces per-device gradients with the default collective: a reduce-scatter for sliced
+        leaves; for owned leaves a reduce-scatter of owner-packed buffers unless padding to the largest owner's
+        share would move more bytes than an all-reduce. `"psum"` all-reduces, `"psum_scatter"` reduce-scatters;
+        `False` takes gradients that already are the global mean, for example from `zero_optax.reduce_gradients`
+        followed by a global operation.
+      reduce_dtype: sum the gradients in this dtype (for example `jnp.float32` for bf16 gradients); without
+        `master_dtype` the inner optimizer still sees each gradient in its own dtype.
+      master_dtype: keep a sharded master copy of the parameters in this dtype (for example `jnp.float32` for
+        bf16 parameters). Gradients are then reduced in `master_dtype` (unless `reduce_dtype` says otherwise),
+        the inner optimizer runs on the master values, devices all-gather the new parameters in the parameter
+        dtype, and the updates move `params` onto the master copy rounded to their dtype. `update` then needs
+        `params`.
+      mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map`, on
+        global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer` and `TrainState`). There the gradients
+        are the global mean, as `jax.grad` of a global loss gives them. Inside a `shard_map` that binds
+        `axis_name` it behaves like the unbound form.
+      assume_elementwise: skip the proof that the inner update is elementwise (sliced leaves). For custom kernels
+        the analysis cannot see into; a wrong answer is then your responsibility.
+      bucket_bytes: sliced leaves travel in buckets of at least this many bytes (one reduce-scatter and one
+        all-gather per bucket); `0` sends every leaf on its own.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`.
@@ -78,21 +126,41 @@ def zero1(
       >>> zo.describe(state).slots
       (6,)
     """
-    if partition not in (FLAT, LEAF):
-        raise ZeroError(f"`partition` must be \"flat\" or \"leaf\", got {partition!r}.")
+    if partition not in PARTITIONS:
+        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {partition!r}.")
     if owners is not None and partition != LEAF:
         raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
-                        "devices.")
+                        "devices and \"auto\" balances the leaves it gives an owner.")
     if reduce not in _REDUCE_CHOICES or isinstance(reduce, int) and not isinstance(reduce, bool):
         raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
-    if not isinstance(axis_name, str) or not axis_name:
-        raise ZeroError(f"`axis_name` must be the name of the data mesh axis, got {axis_name!r}.")
-    mode = (DEFAULT_REDUCE if partition == FLAT else "auto") if reduce is True else (None if reduce is False else reduce)
-    dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
-    inner = optax.with_extra_args_support(inner)
-    if partition == FLAT:
-        return flat_zero1(inner, axis_name, mode, dtype)
-    return leaf_zero1(inner, axis_name, owners, mode, dtype)
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) if isinstance(axis_name, Sequence) else ()
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ZeroError(f"`axis_name` must be the name of the data mesh axis or a tuple of distinct axis names, got "
+                        f"{axis_name!r}.")
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if missing:
+            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
+        raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
+    for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
+    cfg = _plan.Config(
+        inner=optax.with_extra_args_support(inner),
+        axis_name=axis_name if isinstance(axis_name, str) else axes,
+        partition=partition,
+        owners=None if owners is None else tuple(owners),
+        reduce="default" if reduce is True else None if reduce is False else reduce,
+        reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+        master_dtype=None if master_dtype is None else jnp.dtype(master_dtype),
+        assume_elementwise=bool(assume_elementwise),
+        bucket_bytes=int(bucket_bytes),
+    )
+    z = Zero1(cfg, mesh)
+    return optax.GradientTransformationExtraArgs(z.init, z.update)
 
 
 def describe(state) -> Layout:
@@ -117,23 +185,19 @@ def describe(state) -> Layout:
     return found[0].layout
 
 
-def find_states(tree) -> list[ZeroFlatState | ZeroLeafState]:
-    """Every zero1 state inside `tree`, in tree order."""
-    is_zero = lambda x: isinstance(x, (ZeroFlatState, ZeroLeafState))
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_zero) if is_zero(x)]
-
-
-def as_local(params, axis_name: str):
+def as_local(params, axis_name: str | Sequence[str]):
     """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
 
     Inside `jax.shard_map` (with `check_vma=True`, the default), the gradient with respect to a replicated
     parameter is already summed over the axis by autodiff, an all-reduce that costs 2x the gradient bytes on the
-    wire. Differentiating with respect to `as_local(params)` instead leaves each device its own gradient, which
-    zero1 then reduce-scatters (1x), so a ZeRO-1 step moves no more bytes than plain data parallelism.
+    wire, and the result no longer says whether it is a sum or a mean. Differentiating with respect to
+    `as_local(params)` instead leaves each device its own gradient, which zero1 then reduce-scatters (1x), so a
+    ZeRO-1 step moves no more bytes than plain data parallelism.
 
     Examples:
       >>> # inside the shard_map'ed step:
       >>> # grads = jax.grad(loss_fn)(zo.as_local(params, "data"), batch)
+      >>> # updates, opt_state = tx.update(grads, opt_state, params)
     """
     _compat.axis_size(axis_name, "as_local")
     return _compat.pvary(params, axis_name)
