@@ -24,6 +24,7 @@ from zero_optax._owners import balanced_owners
 from zero_optax._reduce import reduce_gradients
 from zero_optax._reshard import reshard
 from zero_optax._state import ZeroFlatState, ZeroLeafState, ZeroState
+from zero_optax._transfer import gather_state, master_params, scatter_state
 from zero_optax._specs import state_specs
 from zero_optax._zero1 import as_local, describe, zero1
 
@@ -52,10 +53,13 @@ __all__ = (
     "as_local",
     "balanced_owners",
     "describe",
+    "gather_state",
     "load_rank_records",
+    "master_params",
     "reduce_gradients",
     "reshard",
     "reshard_explicit",
+    "scatter_state",
     "state_specs",
     "zero1",
 )

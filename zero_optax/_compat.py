@@ -160,3 +160,17 @@ def pure(tree):
     if not any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
         return tree
     return jax.tree.map(lambda x: pure(x.get_value()) if is_var(x) else x, tree, is_leaf=is_var)
+
+
+def replicate(x: jax.Array) -> jax.Array:
+    """`x` replicated over its mesh, so that it can be sliced and reshaped freely (explicit-sharding meshes refuse
+    indexing that would need collectives); unchanged if it carries no mesh sharding."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001  (older releases: no sharding in types)
+        sharding = None
+    if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(sharding.mesh, "empty", False):
+        sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or all(s is None for s in sharding.spec):
+        return x
+    return reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zero_optax import _compat, _engine, _plan, _sliced
+from zero_optax import _compat, _engine, _mesh, _plan, _sliced
 from zero_optax._errors import ZeroError
 from zero_optax._layout import PARTITIONS, LEAF, Layout
 from zero_optax._state import ZeroState, find_states
@@ -28,19 +28,20 @@ class Zero1:
         self.cfg = cfg
         self.engine = _engine.Engine(cfg)
         self.mesh = mesh
+        self.bound = None if mesh is None else _mesh.Bound(self, mesh)
+
+    def _outside(self) -> bool:
+        """Whether a mesh-bound transformation runs outside a `shard_map` binding its axes."""
+        return self.bound is not None and not _compat.is_bound(self.cfg.axes)
 
     def init(self, params) -> ZeroState:
         params = _compat.pure(params)
-        if self.mesh is not None and not _compat.is_bound(self.cfg.axes):
-            from zero_optax import _mesh  # pylint: disable=g-import-not-at-top
-            return _mesh.init(self, params)
-        return self.engine.init(params)
+        return self.bound.init(params) if self._outside() else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
-        grads, params = _compat.pure(grads), _compat.pure(params)
-        if self.mesh is not None and not _compat.is_bound(self.cfg.axes):
-            from zero_optax import _mesh  # pylint: disable=g-import-not-at-top
-            return _mesh.update(self, grads, state, params, weight=weight, **extra_args)
+        grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
+        if self._outside():
+            return self.bound.update(grads, state, params, weight=weight, **extra_args)
         return self.engine.update(grads, state, params, weight=weight, **extra_args)
 
 
