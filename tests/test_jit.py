@@ -1,0 +1,185 @@
+"""zero1 bound to a mesh, under plain jax.jit and in Flax, against the same code with the plain inner optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zero_optax as zo
+from tests import _harness as h
+
+N = 8
+INNER = {"flat": lambda: optax.adamw(1e-2, weight_decay=0.1), "leaf": lambda: optax.contrib.muon(1e-2)}
+
+
+def mesh(n: int = N):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def batch(n: int = N):
+    x = jax.random.normal(jax.random.key(1), (4 * n, 5))
+    y = jax.random.normal(jax.random.key(2), (4 * n, 4))
+    return x, y
+
+
+def init_params():
+    return {"w": jnp.linspace(-1, 1, 20).reshape(5, 4), "b": jnp.zeros(4), "s": jnp.asarray(0.5),
+            "v": jnp.linspace(0, 1, 13)}
+
+
+def loss_fn(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) * p["s"] + jnp.mean(p["v"]) - y) ** 2)
+
+
+def train(tx, params, x, y, steps=4):
+    @jax.jit
+    def step(p, s, x, y):
+        g = jax.grad(loss_fn)(p, x, y)  # the global mean gradient, as jit computes it
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    s = tx.init(params)
+    for _ in range(steps):
+        params, s = step(params, s, x, y)
+    return params, s
+
+
+def assert_close(a, b, rtol=1e-6, atol=1e-7):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_plain_jit_step_matches_optax(partition):
+    m = mesh()
+    params = jax.device_put(init_params(), NamedSharding(m, P()))
+    x, y = jax.device_put(batch(), NamedSharding(m, P("data")))
+    tx = zo.zero1(INNER[partition](), axis_name="data", mesh=m, partition=partition)
+    zp, zs = train(tx, params, x, y)
+    rp, rs = train(INNER[partition](), params, x, y)
+    assert_close(zp, rp, rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(zo.gather_state(zs)), jax.tree.leaves(rs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    # The state is sharded over "data": every leaf's addressable shards hold 1/N of it.
+    for leaf in jax.tree.leaves(zs):
+        assert all(s.data.size * N == leaf.size for s in leaf.addressable_shards)
+    # Updates come back with the parameters' sharding.
+    assert all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(jax.tree.leaves(zp),
+                                                                                  jax.tree.leaves(params)))
+
+
+def test_init_eager_under_jit_and_on_unplaced_params():
+    m = mesh()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=m)
+    eager = tx.init(init_params())  # single-device arrays: placed replicated on the mesh
+    jitted = jax.jit(tx.init)(jax.device_put(init_params(), NamedSharding(m, P())))
+    assert jax.tree.structure(eager) == jax.tree.structure(jitted)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding.spec == P("data")
+    assert zo.describe(eager).world_size == N
+
+
+def test_mesh_bound_inside_shard_map_behaves_like_unbound():
+    n = 4
+    m = mesh(n)
+    params = h.small_params()
+    grads = h.gradient_sequence(params, n, steps=3)
+    bound = zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=m)
+    zp, zs, _ = h.run_zero(bound, params, grads, n)
+    rp, rs = h.run_oracle(optax.adamw(1e-2), params, grads)
+    h.assert_matches(zp, zs, rp, rs)
+
+
+def test_mesh_bound_refuses_weights_and_checks_mesh():
+    m = mesh()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=m)
+    state = tx.init(init_params())
+    with pytest.raises(zo.WeightError, match="global mean gradient"):
+        tx.update(init_params(), state, init_params(), weight=3.0)
+    with pytest.raises(zo.ZeroError, match="`mesh` has axes"):
+        zo.zero1(optax.adam(1e-2), axis_name="batch", mesh=m)
+
+
+def test_mesh_bound_master_weights_under_jit():
+    m = mesh()
+    params32 = init_params()
+    params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32), NamedSharding(m, P()))
+    x, y = jax.device_put(batch(), NamedSharding(m, P("data")))
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=m, master_dtype=jnp.float32)
+
+    @jax.jit
+    def step(p, s, x, y):
+        g = jax.grad(loss_fn)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    s = tx.init(params32)
+    p = params
+    for _ in range(3):
+        p, s = step(p, s, x, y)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(zo.master_params(s))):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b.astype(jnp.bfloat16)).view(np.uint16))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(5, 7, rngs=rngs)
+        self.l2 = nnx.Linear(7, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _nnx_train(make_tx, m, x, y):
+    model = MLP(nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(m, P())))
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    for _ in range(3):
+        step(model, optimizer, x, y)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_nnx_optimizer(partition):
+    m = mesh()
+    x, y = jax.device_put(batch(), NamedSharding(m, P("data")))
+    inner = {"flat": lambda: optax.adamw(1e-2), "leaf": lambda: optax.contrib.muon(1e-2)}[partition]
+    model, optimizer = _nnx_train(lambda: zo.zero1(inner(), axis_name="data", mesh=m, partition=partition), m, x, y)
+    ref_model, ref_optimizer = _nnx_train(inner, m, x, y)
+    assert_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=2e-5, atol=1e-6)
+    state = nnx.as_pure(optimizer.opt_state)
+    assert zo.describe(state).world_size == N
+    for a, b in zip(jax.tree.leaves(zo.gather_state(state)), jax.tree.leaves(nnx.as_pure(ref_optimizer.opt_state))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_flax_train_state():
+    m = mesh()
+    x, y = jax.device_put(batch(), NamedSharding(m, P("data")))
+    params = jax.device_put(init_params(), NamedSharding(m, P()))
+    results = []
+    for tx in (zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=m), optax.adamw(1e-2)):
+        state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+        @jax.jit
+        def step(state, x, y):
+            return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
+
+        for _ in range(3):
+            state = step(state, x, y)
+        results.append(state.params)
+    assert_close(*results, rtol=2e-5, atol=1e-6)
