@@ -132,3 +132,97 @@ def test_flat_refuses_masks_computed_from_parameter_shapes():
     with pytest.raises(zo.ZeroCouplingError, match="inner state on coordinate slices has the structure"):
         jax.shard_map(zo.zero1(labelled, axis_name="data").init, mesh=h.mesh_of(3), in_specs=P(),
                       out_specs=P("data"))(params)
+
+
+def _plateau_run(tx, n, values, params, grads, varying=False):
+    mesh = h.mesh_of(n)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
+
+    def step(p, s, g, v):
+        g = jax.tree.map(lambda x: x[0], g)
+        value = v[0] if varying else jax.lax.pmean(v[0], "data")
+        u, s = tx.update(g, s, p, value=value)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                                 out_specs=(P(), P("data"))))
+    shard = NamedSharding(mesh, P("data"))
+    p, s = jax.device_put(params, NamedSharding(mesh, P())), init(params)
+    for g, v in zip(grads, values):
+        p, s = step(p, s, jax.device_put(g, shard), jax.device_put(jnp.asarray(v, jnp.float32), shard))
+    return p, s
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_extra_arguments_reach_the_inner_transformation(partition):
+    """reduce_on_plateau needs `value=`: exact against optax when every device passes the same value."""
+    n = 4
+    inner = lambda: optax.chain(optax.sgd(1e-1), optax.contrib.reduce_on_plateau(patience=1, cooldown=0))
+    params = h.small_params()
+    grads = h.gradient_sequence(params, n, steps=5)
+    losses = [np.full(n, v) for v in (3.0, 3.0, 3.0, 2.0, 2.0)]  # a plateau: the scale drops
+    tx = zo.zero1(inner(), axis_name="data", partition=partition)
+    zp, zs = _plateau_run(tx, n, losses, params, grads)
+    ref, rs = inner(), None
+    rs = ref.init(params)
+    rp = params
+    for g, v in zip(grads, losses):
+        u, rs = ref.update(h.reduced(g), rs, rp, value=jnp.float32(v[0]))
+        rp = optax.apply_updates(rp, u)
+    h.assert_matches(zp, zs, rp, rs)
+    assert float(rs[1].scale) < 1.0  # the plateau was reached, so the test exercises the extra argument
+
+
+def test_extra_arguments_that_differ_between_devices_are_refused():
+    n = 4
+    inner = optax.chain(optax.sgd(1e-1), optax.contrib.reduce_on_plateau())
+    params = h.small_params()
+    tx = zo.zero1(inner, axis_name="data")
+    with pytest.raises(zo.ZeroStructureError, match=r"extra argument `value` differs between the devices"):
+        _plateau_run(tx, n, [np.arange(n, dtype=np.float32)], params, h.gradient_sequence(params, n, 1),
+                     varying=True)
+
+
+def test_typed_prng_keys_in_the_state_are_refused():
+    tx = zo.zero1(optax.chain(optax.add_noise(0.1, 0.55, 0), optax.adam(1e-2)), axis_name="data")
+    with pytest.raises(zo.ZeroCouplingError, match=r"typed PRNG key"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(h.small_params())
+
+
+def _bad_inner(kind):
+    """Inner transformations whose update returns something other than what their init promised."""
+    base = optax.adam(1e-2)
+
+    def update(g, s, p=None):
+        u, s = base.update(g, s, p)
+        if kind == "updates":
+            return {"extra": jnp.zeros(())}, s
+        return u, (s, s)
+    return optax.GradientTransformation(base.init, update)
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+@pytest.mark.parametrize("kind", ["updates", "state"])
+def test_inner_results_are_checked_against_the_layout(partition, kind):
+    tx = zo.zero1(_bad_inner(kind), axis_name="data", partition=partition)
+    params = h.small_params()
+    with pytest.raises(zo.ZeroError):
+        h.run_zero(tx, params, h.gradient_sequence(params, 2, 1), 2)
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_updates_keep_the_inner_dtype(partition):
+    """An inner transformation that returns float32 updates for bf16 parameters keeps them float32."""
+    params = h.small_params(jnp.bfloat16)
+    inner = optax.chain(optax.adam(1e-2), optax.stateless(lambda u, p: jax.tree.map(
+        lambda x: x.astype(jnp.float32), u)))
+    tx = zo.zero1(inner, axis_name="data", partition=partition, reduce_dtype=jnp.float32)
+    mesh = h.mesh_of(3)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
+    step = jax.jit(jax.shard_map(lambda p, s, g: tx.update(jax.tree.map(lambda x: x[0], g), s, p), mesh=mesh,
+                                 in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data"))))
+    grads = h.gradient_sequence(params, 3, 1)[0]
+    updates, _ = step(params, init(params), jax.device_put(grads, NamedSharding(mesh, P("data"))))
+    want = jax.eval_shape(inner.update, h.reduced(grads), inner.init(params), params)[0]
+    assert [u.dtype for u in jax.tree.leaves(updates)] == [w.dtype for w in jax.tree.leaves(want)]
+    assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))

@@ -91,6 +91,7 @@ class Engine:
         self.cfg = cfg
         self._views: dict = {}
         self._udtypes: dict = {}
+        self._invariant: dict = {}
 
     # ------------------------------------------------------------------ views and bookkeeping
 
@@ -213,8 +214,40 @@ class Engine:
         return out
 
     @staticmethod
-    def _from_storage(layout: Layout, entries: list[int], values: list) -> list:
-        return [x[0] if layout.entries[j].leaf is None else x for j, x in zip(entries, values)]
+    def _from_storage(layout: Layout, entries: list[int], values: list, invariant: bool) -> list:
+        """Stored blocks -> inner-state values.
+
+        Shared entries are identical on every device but stored one copy per device, so they come back typed
+        varying. With `invariant`, they are made invariant again, as the inner transformation had them, by one tiny
+        all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need that.
+        """
+        out = [x[0] if layout.entries[j].leaf is None else x for j, x in zip(entries, values)]
+        shared = [k for k, j in enumerate(entries) if layout.entries[j].leaf is None]
+        if not invariant or not shared or not _compat.vma_enabled(layout.axes):
+            return out
+        by_dtype: dict = {}
+        for k in shared:
+            by_dtype.setdefault(np.dtype(out[k].dtype).name, []).append(k)
+        for ks in by_dtype.values():
+            flat = jnp.concatenate([out[k].reshape(-1) for k in ks])
+            first = _compat.all_gather_invariant(flat, layout.axes)[0]
+            cuts = np.cumsum([out[k].size for k in ks])[:-1]
+            for k, piece in zip(ks, jnp.split(first, cuts)):
+                out[k] = piece.reshape(out[k].shape)
+        return out
+
+    def _needs_invariant(self, layout: Layout, g_view, old_a, p_view, extra) -> bool:
+        """Whether the inner update refuses shared state typed varying (traced once per layout, abstractly)."""
+        key = (layout, jax.tree.structure(extra))
+        if key not in self._invariant:
+            try:
+                jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), g_view, old_a, p_view, extra)
+                self._invariant[key] = False
+            except TypeError as e:
+                if "manual axis types" not in str(e) and "varying" not in str(e):
+                    raise
+                self._invariant[key] = True
+        return self._invariant[key]
 
     # ------------------------------------------------------------------ update
 
@@ -258,10 +291,14 @@ class Engine:
                                                               ranks[layout.zero_axes(layout.leaves[i])])
                                         for i in sliced}
         a_entries = self._sliced_entries(layout)
-        a_old = self._from_storage(layout, a_entries, jax.tree.leaves(state.inner_state))
-        old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
         view = lambda d: _tree(layout, _layout.masked_view([d.get(i) for i in range(len(layout.leaves))], d))
         g_view = view(g_sl)
+        stored = jax.tree.leaves(state.inner_state)
+        a_old = self._from_storage(layout, a_entries, stored, invariant=False)
+        old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
+        if self._needs_invariant(layout, g_view, old_a, None if p_sl is None else view(p_sl), extra):
+            a_old = self._from_storage(layout, a_entries, stored, invariant=True)
+            old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
         u_a, new_a = cfg.inner.update(g_view, old_a, None if p_sl is None else view(p_sl), **extra)
         _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
         new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
