@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from zero_optax._coupling import CouplingError, analyze_leaves, find_coordinate_coupling, find_leaf_coupling
+from zero_optax._coupling import (CouplingError, analyze_leaves, find_coordinate_coupling, find_leaf_coupling,
+                                  program_signature)
 
 PARAMS = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,)), "c": jnp.ones(())}
 BIG = {"a": jnp.ones((4, 3)), "d": jnp.ones((130, 129))}  # adafactor factors dims >= 128.
@@ -329,6 +330,41 @@ def test_opaque_primitives(kernel, primitive, what):
 
 def test_debug_print_is_harmless():
     assert find_coordinate_coupling(lambda x: (jax.debug.print("{}", x), x * 2)[1], X) is None
+
+
+# --- program_signature --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.adamw(1e-3), lambda: optax.adam(1e-3), lambda: optax.lion(1e-3),
+    lambda: optax.sgd(1e-2, momentum=0.9), lambda: optax.adabelief(1e-3),
+], ids=["adamw", "adam", "lion", "sgd", "adabelief"])
+def test_signature_is_the_same_on_a_parameter_and_its_slice(make):
+    tx = make()
+    full, part = {"a": jax.ShapeDtypeStruct((5, 7), jnp.float32)}, {"a": jax.ShapeDtypeStruct((5,), jnp.float32)}
+    sig = program_signature(_update(tx), full, jax.eval_shape(tx.init, full), full)
+    assert sig == program_signature(_update(tx), part, jax.eval_shape(tx.init, part), part)
+    assert any("(" in entry for entry in sig), sig  # Literal values are part of it.
+
+
+@pytest.mark.parametrize("fn", [
+    lambda g: g * (1.0 / g.size),
+    lambda g: g / g.shape[0],
+    lambda g: jnp.where(g.shape[0] > 6, g, 2 * g),
+    lambda g: g * jnp.float32(g.ndim),  # A scalar constant.
+], ids=["inverse_size", "divide_by_rows", "where_on_shape", "scalar_constant"])
+def test_signature_sees_shape_dependent_literals(fn):
+    assert program_signature(fn, jnp.ones((5, 7))) != program_signature(fn, jnp.ones((7,)))
+
+
+def test_signature_entries():
+    """Non-shape parameters, literals (also passed into a jit), captured scalars; no axes, shapes or indices."""
+    captured = jnp.float32(3.0) + 1
+
+    def fn(g):
+        return jnp.sum(g ** 2, axis=0) * 0.5 + jax.jit(lambda y, c: y - c)(g[0], 3.0) * captured
+
+    sig = program_signature(fn, jnp.ones((5, 7)))
+    assert sig == ["integer_pow[y=2]", "reduce_sum", "mul(_,0.5)", "slice", "sub(_,3.0)", "mul(_,4.0)", "add"], sig
 
 
 # --- analyze_leaves -----------------------------------------------------------------------------------------------

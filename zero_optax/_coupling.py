@@ -35,6 +35,7 @@ positions).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import sysconfig
@@ -329,23 +330,81 @@ def _output_labels(closed: jcore.ClosedJaxpr, out_sources: Any, out_shape: Any) 
 # Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
 _SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
                          "copy_p", "pjit", "jit", "closed_call"})
-def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
-    """The primitives `fn(*args)` applies, in order and through sub-jaxprs, without shape-only ones.
+# Equation parameters that describe shapes, axes or program structure: they differ between a tensor and its slice.
+_SHAPE_PARAMS = frozenset({
+    "shape", "dimensions", "broadcast_dimensions", "axes", "axis", "dimension", "sizes", "new_sizes",
+    "start_indices", "limit_indices", "slice_sizes", "strides", "permutation", "length", "num_consts",
+    "num_carry", "cond_nconsts", "body_nconsts", "sharding", "out_sharding", "split_transpose",
+    "_split_transpose",
+})
 
-    An elementwise optimizer applies the same primitives to a parameter and to a slice of it; a transformation
-    whose behaviour depends on parameter shapes (a weight-decay mask computed from `ndim`, say) does not.
+
+def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """What `fn(*args)` computes, one string per equation in order and through sub-jaxprs, without shape-only ones.
+
+    Each entry is the primitive name, then in brackets its parameters that are scalars and not about shapes
+    (``integer_pow[y=2]``), then in parentheses its operands if any is a known scalar value, ``_`` standing for
+    the others (``mul(_,0.9)``). Scalar literals, scalar constants and broadcasts of them are known values, also
+    inside called jaxprs. An elementwise optimizer has the same signature on a parameter and on a slice of it; a
+    transformation whose behaviour depends on parameter shapes (a weight-decay mask computed from `ndim`, a
+    scale of ``1 / g.size``) does not.
     """
     out: list[str] = []
 
-    def walk(jaxpr: jcore.Jaxpr) -> None:
+    def walk(jaxpr: jcore.Jaxpr, known: dict[Any, str]) -> None:
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name not in _SHAPE_ONLY:
-                out.append(eqn.primitive.name)
+            values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name not in _SHAPE_ONLY:
+                out.append(_signature_entry(eqn, values))
+            elif name not in _CALLS and values and values[0] is not None:
+                known[eqn.outvars[0]] = values[0]  # A moved or broadcast known scalar has the same value.
+            body = _call_body(eqn)
             for sub in _subjaxprs(eqn.params):
-                walk(_open(sub))
+                inner = _known_consts(sub)
+                if sub is body:
+                    inner.update((v, x) for v, x in zip(_open(sub).invars, values) if x is not None)
+                walk(_open(sub), inner)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    closed = jax.make_jaxpr(fn)(*args)
+    walk(closed.jaxpr, _known_consts(closed))
     return out
+
+
+def _signature_entry(eqn: Any, values: Sequence[str | None]) -> str:
+    """``name[param=value,...](operand,...)`` for :func:`program_signature`."""
+    params = [f"{k}={_param_repr(v)}" for k, v in sorted(eqn.params.items())
+              if k not in _SHAPE_PARAMS and _param_repr(v) is not None]
+    entry = eqn.primitive.name + (f"[{','.join(params)}]" if params else "")
+    if any(x is not None for x in values):
+        entry += "(" + ",".join("_" if x is None else x for x in values) + ")"
+    return entry
+
+
+def _param_repr(value: Any) -> str | None:
+    """A stable string for a scalar-like equation parameter, or None for anything else."""
+    if isinstance(value, (bool, int, float, complex, str, np.generic, enum.Enum)):
+        return repr(value)
+    if isinstance(value, np.dtype):
+        return str(value)
+    return None
+
+
+def _scalar_repr(value: Any) -> str | None:
+    """``repr`` of a one-element array's value, or None if it has more elements (or none)."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # pylint: disable=broad-except  (e.g. a PRNG key array)
+        return None
+    return repr(array.reshape(()).item()) if array.size == 1 else None
+
+
+def _known_consts(jaxpr: Any) -> dict[Any, str]:
+    """The scalar constants of a ClosedJaxpr, by constvar."""
+    if not isinstance(jaxpr, jcore.ClosedJaxpr):
+        return {}
+    found = ((v, _scalar_repr(c)) for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+    return {v: x for v, x in found if x is not None}
 
 
 def _subjaxprs(params: dict[str, Any]) -> list[Any]:
