@@ -217,9 +217,10 @@ def _analyze(tx, params, **kwargs):
     lambda: optax.chain(optax.add_noise(0.1, 0.55, key=jax.random.key(0)), optax.adam(1e-3)),
     lambda: _rng_tx(raw_key=False, noisy=True),
     lambda: _rng_tx(raw_key=True, noisy=True),
-    lambda: optax.chain(optax.set_to_zero(), optax.add_noise(0.1, 0.55, key=jax.random.key(0))),  # Noise reaches the outputs only.
+    lambda: optax.chain(optax.set_to_zero(), optax.add_noise(0.1, 0.55, key=jax.random.key(0))),
 ], ids=["add_noise", "typed_key", "raw_key", "noise_only"])
 def test_random_numbers_in_updates_are_refused_in_every_mode(make):
+    """Noise added to the updates, or (noise_only) replacing them: it reaches the outputs but meets no gradient."""
     tx = make()
     msg = _leaf(tx)
     assert msg is not None and msg.startswith("`random_bits` at ") and "draws random numbers" in msg, msg
@@ -322,10 +323,17 @@ def test_opaque_primitives(kernel, primitive, what):
     assert produces.startswith(f"`{primitive}` at ") and "combines it with a parameter-derived" in produces, produces
     assert find_coordinate_coupling(lambda x: x * jnp.sum(kernel(jnp.ones((4, 3)))), X) is None  # A scalar.
     assert find_leaf_coupling(lambda x, y: (kernel(x), y), X, X, sources=(0, 1)) is None
-    assert "mixes parameter leaves [0, 1]" in find_leaf_coupling(lambda x, y: kernel(x + y), X, X, sources=(0, 1))
     assert "mixes parameter leaves [0, 1]" in find_leaf_coupling(lambda x, y: kernel(x) * y, X, X, sources=(0, 1))
     r = analyze_leaves(lambda x, y: (kernel(x), y * 2), X, X, sources=(0, 1))
     assert r.coupled == {0} and r.reasons[0].startswith(f"`{primitive}`") and r.output_taints == ({0}, {1})
+
+
+def test_opaque_primitive_seeing_two_leaves_mixes_them():
+    both = lambda x, y: jax.pure_callback(lambda a, b: np.asarray(a) + b, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y)
+    assert find_leaf_coupling(both, X, X, sources=(0, 1)).startswith("`pure_callback` at ")
+    assert find_leaf_coupling(both, X, X, sources=(0, None)) is None
+    with pytest.raises(CouplingError, match="mixes parameter leaves"):
+        analyze_leaves(both, X, X, sources=(0, 1))
 
 
 def test_debug_print_is_harmless():

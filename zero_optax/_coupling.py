@@ -711,8 +711,8 @@ class _Analysis:
     def _random(origin: _Origin, where: str) -> CouplingError:
         """Refuses the random value made at ``origin`` because its values ``where``."""
         things = "the numbers" if origin.number else "values derived from the key"
-        return CouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: zero1 splits the update across "
-                                             "devices, which would not draw what optax draws on one device"))
+        why = "zero1 splits the update across devices, which would not draw what optax draws on one device"
+        return CouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: {why}"))
 
     def _nested(self, eqn: Any, jaxpr: Any, facts: Sequence[_Fact]) -> list[_Fact]:
         """Runs a sub-jaxpr of ``eqn`` with ``eqn`` on the location stack."""
