@@ -1,11 +1,15 @@
 """Tests for the static coordinate/leaf coupling analysis in `zero_optax._coupling`."""
 
+import time
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
-from zero_optax._coupling import find_coordinate_coupling, find_leaf_coupling
+from zero_optax._coupling import (CouplingError, analyze_leaves, find_coordinate_coupling, find_leaf_coupling,
+                                  program_signature)
 
 PARAMS = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,)), "c": jnp.ones(())}
 BIG = {"a": jnp.ones((4, 3)), "d": jnp.ones((130, 129))}  # adafactor factors dims >= 128.
@@ -146,7 +150,11 @@ def test_elementwise_constructs_are_clean(fn):
     (lambda x: jax.lax.cond(x[0, 0] > 0, lambda y: y, lambda y: -y, x), ""),
     (lambda x: jax.lax.while_loop(lambda y: y[0, 0] < 3, lambda y: y + 1, x), ""),
     (lambda x: jnp.sort(x, axis=0), "sort"),
-], ids=["max", "transpose", "matmul", "rev", "cumsum", "broadcast", "scan_xs", "cond_pred", "while_pred", "sort"])
+    (lambda x: jax.lax.reduce((x, x), (0.0, 1.0), lambda a, b: (a[0] + b[0], a[1] * b[1]), (0,))[0], "reduce"),
+    (lambda x: jax.lax.reduce_window(x, 0.0, lambda a, b: a + jnp.abs(b), (2, 1), (1, 1), "VALID"),
+     "reduce_window"),
+], ids=["max", "transpose", "matmul", "rev", "cumsum", "broadcast", "scan_xs", "cond_pred", "while_pred", "sort",
+        "generic_reduce", "generic_reduce_window"])
 def test_coupling_constructs_are_flagged(fn, primitive):
     msg = find_coordinate_coupling(fn, X)
     assert msg is not None and msg.startswith(f"`{primitive}"), msg
@@ -168,3 +176,294 @@ def test_leaf_mode_rules():
     carry = lambda x, y: jax.lax.fori_loop(0, 3, lambda i, c: (c[1], c[0]), (x, y))
     assert find_leaf_coupling(lambda x, y: sum(jnp.sum(t) for t in carry(x, y)), a, b, sources=(0, None)) is None
     assert find_leaf_coupling(lambda x, y: carry(x, y)[0] * 1 + carry(x, y)[1], a, b, sources=(0, 1)) is not None
+
+
+# --- Soundness: random numbers, position-dependent values, opaque primitives -------------------------------------
+
+def _rng_tx(raw_key: bool, noisy: bool):
+    """A transformation carrying a PRNG key in its state; adds noise to the updates if `noisy`."""
+
+    def init(params):
+        del params
+        return jax.random.PRNGKey(0) if raw_key else jax.random.key(0)
+
+    def update(updates, key, params=None):
+        del params
+        key, sub = jax.random.split(key)
+        if noisy:
+            leaves, treedef = jax.tree.flatten(updates)
+            subs = jax.random.split(sub, len(leaves))
+            updates = treedef.unflatten([g + jax.random.normal(k, g.shape) for g, k in zip(leaves, subs)])
+        return updates, key
+
+    return optax.GradientTransformation(init, update)
+
+
+def _state_labels(params, state):
+    """Labels each state leaf by the first parameter key on its path (None: shared state)."""
+    labels = dict(zip(sorted(params), range(len(params))))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: next((labels[k.key] for k in path if getattr(k, "key", None) in labels), None), state)
+
+
+def _analyze(tx, params, **kwargs):
+    labels = dict(zip(sorted(params), range(len(params))))
+    state = tx.init(params)
+    return analyze_leaves(_update(tx), params, state, params, sources=(labels, _state_labels(params, state), labels),
+                          **kwargs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(optax.add_noise(0.1, 0.55, key=jax.random.key(0)), optax.adam(1e-3)),
+    lambda: _rng_tx(raw_key=False, noisy=True),
+    lambda: _rng_tx(raw_key=True, noisy=True),
+    lambda: optax.chain(optax.set_to_zero(), optax.add_noise(0.1, 0.55, key=jax.random.key(0))),
+], ids=["add_noise", "typed_key", "raw_key", "noise_only"])
+def test_random_numbers_in_updates_are_refused_in_every_mode(make):
+    """Noise added to the updates, or (noise_only) replacing them: it reaches the outputs but meets no gradient."""
+    tx = make()
+    msg = _leaf(tx)
+    assert msg is not None and msg.startswith("`random_bits` at ") and "draws random numbers" in msg, msg
+    with pytest.raises(CouplingError, match="^`random_bits` at "):
+        _analyze(tx, PARAMS)
+    assert _coord(tx) is not None  # A raw u32[2] key is a tainted input there: `random_wrap` is not elementwise.
+
+
+def test_add_noise_message_names_random_primitive_and_location():
+    msg = _coord(optax.chain(optax.add_noise(0.1, 0.55, key=jax.random.key(0)), optax.adam(1e-3)))
+    assert msg.startswith("`random_bits` at optax/"), msg
+    assert "add_noise.<locals>.update_fn" in msg and "meet parameter-derived values in `add`" in msg, msg
+
+
+@pytest.mark.parametrize("raw_key", [False, True], ids=["typed_key", "raw_key"])
+def test_prng_key_in_shared_state_is_fine(raw_key):
+    tx = optax.chain(_rng_tx(raw_key=raw_key, noisy=False), optax.adam(1e-3))
+    assert _leaf(tx) is None
+    assert _analyze(tx, PARAMS).coupled == frozenset()
+    if not raw_key:  # Coordinate mode taints every non-scalar input, the raw u32[2] key too.
+        assert _coord(tx) is None
+
+
+def test_random_numbers_may_reach_outputs_labelled_shared():
+    def fn(g, key):
+        return g * 2, jax.random.normal(key, (3,))
+
+    args = (X, jax.random.key(0))
+    assert find_leaf_coupling(fn, *args, sources=(0, None)).startswith("`random_bits`")
+    assert find_leaf_coupling(fn, *args, sources=(0, None), out_sources=(0, None)) is None
+    assert "output of parameter leaf 0" in find_leaf_coupling(fn, *args, sources=(0, None), out_sources=(None, 0))
+    assert analyze_leaves(fn, *args, sources=(0, None), out_sources=(0, None)).coupled == frozenset()
+
+
+@pytest.mark.parametrize("fn, primitive", [
+    (lambda x: x * jnp.arange(3.0), "iota"),
+    (lambda x: x * jnp.tri(4, 3), "iota"),
+    (lambda x: jnp.where(jnp.indices((4, 3))[0] > 1, x, 0.0), "iota"),
+    (lambda x: x * np.arange(3.0), "mul"),  # A non-scalar constant.
+    (lambda x: x * jnp.zeros(3).at[1].set(1.0), "scatter"),
+    (lambda x: x * jnp.concatenate([jnp.zeros(1), jnp.ones(2)]), "concatenate"),
+    (lambda x: x * jnp.cumsum(jnp.ones(3)), "cumsum"),
+    (lambda x: x * jax.lax.scan(lambda c, _: (c + 1.0, c), 0.0, None, length=3)[1], "scan"),
+    (lambda x: x * jax.jit(lambda: jnp.arange(3.0))(), "iota"),
+], ids=["arange", "tri", "indices", "constant", "scatter", "concatenate", "cumsum", "scan_ys", "jit"])
+def test_position_dependent_values_meeting_parameters_are_refused(fn, primitive):
+    msg = find_coordinate_coupling(fn, X)
+    assert msg is not None and msg.startswith(f"`{primitive}`"), msg
+    assert "wrong coordinates" in msg, msg
+    assert find_leaf_coupling(fn, X, sources=(0,)) is None  # Whole tensors: positions are right.
+    assert analyze_leaves(fn, X, sources=(0,)).coupled == {0}
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x + jnp.zeros_like(x),
+    lambda x: x * jnp.full((4, 3), 2.0),
+    lambda x: x * jnp.ones(3)[::-1],
+    lambda x: x * jnp.sum(jnp.arange(12.0).reshape(4, 3)),
+    lambda x: x * jnp.array(2.0),
+    lambda x: x * jnp.ones((4, 3)).T.T,
+], ids=["zeros_like", "full", "reversed_ones", "sum_of_iota", "scalar_constant", "transposed_ones"])
+def test_uniform_values_are_not_positional(fn):
+    assert find_coordinate_coupling(fn, X) is None
+
+
+def test_non_scalar_shared_inputs_are_positional():
+    vector_hyperparameter = lambda g, v, c: g * v * c
+    r = analyze_leaves(vector_hyperparameter, X, jnp.ones(3), jnp.ones(()), sources=(0, None, None))
+    assert r.coupled == {0} and "non-scalar shared state" in r.reasons[0], r.reasons
+    assert find_leaf_coupling(vector_hyperparameter, X, jnp.ones(3), jnp.ones(()), sources=(0, None, None)) is None
+    assert analyze_leaves(lambda g, c: g * c, X, jnp.ones(()), sources=(0, None)).coupled == frozenset()
+
+
+def _callback(x):
+    return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _pallas(x):
+    from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+def _ffi(x):
+    return jax.ffi.ffi_call("zero_optax_test_kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+@pytest.mark.parametrize("kernel, primitive, what", [
+    (_callback, "pure_callback", "host callback"),
+    (_pallas, "pallas_call", "opaque kernel (custom call / Pallas)"),
+    (_ffi, "ffi_call", "opaque kernel (custom call / Pallas)"),
+], ids=["pure_callback", "pallas_call", "ffi_call"])
+def test_opaque_primitives(kernel, primitive, what):
+    consumes = find_coordinate_coupling(kernel, X)
+    assert consumes.startswith(f"`{primitive}` at ") and what in consumes and "consumes" in consumes, consumes
+    produces = find_coordinate_coupling(lambda x: x * kernel(jnp.ones((4, 3))), X)  # Made from nothing.
+    assert produces.startswith(f"`{primitive}` at ") and "combines it with a parameter-derived" in produces, produces
+    assert find_coordinate_coupling(lambda x: x * jnp.sum(kernel(jnp.ones((4, 3)))), X) is None  # A scalar.
+    assert find_leaf_coupling(lambda x, y: (kernel(x), y), X, X, sources=(0, 1)) is None
+    assert "mixes parameter leaves [0, 1]" in find_leaf_coupling(lambda x, y: kernel(x) * y, X, X, sources=(0, 1))
+    r = analyze_leaves(lambda x, y: (kernel(x), y * 2), X, X, sources=(0, 1))
+    assert r.coupled == {0} and r.reasons[0].startswith(f"`{primitive}`") and r.output_taints == ({0}, {1})
+
+
+def test_opaque_primitive_seeing_two_leaves_mixes_them():
+    both = lambda x, y: jax.pure_callback(lambda a, b: np.asarray(a) + b, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y)
+    assert find_leaf_coupling(both, X, X, sources=(0, 1)).startswith("`pure_callback` at ")
+    assert find_leaf_coupling(both, X, X, sources=(0, None)) is None
+    with pytest.raises(CouplingError, match="mixes parameter leaves"):
+        analyze_leaves(both, X, X, sources=(0, 1))
+
+
+def test_debug_print_is_harmless():
+    assert find_coordinate_coupling(lambda x: (jax.debug.print("{}", x), x * 2)[1], X) is None
+
+
+# --- program_signature --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.adamw(1e-3), lambda: optax.adam(1e-3), lambda: optax.lion(1e-3),
+    lambda: optax.sgd(1e-2, momentum=0.9), lambda: optax.adabelief(1e-3),
+], ids=["adamw", "adam", "lion", "sgd", "adabelief"])
+def test_signature_is_the_same_on_a_parameter_and_its_slice(make):
+    tx = make()
+    full, part = {"a": jax.ShapeDtypeStruct((5, 7), jnp.float32)}, {"a": jax.ShapeDtypeStruct((5,), jnp.float32)}
+    sig = program_signature(_update(tx), full, jax.eval_shape(tx.init, full), full)
+    assert sig == program_signature(_update(tx), part, jax.eval_shape(tx.init, part), part)
+    assert any("(" in entry for entry in sig), sig  # Literal values are part of it.
+
+
+@pytest.mark.parametrize("fn", [
+    lambda g: g * (1.0 / g.size),
+    lambda g: g / g.shape[0],
+    lambda g: jnp.where(g.shape[0] > 6, g, 2 * g),
+    lambda g: g * jnp.float32(g.ndim),  # A scalar constant.
+], ids=["inverse_size", "divide_by_rows", "where_on_shape", "scalar_constant"])
+def test_signature_sees_shape_dependent_literals(fn):
+    assert program_signature(fn, jnp.ones((5, 7))) != program_signature(fn, jnp.ones((7,)))
+
+
+def test_signature_entries():
+    """Non-shape parameters, literals (also passed into a jit), captured scalars; no axes, shapes or indices."""
+    captured = jnp.float32(3.0) + 1
+
+    def fn(g):
+        return jnp.sum(g ** 2, axis=0) * 0.5 + jax.jit(lambda y, c: y - c)(g[0], 3.0) * captured
+
+    sig = program_signature(fn, jnp.ones((5, 7)))
+    assert sig == ["integer_pow[y=2]", "reduce_sum", "mul(_,0.5)", "slice", "sub(_,3.0)", "mul(_,4.0)", "add"], sig
+
+
+# --- analyze_leaves -----------------------------------------------------------------------------------------------
+
+AUTO = {"emb": jnp.ones((10, 6)), "w": jnp.ones((6, 6)), "b": jnp.ones((6,)), "s": jnp.ones(())}
+LABEL = dict(zip(sorted(AUTO), range(len(AUTO))))  # b: 0, emb: 1, s: 2, w: 3.
+
+
+def _coupled_names(tx, params=AUTO):
+    names = sorted(params)
+    return {names[i] for i in _analyze(tx, params).coupled}
+
+
+def test_analyze_muon_couples_matrices_only():
+    r = _analyze(optax.contrib.muon(1e-3), AUTO)
+    assert r.coupled == {LABEL["emb"], LABEL["w"]}
+    assert set(r.reasons) == set(r.coupled) and all("muon" in m for m in r.reasons.values()), r.reasons
+
+
+def test_analyze_partition_with_adam_embedding():
+    labels = {"emb": "adam", "w": "muon", "b": "adam", "s": "adam"}
+    tx = optax.partition({"muon": optax.contrib.muon(1e-3), "adam": optax.adamw(1e-3)}, labels)
+    assert _coupled_names(tx) == {"w"}
+
+
+def test_analyze_adamw_output_taints():
+    tx = optax.adamw(1e-3)
+    r = _analyze(tx, AUTO)
+    assert r.coupled == frozenset() and r.reasons == {}
+    out = jax.eval_shape(_update(tx), AUTO, tx.init(AUTO), AUTO)
+    updates, state = jax.tree.unflatten(jax.tree.structure(out), r.output_taints)
+    assert updates == {k: frozenset({i}) for k, i in LABEL.items()}
+    assert state[0].count == frozenset()
+    assert state[0].mu == state[0].nu == updates
+
+
+def test_analyze_adafactor():
+    """Factored moments couple the large matrix; block-RMS update clipping (on by default) reduces every leaf."""
+    params = dict(AUTO, big=jnp.ones((130, 129)))
+    assert _coupled_names(optax.adafactor(1e-3), params) == {"b", "emb", "w", "big"}  # Not the scalar `s`.
+    plain = optax.adafactor(1e-3, clipping_threshold=None, multiply_by_parameter_scale=False)
+    r = _analyze(plain, params)
+    assert r.coupled == {sorted(params).index("big")}
+    assert "factorized" in r.reasons[sorted(params).index("big")], r.reasons
+
+
+def test_analyze_refuses_leaf_mixing():
+    with pytest.raises(CouplingError, match="mixes parameter leaves") as e:
+        _analyze(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), AUTO)
+    assert "clip_by_global_norm" in str(e.value)
+
+
+def test_analyze_refuses_random_numbers():
+    with pytest.raises(CouplingError, match="^`random_bits` at .*add_noise"):
+        _analyze(optax.chain(optax.add_noise(0.1, 0.55, key=jax.random.key(0)), optax.adam(1e-3)), AUTO)
+
+
+def test_analyze_position_mask_couples_its_leaf():
+    def update(updates, state, params=None):
+        del params
+        return dict(updates, w=updates["w"] * jnp.tri(6)), state  # Lower-triangular updates for `w`.
+
+    tx = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), update), optax.adam(1e-3))
+    r = _analyze(tx, AUTO)
+    assert r.coupled == {LABEL["w"]} and r.reasons[LABEL["w"]].startswith("`iota`"), r.reasons
+
+
+def test_analyze_control_dependence():
+    a, b = jnp.ones((4, 3)), jnp.ones((4, 3))
+    same = lambda x, y: (jax.lax.cond(jnp.sum(x) > 0, lambda u: u, lambda u: -u, x), y)
+    assert analyze_leaves(same, a, b, sources=(0, 1)).coupled == {0}
+    other = lambda x, y: jax.lax.cond(jnp.sum(x) > 0, lambda u: u, lambda u: -u, y)
+    with pytest.raises(CouplingError, match="branch predicate depends on a leaf"):
+        analyze_leaves(other, a, b, sources=(0, 1))
+    scalar = lambda s, y: jax.lax.cond(s > 0, lambda u: u, lambda u: -u, y)  # A scalar leaf has one coordinate.
+    r = analyze_leaves(scalar, jnp.ones(()), b, sources=(0, None))
+    assert r.coupled == frozenset() and r.output_taints == ({0},)
+
+
+def test_analyze_sources_must_match_args():
+    with pytest.raises(ValueError):
+        analyze_leaves(lambda x, y: x + y, X, X, sources=(0,))
+
+
+def test_analyze_is_fast_on_many_leaves():
+    """1000 leaves: one trace and one linear pass (no per-leaf re-tracing, no growing unions)."""
+    params = {f"p{i:04d}": jax.ShapeDtypeStruct((3, 2), jnp.float32) for i in range(1000)}
+    tx = optax.adamw(1e-3)
+    state = jax.eval_shape(tx.init, params)
+    labels = dict(zip(sorted(params), range(len(params))))
+    start = time.perf_counter()
+    r = analyze_leaves(_update(tx), params, state, params, sources=(labels, _state_labels(params, state), labels))
+    print(f"analyze_leaves(adamw, 1000 leaves): {time.perf_counter() - start:.2f} s")
+    assert r.coupled == frozenset() and r.output_taints[:1000] == tuple(frozenset({i}) for i in range(1000))
