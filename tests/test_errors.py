@@ -226,3 +226,41 @@ def test_updates_keep_the_inner_dtype(partition):
     want = jax.eval_shape(inner.update, h.reduced(grads), inner.init(params), params)[0]
     assert [u.dtype for u in jax.tree.leaves(updates)] == [w.dtype for w in jax.tree.leaves(want)]
     assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+
+
+def _raw_key_noise():
+    """Gradient noise from a raw uint32 key carried in the state (what optax.add_noise does with a typed one)."""
+    def init_fn(params):
+        del params
+        return jax.random.PRNGKey(0)
+
+    def update_fn(updates, key, params=None):
+        key, sub = jax.random.split(key)
+        return jax.tree.map(lambda g: g + 0.1 * jax.random.normal(sub, g.shape), updates), key
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf", "auto"])
+def test_random_numbers_are_refused_naming_the_operation(partition):
+    tx = zo.zero1(optax.chain(_raw_key_noise(), optax.adam(1e-2)), axis_name="data", partition=partition)
+    with pytest.raises(zo.ZeroCouplingError, match=r"`random_(bits|wrap)`"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(h.small_params())
+
+
+def _host_kernel():
+    """An elementwise kernel the analysis cannot see into (a host callback, like a custom call or Pallas kernel)."""
+    def double(x):
+        return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                                 vmap_method="broadcast_all")
+    return optax.chain(optax.stateless(lambda u, p: jax.tree.map(double, u)), optax.sgd(1e-2))
+
+
+def test_opaque_kernels_are_refused_unless_assumed_elementwise():
+    params = h.small_params()
+    tx = zo.zero1(_host_kernel(), axis_name="data")
+    with pytest.raises(zo.ZeroCouplingError, match=r"(?s)`pure_callback`.*assume_elementwise=True"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(3), in_specs=P(), out_specs=P("data"))(params)
+    grads = h.gradient_sequence(params, 3, steps=2)
+    zp, zs, _ = h.run_zero(zo.zero1(_host_kernel(), axis_name="data", assume_elementwise=True), params, grads, 3)
+    rp, rs = h.run_oracle(_host_kernel(), params, grads)
+    h.assert_matches(zp, zs, rp, rs)

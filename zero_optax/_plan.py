@@ -76,14 +76,15 @@ class Config:
         return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
 
 
-def extra_arg_placeholders(inner, grads, state, params) -> dict[str, jax.ShapeDtypeStruct]:
-    """Scalar stand-ins for the keyword-only arguments the inner update requires (`value=` of
+def trace_update(inner, grads, state, params) -> dict[str, jax.ShapeDtypeStruct]:
+    """Traces the inner update once on the real shapes: checks that its updates and new state are structured like
+    its inputs, and returns scalar stand-ins for the keyword-only arguments it requires (`value=` of
     `optax.contrib.reduce_on_plateau`, say), found by tracing it without them."""
     extra: dict[str, jax.ShapeDtypeStruct] = {}
     for _ in range(16):
         try:
-            jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), grads, state, params, extra)
-            return extra
+            updates, new_state = jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), grads, state, params,
+                                                extra)
         except TypeError as err:
             found = _MISSING_KWARGS.search(str(err))
             if found is None:
@@ -92,6 +93,14 @@ def extra_arg_placeholders(inner, grads, state, params) -> dict[str, jax.ShapeDt
                     f"{type(err).__name__}: {err}") from err
             for name in re.findall(r"'(\w+)'", found.group(1)):
                 extra[name] = jax.ShapeDtypeStruct((), np.float32)
+            continue
+        for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
+            if jax.tree.structure(got) != jax.tree.structure(want):
+                raise ZeroStructureError(
+                    f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
+                    f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
+                    "inputs.")
+        return extra
     raise ZeroCouplingError("zero1 could not find the extra arguments the inner transformation's update needs.")
 
 
@@ -129,9 +138,9 @@ def _labels(treedef, n: int):
 
 
 def _coupled_leaves(cfg: Config, treedef, structs, state, entries_leaf, extra) -> set[int]:
-    """Leaves whose coordinates the inner update mixes; raises where it mixes two leaves or cannot be proven."""
+    """Leaves whose coordinates the inner update mixes (they need whole tensors); raises where it mixes two leaves,
+    draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
     update = lambda g, s, p, e: cfg.inner.update(g, s, p, **e)
-    labels = _labels(treedef, len(structs))
     tree = jax.tree_util.tree_unflatten(treedef, structs)
     axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
     if cfg.partition == FLAT:
@@ -141,20 +150,29 @@ def _coupled_leaves(cfg: Config, treedef, structs, state, entries_leaf, extra) -
         if where is not None:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
-                f"{where}, which mixes coordinates of a parameter (a norm, a matrix product, a factored moment or "
-                f"a global check).\n{FLAT_HELP.format(axis=axis)}")
+                f"{where}.\n{FLAT_HELP.format(axis=axis)}")
         return set()
+    labels = _labels(treedef, len(structs))
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), list(entries_leaf))
-    where = _coupling.find_leaf_coupling(update, tree, state, tree, extra,
-                                         sources=(labels, state_labels, labels, None))
-    if where is not None:
+    try:
+        found = _coupling.analyze_leaves(update, tree, state, tree, extra, sources=(labels, state_labels, labels, None),
+                                         out_sources=(labels, state_labels))
+    except _coupling.CouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
-            f"applies {where}, which combines several parameter leaves (a global norm, for example).\n"
-            f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
+            f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws random "
+            f"numbers that devices holding different leaves would not draw as one device does.\n"
+            f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
+    n_updates = len(structs)
+    for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_updates:], entries_leaf):
+        if leaf is None and taint:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it belongs "
+                f"to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
+                f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
         return set(range(len(structs)))
-    raise NotImplementedError("partition='auto'")  # filled in with the per-leaf analysis
+    return set(found.coupled)
 
 
 def _check_slices(cfg: Config, treedef, real, mixed, extra) -> None:
@@ -193,7 +211,7 @@ def build_layout(cfg: Config, params) -> Layout:
         _layout.check_dtypes(real_state)
     else:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
-    extra = extra_arg_placeholders(cfg.inner, real_tree, real_state, real_tree)
+    extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     coupled = _coupled_leaves(cfg, treedef, real, real_state, [e.leaf for e in real_entries], extra)
 
     owned = [i in coupled for i in range(len(values))]

@@ -144,6 +144,9 @@ def zero1(
         missing = [a for a in axes if a not in mesh.axis_names]
         if missing:
             raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+    if assume_elementwise and partition != "flat":
+        raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
+                        "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
         raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
     for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
