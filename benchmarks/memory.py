@@ -57,3 +57,27 @@ def largest_leaf_state_bytes(tx: Any, params: Any) -> int:
         sds = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
         best = max(best, abstract_bytes(jax.eval_shape(tx.init, {"x": sds})) - base)
     return best
+
+
+def partition_bound_bytes(layout: Any) -> float:
+    """The per-device state bound of a zero1 layout: sliced state / N + max(owned state / N, largest owned leaf).
+
+    Sliced leaves split their state evenly; owned leaves keep theirs whole on one device, so the busiest device
+    holds at least the largest owned leaf's state and at least the average owned share. Shared entries (step
+    counts) are one copy per device. For `partition="leaf"` this is `max(ideal, largest leaf)`.
+    """
+    n = layout.world_size
+    sliced = owned = shared = 0.0
+    per_leaf: dict[int, int] = defaultdict(int)
+    for e in layout.entries:
+        if e.leaf is None:
+            shared += e.nbytes
+            continue
+        leaf = layout.leaves[e.leaf]
+        full = (leaf.size if leaf.sliced else e.size) * np.dtype(e.dtype).itemsize
+        if leaf.sliced:
+            sliced += full
+        else:
+            owned += full
+            per_leaf[e.leaf] += full
+    return shared + sliced / n + max(owned / n, max(per_leaf.values(), default=0))

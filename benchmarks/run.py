@@ -6,7 +6,8 @@ For each optimizer (AdamW, Muon) and variant (see ``benchmarks/variants.py``) it
 * compile time (``lower`` + ``compile`` of the step);
 * collective bytes by kind in the optimized HLO and the wire volume (x parameter bytes);
 * max per-device optimizer-state bytes and the ratio to the ideal ``replicated / N`` (for
-  ``zero1_leaf`` also to ``max(ideal, largest leaf's state)``, the best whole-leaf placement);
+  ``zero1_leaf`` and ``zero1_auto`` also to their bound ``sliced / N + max(owned / N, largest owned leaf)``,
+  the best placement that keeps owned leaves whole, ``max(ideal, largest leaf's state)`` for ``zero1_leaf``);
 * median step time over interleaved rounds (round-robin over variants) and the ratio to gspmd;
 * a one-step agreement check: max |params - replicated variant's params| after one step;
 * scaling over N = 1, 2, 4, 8 (sub-meshes of the first N devices): state bytes and step time.
@@ -41,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.hlo import KINDS, collective_bytes, wire_volume
 from benchmarks.memory import (
-    largest_leaf_state_bytes,
+    partition_bound_bytes,
     replicated_state_bytes,
     state_bytes_per_device,
 )
@@ -80,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-ns", default="1,2,4,8", help="device counts for the scaling sweep")
     p.add_argument("--scaling-rounds", type=int, default=3)
     p.add_argument("--scaling-steps", type=int, default=3)
-    p.add_argument("--optimizers", default="adamw,muon")
+    p.add_argument("--optimizers", default="adamw,muon,muon_recipe")
     p.add_argument("--variants", default=",".join(v.name for v in VARIANTS))
     p.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"))
@@ -144,7 +145,6 @@ def run_config(
     pbytes = tree_bytes(params)
     repl_bytes = replicated_state_bytes(tx, params)
     ideal = repl_bytes / n
-    leaf_bound = max(ideal, largest_leaf_state_bytes(tx, params))
     grads = per_device_grads(params, mesh)
 
     live: dict[str, dict[str, Any]] = {}
@@ -169,9 +169,13 @@ def run_config(
             rec["state_bytes_min"] = min(per_dev.values()) if per_dev else 0
             rec["state_bytes_ideal"] = ideal
             rec["state_ratio_ideal"] = rec["state_bytes_max"] / ideal
-            if v.name == "zero1_leaf":
-                rec["leaf_bound_bytes"] = leaf_bound
-                rec["state_ratio_leaf_bound"] = rec["state_bytes_max"] / leaf_bound
+            if v.name in ("zero1_leaf", "zero1_auto"):
+                import zero_optax as zo  # pylint: disable=import-outside-toplevel
+
+                layout = zo.describe(s)
+                rec["leaf_bound_bytes"] = partition_bound_bytes(layout)
+                rec["state_ratio_leaf_bound"] = rec["state_bytes_max"] / rec["leaf_bound_bytes"]
+                rec["owned_leaves"] = sum(not leaf.sliced for leaf in layout.leaves)
             if v.name == "gspmd":
                 rec["gspmd_state"] = _describe_gspmd(tx, params, n)
             # Step 1 from identical params/grads: agreement with plain data parallelism.

@@ -16,8 +16,9 @@ Variants:
    device runs the full optimizer on replicated params and state.
 2. ``gspmd``: MaxText-style; ``jax.jit`` with params replicated and every optimizer-state leaf
    sharded over "data" on its first dimension divisible by N, leaving GSPMD to partition the update.
-3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf``: ``zero_optax.zero1`` under
-   ``jax.shard_map``; unavailable (``VariantUnavailable``) until ``zero_optax`` provides it.
+3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf`` / ``zero1_auto``: ``zero_optax.zero1``
+   under ``jax.shard_map`` (``partition="flat"`` with an all-reduce or the default reduce-scatter, ``"leaf"``,
+   ``"auto"``).
 """
 
 from __future__ import annotations
@@ -75,11 +76,21 @@ def make_mesh(n: int, devices: list[Any] | None = None) -> Mesh:
     return Mesh(np.array(devs), (AXIS,), axis_types=(AxisType.Auto,))
 
 
+def muon_recipe() -> optax.GradientTransformation:
+    """The usual Muon recipe: Muon for the hidden matrices, AdamW for the embedding and every vector."""
+    def labels(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: "muon" if x.ndim == 2 and "embed" not in jax.tree_util.keystr(path) else "adamw", params)
+
+    return optax.partition({"muon": optax.contrib.muon(2e-2), "adamw": optax.adamw(3e-4, weight_decay=0.1)}, labels)
+
+
 def optimizers() -> dict[str, optax.GradientTransformation]:
-    """The inner optimizers benchmarked: AdamW and Muon (optax.contrib)."""
+    """The inner optimizers benchmarked: AdamW, Muon (optax.contrib) and the Muon recipe."""
     return {
         "adamw": optax.adamw(3e-4, weight_decay=0.1),
         "muon": optax.contrib.muon(2e-2),
+        "muon_recipe": muon_recipe(),
     }
 
 
@@ -207,4 +218,5 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zero1_flat_psum", _zero1_builder(partition="flat", reduce="psum"), zero1=True),
     Variant("zero1_flat_scatter", _zero1_builder(partition="flat", reduce="psum_scatter"), zero1=True),
     Variant("zero1_leaf", _zero1_builder(partition="leaf"), zero1=True),
+    Variant("zero1_auto", _zero1_builder(partition="auto"), zero1=True),
 )

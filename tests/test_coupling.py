@@ -8,8 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from zero_optax._coupling import (CouplingError, analyze_leaves, find_coordinate_coupling, find_leaf_coupling,
-                                  program_signature)
+from zero_optax._coupling import (
+    CouplingError,
+    analyze_leaves,
+    find_coordinate_coupling,
+    find_leaf_coupling,
+    program_signature,
+)
 
 PARAMS = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,)), "c": jnp.ones(())}
 BIG = {"a": jnp.ones((4, 3)), "d": jnp.ones((130, 129))}  # adafactor factors dims >= 128.

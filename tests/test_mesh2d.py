@@ -2,7 +2,6 @@
 single-device optax on the global parameters fed the global mean gradient."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -151,7 +150,7 @@ def test_without_vma_other_axes_are_refused():
 
 
 def test_parameters_varying_over_the_data_axis_are_refused():
-    mesh, zero_axes = make_mesh("4x2")
+    mesh, _ = make_mesh("4x2")
     tx = zo.zero1(optax.adam(1e-2), axis_name="data")
     specs = dict(TP_SPECS, ln=P("data"))
     with pytest.raises(zo.ZeroStructureError, match=r"`\['ln'\]` differs between the devices of `data`"):

@@ -23,9 +23,9 @@ from zero_optax._migrate import (
 from zero_optax._owners import balanced_owners
 from zero_optax._reduce import reduce_gradients
 from zero_optax._reshard import reshard
+from zero_optax._specs import state_specs
 from zero_optax._state import ZeroFlatState, ZeroLeafState, ZeroState
 from zero_optax._transfer import gather_state, master_params, scatter_state
-from zero_optax._specs import state_specs
 from zero_optax._zero1 import as_local, describe, zero1
 
 __version__ = "0.2.0.dev0"

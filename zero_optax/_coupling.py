@@ -186,6 +186,24 @@ _LITERAL = _Origin("a non-scalar literal")
 _SHARED = _Origin("non-scalar shared state (an input without a parameter label, e.g. a vector hyperparameter)")
 
 
+class Traced(NamedTuple):
+    """A function traced once (`trace`), for several analyses of the same program."""
+
+    closed: jcore.ClosedJaxpr
+    out_shape: Any
+    args: tuple[Any, ...]
+
+
+def trace(fn: Callable[..., Any], *args: Any) -> Traced:
+    """Traces `fn(*args)` to a jaxpr that every function of this module accepts in place of `fn` (with no args)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return Traced(closed, out_shape, args)
+
+
+def _traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
+    return fn if isinstance(fn, Traced) else trace(fn, *args)
+
+
 def find_coordinate_coupling(fn: Callable[..., Any], *args: Any) -> str | None:
     """Finds a computation in ``fn`` that mixes coordinates of an input array.
 
@@ -211,7 +229,7 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any) -> str | None:
     Raises:
       Exception: Whatever tracing ``fn`` raises.
     """
-    closed = jax.make_jaxpr(fn)(*args)
+    closed, _, args = _traced(fn, args)
     tainted = _Fact(frozenset({0}), frozenset({0}))
     facts = [tainted if _size(v) > 1 else _CLEAN for v in closed.jaxpr.invars]
     try:
@@ -244,7 +262,7 @@ def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sou
       Exception: Whatever tracing ``fn`` raises.
       ValueError: If ``sources`` does not match the structure of ``args``.
     """
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed, out_shape, args = _traced(fn, args)
     facts = [_Fact(frozenset({lab})) if lab is not None else _CLEAN for lab in _input_labels(closed, sources, args)]
     try:
         _Analysis(strict=False).check(closed, facts, _output_labels(closed, out_sources, out_shape))
@@ -279,7 +297,7 @@ def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources
       ValueError: If ``sources`` does not match the structure of ``args``.
       Exception: Whatever tracing ``fn`` raises.
     """
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed, out_shape, args = _traced(fn, args)
     facts = []
     for var, lab in zip(closed.jaxpr.invars, _input_labels(closed, sources, args)):
         big = _size(var) > 1
@@ -366,7 +384,7 @@ def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
                     inner.update((v, x) for v, x in zip(_open(sub).invars, values) if x is not None)
                 walk(_open(sub), inner)
 
-    closed = jax.make_jaxpr(fn)(*args)
+    closed, _, _ = _traced(fn, args)
     walk(closed.jaxpr, _known_consts(closed))
     return out
 

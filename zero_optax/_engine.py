@@ -18,13 +18,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zero_optax import _compat, _layout, _owned, _plan, _reduce, _sliced
-from zero_optax._errors import ZeroStructureError, WeightError
+from zero_optax._errors import WeightError, ZeroStructureError
 from zero_optax._layout import MASTER, Layout
-from zero_optax._state import ZeroState
 from zero_optax._names import tree_signature
+from zero_optax._state import ZeroState
 
 
 def _tree(layout: Layout, values: list) -> Any:

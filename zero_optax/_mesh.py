@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_optax import _compat, _engine, _specs
-from zero_optax._errors import ZeroStructureError, WeightError
+from zero_optax._errors import WeightError, ZeroStructureError
 from zero_optax._state import ZeroState
 
 

@@ -18,7 +18,15 @@ import optax
 
 from zero_optax import _compat, _coupling, _layout, _names, _owners
 from zero_optax._errors import ZeroAxisError, ZeroCouplingError, ZeroStructureError
-from zero_optax._layout import AUTO, FLAT, LEAF, MASTER, MASTER_PREFIX, Layout, ParamLeaf, StateEntry
+from zero_optax._layout import (
+    FLAT,
+    LEAF,
+    MASTER,
+    MASTER_PREFIX,
+    Layout,
+    ParamLeaf,
+    StateEntry,
+)
 
 FLAT_HELP = """\
 Flat slices are exact only for transformations that act coordinate by coordinate. Either
@@ -76,15 +84,21 @@ class Config:
         return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
 
 
-def trace_update(inner, grads, state, params) -> dict[str, jax.ShapeDtypeStruct]:
-    """Traces the inner update once on the real shapes: checks that its updates and new state are structured like
-    its inputs, and returns scalar stand-ins for the keyword-only arguments it requires (`value=` of
-    `optax.contrib.reduce_on_plateau`, say), found by tracing it without them."""
+def _update_fn(inner):
+    return lambda g, s, p, e: inner.update(g, s, p, **e)
+
+
+def trace_update(inner, grads, state, params) -> tuple[_coupling.Traced, dict[str, jax.ShapeDtypeStruct]]:
+    """Traces the inner update once on the real shapes, for every analysis of it.
+
+    Checks that its updates and new state are structured like its inputs, and finds scalar stand-ins for the
+    keyword-only arguments it requires (`value=` of `optax.contrib.reduce_on_plateau`, say) by tracing it without
+    them. Returns the trace (of `update(g, s, p, extra)`) and the stand-ins.
+    """
     extra: dict[str, jax.ShapeDtypeStruct] = {}
     for _ in range(16):
         try:
-            updates, new_state = jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), grads, state, params,
-                                                extra)
+            traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
         except TypeError as err:
             found = _MISSING_KWARGS.search(str(err))
             if found is None:
@@ -94,13 +108,14 @@ def trace_update(inner, grads, state, params) -> dict[str, jax.ShapeDtypeStruct]
             for name in re.findall(r"'(\w+)'", found.group(1)):
                 extra[name] = jax.ShapeDtypeStruct((), np.float32)
             continue
+        updates, new_state = traced.out_shape
         for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
             if jax.tree.structure(got) != jax.tree.structure(want):
                 raise ZeroStructureError(
                     f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
                     f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
                     "inputs.")
-        return extra
+        return traced, extra
     raise ZeroCouplingError("zero1 could not find the extra arguments the inner transformation's update needs.")
 
 
@@ -137,25 +152,23 @@ def _labels(treedef, n: int):
     return jax.tree_util.tree_unflatten(treedef, list(range(n)))
 
 
-def _coupled_leaves(cfg: Config, treedef, structs, state, entries_leaf, extra) -> set[int]:
+def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, n_leaves: int, state, entries_leaf) -> set[int]:
     """Leaves whose coordinates the inner update mixes (they need whole tensors); raises where it mixes two leaves,
     draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
-    update = lambda g, s, p, e: cfg.inner.update(g, s, p, **e)
-    tree = jax.tree_util.tree_unflatten(treedef, structs)
     axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
             return set()
-        where = _coupling.find_coordinate_coupling(update, tree, state, tree, extra)
+        where = _coupling.find_coordinate_coupling(traced)
         if where is not None:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{where}.\n{FLAT_HELP.format(axis=axis)}")
         return set()
-    labels = _labels(treedef, len(structs))
+    labels = _labels(treedef, n_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), list(entries_leaf))
     try:
-        found = _coupling.analyze_leaves(update, tree, state, tree, extra, sources=(labels, state_labels, labels, None),
+        found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
                                          out_sources=(labels, state_labels))
     except _coupling.CouplingError as e:
         raise ZeroCouplingError(
@@ -163,32 +176,26 @@ def _coupled_leaves(cfg: Config, treedef, structs, state, entries_leaf, extra) -
             f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws random "
             f"numbers that devices holding different leaves would not draw as one device does.\n"
             f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
-    n_updates = len(structs)
-    for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_updates:], entries_leaf):
+    for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries_leaf):
         if leaf is None and taint:
             raise ZeroCouplingError(
                 f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it belongs "
                 f"to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
                 f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
-        return set(range(len(structs)))
+        return set(range(n_leaves))
     return set(found.coupled)
 
 
-def _check_slices(cfg: Config, treedef, real, mixed, extra) -> None:
+def _check_slices(cfg: Config, traced: _coupling.Traced, real_state, mixed_tree, mixed_state, extra) -> None:
     """Refuses inner transformations that behave differently on slices than on the real parameter shapes."""
-    real_tree = jax.tree_util.tree_unflatten(treedef, real)
-    mixed_tree = jax.tree_util.tree_unflatten(treedef, mixed)
-    real_state = jax.eval_shape(cfg.inner.init, real_tree)
-    mixed_state = jax.eval_shape(cfg.inner.init, mixed_tree)
     if jax.tree.structure(real_state) != jax.tree.structure(mixed_state):
         raise ZeroCouplingError(
             f"zero1: the inner state on coordinate slices has the structure "
             f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
             f"{SHAPE_HELP}")
-    update = lambda g, s, p, e: cfg.inner.update(g, s, p, **e)
-    full = _coupling.program_signature(update, real_tree, real_state, real_tree, extra)
-    part = _coupling.program_signature(update, mixed_tree, mixed_state, mixed_tree, extra)
+    full = _coupling.program_signature(traced)
+    part = _coupling.program_signature(_update_fn(cfg.inner), mixed_tree, mixed_state, mixed_tree, extra)
     if full != part:
         i = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
         raise ZeroCouplingError(
@@ -211,8 +218,8 @@ def build_layout(cfg: Config, params) -> Layout:
         _layout.check_dtypes(real_state)
     else:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
-    extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
-    coupled = _coupled_leaves(cfg, treedef, real, real_state, [e.leaf for e in real_entries], extra)
+    traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
+    coupled = _coupled_leaves(cfg, traced, treedef, len(real), real_state, [e.leaf for e in real_entries])
 
     owned = [i in coupled for i in range(len(values))]
     for i in coupled:
@@ -223,8 +230,11 @@ def build_layout(cfg: Config, params) -> Layout:
              for i, x in enumerate(real)]
     mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
     if not all(owned):
-        _check_slices(cfg, treedef, real, mixed, extra)
-        entries, _ = _layout.discover_entries(cfg.inner.init, treedef, mixed)
+        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+                                                   sliced=[i for i in range(len(real)) if not owned[i]])
+        mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
+                                         [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+        _check_slices(cfg, traced, real_state, jax.tree_util.tree_unflatten(treedef, mixed), mixed_state, extra)
     else:
         entries = real_entries
     for e in entries:

@@ -21,8 +21,8 @@ import optax
 from jax import lax
 
 from zero_optax import _compat
+from zero_optax._errors import WeightError, ZeroGradientError
 from zero_optax._names import leaf_paths
-from zero_optax._errors import ZeroGradientError, WeightError
 
 INVARIANT_HELP = """\
 {what} got gradients that are the same on every device of `{axis}` (typed invariant), for example `{path}`.

@@ -27,6 +27,10 @@ from zero_optax._layout import Layout, ParamLeaf
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Chosen by `benchmarks/buckets.py` (see `benchmarks/RESULTS.md`)."""
 
+MAX_BUCKET_LEAVES = 128
+"""A bucket also closes at this many leaves: XLA's compile time grows with the square of the number of slices
+taken from one buffer, so very long buckets cost seconds of compilation for no bandwidth gain."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
@@ -54,7 +58,7 @@ def plan_buckets(layout: Layout, indices: Sequence[int], dtypes: Sequence[str], 
             current.append(i)
             leaf = layout.leaves[i]
             nbytes += leaf.slots * leaf.group * np.dtype(dtype).itemsize
-            if nbytes >= bucket_bytes:
+            if nbytes >= bucket_bytes or len(current) >= MAX_BUCKET_LEAVES:
                 out.append(Bucket(tuple(current), axes, dtype))
                 current, nbytes = [], 0
         if current:
@@ -149,7 +153,7 @@ def gather(values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucke
             rows = _compat.all_gather_invariant(jnp.concatenate(parts), b.axes, tiled=True)
             rows = rows.reshape(group, -1)
             cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-            full = [rows[:, a:c].reshape(-1) for a, c in zip(cuts[:-1], cuts[1:])]
+            full = [rows[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
         for i, leaf, x in zip(b.leaves, leaves, full):
             out[i] = x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
     return out

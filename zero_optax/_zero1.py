@@ -11,7 +11,7 @@ import optax
 
 from zero_optax import _compat, _engine, _mesh, _plan, _sliced
 from zero_optax._errors import ZeroError
-from zero_optax._layout import PARTITIONS, LEAF, Layout
+from zero_optax._layout import LEAF, PARTITIONS, Layout
 from zero_optax._state import ZeroState, find_states
 
 _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
