@@ -160,8 +160,6 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                     progress(done, total)
     states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
-    if progress is not None and total == 0:
-        progress(0, 0)
 
 
 def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
