@@ -21,24 +21,24 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_NUM_CPU_DEVICES", "8")))
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import sys
+from typing import Any
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import zero_optax as zo  # noqa: E402
-from benchmarks.hlo import WIRE_WEIGHTS, collective_ops  # noqa: E402
-from benchmarks.memory import max_state_bytes  # noqa: E402
-from benchmarks.model import gpt_params, param_count, tree_bytes  # noqa: E402
+import zero_optax as zo
+from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
+from benchmarks.memory import max_state_bytes
+from benchmarks.model import gpt_params, param_count, tree_bytes
 
 N = 8
 
@@ -123,8 +123,8 @@ def section_precision() -> str:
         lowered = step.lower(placed, state, grads)
         ops = (collective_ops(lowered.as_text(dialect="hlo")), _ops(lowered.compile()))
         rows.append(("zero1 flat, master_dtype=float32", name, max_state_bytes(state), ops))
-    lines = ["| variant | gradient sum dtype | state + master MB/device | x (12 B x P / N) | collectives as emitted | "
-             "wire MB | x plain DP | wire MB as XLA:CPU compiles it | x plain DP |",
+    lines = [("| variant | gradient sum dtype | state + master MB/device | x (12 B x P / N) | collectives as emitted | "
+              "wire MB | x plain DP | wire MB as XLA:CPU compiles it | x plain DP |"),
              "|---|---|---|---|---|---|---|---|---|"]
     counts = 4  # the step count: one int32 per device
     for variant, name, per_device, (program, compiled) in rows:
@@ -264,12 +264,12 @@ def section_buckets() -> str:
     grads = _per_device_grads(params, mesh)
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     default = zo.zero1(optax.adamw(1e-3), axis_name="data")
-    from zero_optax._sliced import DEFAULT_BUCKET_BYTES  # noqa: PLC0415
+    from zero_optax._sliced import DEFAULT_BUCKET_BYTES
 
     settings = [("per leaf", 0), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20), ("16 MiB", 16 << 20),
                 (f"default ({DEFAULT_BUCKET_BYTES >> 20} MiB)", DEFAULT_BUCKET_BYTES)]
-    lines = ["| bucket_bytes | collective ops per step | bound 2 x ceil(bytes / bucket_bytes) | wire (x P) | "
-             "max abs diff vs per-leaf |", "|---|---|---|---|---|"]
+    lines = [("| bucket_bytes | collective ops per step | bound 2 x ceil(bytes / bucket_bytes) | wire (x P) | "
+              "max abs diff vs per-leaf |"), "|---|---|---|---|---|"]
     reference = None
     del default
     for name, bb in settings:

@@ -169,3 +169,21 @@ def test_mesh_bound_scatter_and_master_params():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(zo.ZeroStructureError, match="scatter_state"):
         zo.scatter_state(tx, optax.adabelief(1e-2).init(params)[0], params)
+
+
+def test_master_padding_stays_zero():
+    """An inner update that moves zero coordinates (a constant shift) must not leak into the padding."""
+    n = 3
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), h.small_params())
+    inner = optax.chain(optax.sgd(1e-2), optax.stateless(lambda u, p: jax.tree.map(lambda x: x + 1e-3, u)))
+    tx = zo.zero1(inner, axis_name="data", master_dtype=jnp.float32)
+    mesh = h.mesh_of(n)
+    init, step = h.zero_fns(tx, mesh)
+    state = init(jax.device_put(h.small_params(), NamedSharding(mesh, P())))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    for g in bf16_grads(params, n, 3):
+        p, state = step(p, state, jax.device_put(g, NamedSharding(mesh, P("data"))))
+    layout = zo.describe(state)
+    sliced = [leaf for leaf in layout.leaves if leaf.sliced]
+    for leaf, m in zip(sliced, jax.tree.leaves(state.master)):
+        assert not np.asarray(m)[leaf.size:].any(), leaf.path

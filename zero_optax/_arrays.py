@@ -32,7 +32,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zero_optax import _names
-from zero_optax._layout import MASTER, Layout, Packing, pack_plan
+from zero_optax._layout import MASTER, Layout, Packing
 from zero_optax._state import ZeroState
 
 SHARED, SLICED, OWNED = "shared", "sliced", "owned"
@@ -63,15 +63,6 @@ class StoredArray:
         return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in self.spec))
 
 
-def packing(layout: Layout) -> Packing:
-    """`layout.state_packing`, computed in time linear in devices plus entries (records of any world size)."""
-    per_rank: list[list[tuple[int, int, str]]] = [[] for _ in range(layout.world_size)]
-    for j, e in enumerate(layout.entries):
-        if e.leaf is not None and not layout.leaves[e.leaf].sliced:
-            per_rank[layout.leaves[e.leaf].owner].append((j, e.size, e.dtype))
-    return pack_plan(per_rank)
-
-
 def unowned_entries(layout: Layout) -> list[int]:
     """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
     entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
@@ -93,7 +84,7 @@ def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[S
             leaf = layout.leaves[e.leaf]
             out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
                                    (tuple(leaf.axes) + layout.zero_axes(leaf),), entry=j))
-    pack = packing(layout) if pack is None else pack
+    pack = layout.state_packing if pack is None else pack
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
                                buffer=d))

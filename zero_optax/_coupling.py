@@ -412,7 +412,7 @@ def _scalar_repr(value: Any) -> str | None:
     """``repr`` of a one-element array's value, or None if it has more elements (or none)."""
     try:
         array = np.asarray(value)
-    except Exception:  # pylint: disable=broad-except  (e.g. a PRNG key array)
+    except Exception:  # noqa: BLE001  (e.g. a PRNG key array)
         return None
     return repr(array.reshape(()).item()) if array.size == 1 else None
 
@@ -513,7 +513,7 @@ def _user_frames(eqn: Any) -> list[str]:
             if not _is_internal(code.co_filename)
         ]
         return [f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})" for f in frames]
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001  (source info is private JAX API: never fail an analysis over it)
         return []
 
 

@@ -311,7 +311,8 @@ class Engine:
         new_master = state.master
         if sliced:
             if master:
-                m_new = {i: (m_sl[i] + u_a[i]).astype(m_sl[i].dtype) for i in sliced}
+                m_new = {i: _sliced.zero_padding((m_sl[i] + u_a[i]).astype(m_sl[i].dtype), layout.leaves[i],
+                                                 ranks[layout.zero_axes(layout.leaves[i])]) for i in sliced}
                 m_new = _reduce.skip_if_empty(ok, m_new, m_sl)
                 new_master = jax.tree.unflatten(jax.tree.structure(state.master), [m_new[i] for i in sliced])
                 rounded = {i: m_new[i].astype(p_leaves[i].dtype) for i in sliced}

@@ -219,16 +219,23 @@ class Layout:
             return "shared"
         return "sliced" if self.leaves[entry.leaf].sliced else "owned"
 
+    @functools.cached_property
+    def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i, e in enumerate(self.entries):
+            if e.leaf is not None and not self.leaves[e.leaf].sliced:
+                per_rank[self.leaves[e.leaf].owner].append(i)
+        return tuple(tuple(r) for r in per_rank)
+
     def rank_entries(self, rank: int) -> tuple[int, ...]:
         """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
-        return tuple(i for i, e in enumerate(self.entries)
-                     if e.leaf is not None and self.leaves[e.leaf].owner == rank)
+        return self._owned_by_rank[rank]
 
     @functools.cached_property
     def state_packing(self) -> Packing:
-        """Where each rank's owned entries sit in its packed state buffers."""
-        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in self.rank_entries(r)]
-                          for r in range(self.world_size)])
+        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
+        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
+                          for owned in self._owned_by_rank])
 
     @property
     def owned_leaves_per_device(self) -> tuple[int, ...]:

@@ -67,7 +67,7 @@ def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
 
 
 def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
-    pack = _arrays.packing(layout) if pack is None else pack
+    pack = layout.state_packing if pack is None else pack
     if not pack.sizes:
         return None
     return {"sizes": dict(sorted(pack.sizes.items())),
@@ -77,7 +77,7 @@ def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
 def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
-    pack = _arrays.packing(layout)
+    pack = layout.state_packing
     return {
         "partition": layout.partition,
         "axis_name": layout.axis_name if isinstance(layout.axis_name, str) else list(layout.axis_name),

@@ -105,8 +105,8 @@ class Remap:
     def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray]):
         self.saved, self.target, self.read, self.shared = saved, target, read, shared
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
-        self.old_pack = _arrays.packing(saved.layout)
-        self.new_pack = _arrays.packing(target)
+        self.old_pack = saved.layout.state_packing
+        self.new_pack = target.state_packing
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""

@@ -184,7 +184,7 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     owners = None if all(x.sliced for x in leaves) else [x.owner for x in leaves]
     if rec["owners"] != owners:
         c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
-    pack = _arrays.packing(layout)
+    pack = layout.state_packing
     if rec["packing"] != _record.packing_json(layout, pack):
         c.fail(f"{f}.packing", "does not match the owners and entries")
     arrays = tuple(_arrays.stored_arrays(layout, k, pack))
