@@ -196,3 +196,51 @@ def test_state_bytes_on_a_tensor_parallel_gpt_are_ideal():
             per_device[s.device] = per_device.get(s.device, 0) + s.data.nbytes
     full = sum(x.nbytes for x in jax.tree.leaves(optax.adamw(1e-3).init(params)))
     assert max(per_device.values()) <= 1.01 * full / 8
+
+
+def test_2d_checkpoint_continues_exactly_at_half_the_data_size(tmp_path):
+    """Train on (data=4, model=2), checkpoint, zo.reshard to data=2, restore on (2, 2), train on: the result equals
+    single-device optax fed each step's global mean gradient."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    inner = lambda: optax.adamw(1e-2, weight_decay=0.1)
+    steps = 2
+
+    def setup(shape):
+        mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:int(np.prod(shape))])
+        tx = zo.zero1(inner(), axis_name="data")
+        params = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params_np().items()}
+        specs = zo.state_specs(tx, params, TP_SPECS)
+        g_specs = {k: P("data", *s) for k, s in TP_SPECS.items()}
+
+        def step(p, s, g):
+            u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+            return optax.apply_updates(p, u), s
+
+        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(TP_SPECS,), out_specs=specs))
+        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(TP_SPECS, specs, g_specs),
+                                     out_specs=(TP_SPECS, specs)))
+        place = lambda t: {k: jax.device_put(v, NamedSharding(mesh, g_specs[k])) for k, v in t.items()}
+        return mesh, init, step, params, place
+
+    _, init, step, params, place = setup((4, 2))
+    state = init(params)
+    for t in range(steps):
+        params, state = step(params, state, place(grads_np(t, 4)))
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(steps, args=ocp.args.Composite(opt_state=zo.ZeroSave(state)))
+        mngr.wait_until_finished()
+    zo.reshard(tmp_path / "run" / str(steps) / "opt_state", tmp_path / "half", world_size=2)
+    mesh2, init2, step2, _, place2 = setup((2, 2))
+    target = init2({k: jax.device_put(v, NamedSharding(mesh2, TP_SPECS[k])) for k, v in params_np().items()})
+    state = ocp.Checkpointer(zo.ZeroCheckpointHandler()).restore(tmp_path / "half", args=zo.ZeroRestore(target))
+    params = {k: jax.device_put(np.asarray(v), NamedSharding(mesh2, TP_SPECS[k])) for k, v in params.items()}
+    for t in range(steps, 2 * steps):
+        params, state = step2(params, state, place2(grads_np(t, 2)))
+
+    ref, ref_state = params_np(), inner().init(params_np())
+    for t in range(2 * steps):
+        g = {k: v.mean(0) for k, v in grads_np(t, 4 if t < steps else 2).items()}
+        u, ref_state = inner().update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    assert_params(params, ref)
