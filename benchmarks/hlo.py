@@ -59,11 +59,13 @@ _SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([^\]]*)\]")
 _DEF_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=(]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _NAME_RE = re.compile(r"%?([A-Za-z_][\w.\-]*)\s*$")
-_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _CALLEE_RE = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
 _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_GROUPS_RE = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 
 _COUNTED: dict[str, str] = {k: k for k in KINDS} | {
@@ -196,7 +198,7 @@ def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
     """Every collective in the module, reachable from ENTRY.
 
     Each is ``{"name", "kind", "opcode", "computation", "bytes", "multiplier",
-    "trip_count_known"}``; ``bytes`` is the full-tensor size of one execution, ``multiplier`` how
+    "trip_count_known", "replica_groups"}``; ``bytes`` is the full-tensor size of one execution, ``multiplier`` how
     many times it runs per step (while-loop trip counts).
     """
     shapes: dict[str, str] = {}
@@ -219,7 +221,7 @@ def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
         name, shape, opcode, operands = parsed
         shapes[name] = shape
         if opcode in _COUNTED:
-            found.append((current, parsed))
+            found.append((current, parsed, line))
         edges = calls.setdefault(current, [])
         for attr, callee in _CALLEE_RE.findall(line):
             weight, known = 1, True
@@ -235,7 +237,7 @@ def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
 
     mult, exact = _multipliers(calls, entry, comps)
     ops = []
-    for comp, (name, shape, opcode, operands) in found:
+    for comp, (name, shape, opcode, operands), line in found:
         if comp not in mult:  # not reachable from ENTRY
             continue
         kind = _COUNTED[opcode]
@@ -256,9 +258,26 @@ def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
                 "bytes": full,
                 "multiplier": mult[comp],
                 "trip_count_known": exact[comp],
+                "replica_groups": replica_groups(line),
             }
         )
     return ops
+
+
+def replica_groups(line: str) -> list[list[int]]:
+    """The device groups of a collective (`replica_groups={{0,2},{1,3}}`); empty when the line has none."""
+    m = _GROUPS_RE.search(line)
+    if m is None:
+        iota = _IOTA_GROUPS_RE.search(line)
+        if iota is None:
+            return []
+        shape = [int(x) for x in iota.group(1).split(",")]
+        dims = [int(x) for x in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    return [[int(d) for d in g.split(",") if d.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
 
 
 def collective_bytes(compiled: Any) -> dict[str, int]:

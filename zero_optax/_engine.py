@@ -218,7 +218,8 @@ class Engine:
 
         Shared entries are identical on every device but stored one copy per device, so they come back typed
         varying. With `invariant`, they are made invariant again, as the inner transformation had them, by one tiny
-        all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need that.
+        all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need that, which `update`
+        learns the first time their trace fails without it.
         """
         out = [x[0] if layout.entries[j].leaf is None else x for j, x in zip(entries, values)]
         shared = [k for k, j in enumerate(entries) if layout.entries[j].leaf is None]
@@ -234,19 +235,6 @@ class Engine:
             for k, piece in zip(ks, jnp.split(first, cuts)):
                 out[k] = piece.reshape(out[k].shape)
         return out
-
-    def _needs_invariant(self, layout: Layout, g_view, old_a, p_view, extra) -> bool:
-        """Whether the inner update refuses shared state typed varying (traced once per layout, abstractly)."""
-        key = (layout, jax.tree.structure(extra))
-        if key not in self._invariant:
-            try:
-                jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), g_view, old_a, p_view, extra)
-                self._invariant[key] = False
-            except TypeError as e:
-                if "manual axis types" not in str(e) and "varying" not in str(e):
-                    raise
-                self._invariant[key] = True
-        return self._invariant[key]
 
     # ------------------------------------------------------------------ update
 
@@ -293,12 +281,19 @@ class Engine:
         view = lambda d: _tree(layout, _layout.masked_view([d.get(i) for i in range(len(layout.leaves))], d))
         g_view = view(g_sl)
         stored = jax.tree.leaves(state.inner_state)
-        a_old = self._from_storage(layout, a_entries, stored, invariant=False)
+        p_view = None if p_sl is None else view(p_sl)
+        invariant = self._invariant.get(layout, False)
+        a_old = self._from_storage(layout, a_entries, stored, invariant)
         old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-        if self._needs_invariant(layout, g_view, old_a, None if p_sl is None else view(p_sl), extra):
+        try:
+            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+        except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
+            if invariant or "manual axis types" not in str(e):
+                raise
+            self._invariant[layout] = True
             a_old = self._from_storage(layout, a_entries, stored, invariant=True)
             old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-        u_a, new_a = cfg.inner.update(g_view, old_a, None if p_sl is None else view(p_sl), **extra)
+            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
         _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
         new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
         u_a = dict(zip(sliced, jax.tree.leaves(u_a)))

@@ -122,7 +122,7 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
       >>> tx = zo.zero1(optax.adam(1e-2), axis_name="data")
       >>> specs = zo.state_specs(tx, {"w": jnp.ones(3)}, {"w": P()}, mesh=mesh)
       >>> jax.tree.leaves(specs)
-      [PartitionSpec('data',), PartitionSpec('data',), PartitionSpec('data',)]
+      [P('data',), P('data',), P('data',)]
     """
     if param_specs is None:
         param_specs = P()
