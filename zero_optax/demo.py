@@ -293,15 +293,19 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
     ref_optimizer = new_optimizer(reference, recipe.make(), mesh)
     result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
 
-    def run(model, optimizer, mesh, steps: range, label: str) -> float:
-        """Steps zero1 and optax on the same batches; returns the worst relative parameter difference."""
-        batch_sharding = NamedSharding(mesh, P("data"))
+    def run(model, optimizer, zero_mesh, steps: range, label: str) -> float:
+        """Steps zero1 (on `zero_mesh`) and optax (always on `mesh`) on the same batches.
+
+        Returns the worst relative parameter difference after any step.
+        """
         task = progress.add_task(label, total=len(steps), loss=float("nan"), diff=0.0)
         worst = 0.0
         for t in steps:
-            inputs, targets = jax.device_put(text.batch(t), batch_sharding)
-            result.zero_losses.append(float(train_step(model, optimizer, inputs, targets)))
-            result.optax_losses.append(float(train_step(reference, ref_optimizer, inputs, targets)))
+            batch = text.batch(t)
+            loss = train_step(model, optimizer, *jax.device_put(batch, NamedSharding(zero_mesh, P("data"))))
+            ref_loss = train_step(reference, ref_optimizer, *jax.device_put(batch, NamedSharding(mesh, P("data"))))
+            result.zero_losses.append(float(loss))
+            result.optax_losses.append(float(ref_loss))
             worst = max(worst, relative_difference(model, reference))
             progress.update(task, advance=1, loss=result.zero_losses[-1], diff=worst)
         return worst
@@ -329,7 +333,7 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
             opt_state=zo.ZeroRestore(nnx.as_pure(optimizer.opt_state), reshard=True)))
     nnx.update(model, restored["params"])
     nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"]))
-    optimizer.step[...] = k
+    optimizer.step.set_value(jnp.full_like(optimizer.step.get_value(), k))  # nnx.Optimizer's count: k steps
     result.restored_state = state_difference(restored["opt_state"], nnx.as_pure(ref_optimizer.opt_state))
     result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}, resumed", optimizer, ref_optimizer))
 
@@ -379,6 +383,8 @@ def plot(results: Sequence[Result], path: Path) -> None:
         ax.plot(steps[:k], r.zero_losses[:k], "C0.-", ms=3, label=f"zero1 on {r.devices} devices")
         ax.plot(steps[k:], r.zero_losses[k:], "C1.-", ms=3, label=f"restored, resumed on {r.resumed_on}")
         ax.axvline(k + 0.5, color="k", ls=":", lw=1)
+        ax.annotate(f" checkpoint: {r.devices} -> {r.resumed_on} devices", (k + 0.5, 0.5), xycoords=("data", "axes fraction"),
+                    fontsize=8)
         ax.set(title=f"zero1({r.recipe.name.lower()}), partition={r.recipe.partition!r}", xlabel="step",
                ylabel="loss (cross-entropy, nats)")
         ax.legend(frameon=False)
