@@ -27,7 +27,7 @@ def test_demo_end_to_end(tmp_path):
     assert "OK: every step of zero1 matched plain optax" in proc.stdout, log
     # One row per optimizer in the checks table, each passing: 2 steps on 8 devices, then 2 on 4.
     for name in ("AdamW flat", "Muon leaf"):
-        row = next(line for line in proc.stdout.splitlines() if name in line and "2 on 8 + 2 on 4" in line)
+        row = next(line for line in proc.stdout.splitlines() if name in line and "2 (8) + 2 (4)" in line)
         assert "pass" in row and "FAIL" not in row, row
     # The memory table: zero1's state per device is about 1/8 (flat) of what replicated optax keeps.
     flat = next(line for line in proc.stdout.splitlines() if re.search(r"AdamW flat\s*│\s*8\b", line))

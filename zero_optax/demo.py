@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -190,11 +191,11 @@ def new_optimizer(model: CharLM, tx: optax.GradientTransformation, mesh: jax.sha
 # ---------------------------------------------------------------------------------------------------- checks
 
 
-def relative_difference(model: CharLM, reference: CharLM) -> float:
-    """max |zero1 - optax| over all parameters, relative to the largest optax parameter (on the host)."""
+def parameter_difference(model: CharLM, reference: CharLM) -> tuple[float, float]:
+    """max |zero1 - optax| over all parameters, and the largest |optax| parameter (on the host)."""
     ours, theirs = (jax.tree.leaves(jax.device_get(nnx.as_pure(nnx.state(m, nnx.Param)))) for m in (model, reference))
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs))
-    return diff / max(float(np.max(np.abs(b))) for b in theirs)
+    return (max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs)),
+            max(float(np.max(np.abs(b))) for b in theirs))
 
 
 def bytes_per_device(tree) -> dict[jax.Device, int]:
@@ -259,6 +260,7 @@ class Result:
     before: float = 0.0  # worst relative difference before the checkpoint
     after: float = 0.0  # worst relative difference after resuming
     restored_state: float = 0.0  # restored optimizer state, gathered, against optax's at the checkpoint
+    max_abs: float = 0.0  # worst max |zero1 - optax| over all parameters and steps
     memory: list[Memory] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -296,7 +298,7 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
     def run(model, optimizer, zero_mesh, steps: range, label: str) -> float:
         """Steps zero1 (on `zero_mesh`) and optax (always on `mesh`) on the same batches.
 
-        Returns the worst relative parameter difference after any step.
+        Returns the worst relative parameter difference (max |zero1 - optax| / max |optax|) after any step.
         """
         task = progress.add_task(label, total=len(steps), loss=float("nan"), diff=0.0)
         worst = 0.0
@@ -306,7 +308,8 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
             ref_loss = train_step(reference, ref_optimizer, *jax.device_put(batch, NamedSharding(mesh, P("data"))))
             result.zero_losses.append(float(loss))
             result.optax_losses.append(float(ref_loss))
-            worst = max(worst, relative_difference(model, reference))
+            diff, scale = parameter_difference(model, reference)
+            worst, result.max_abs = max(worst, diff / scale), max(result.max_abs, diff)
             progress.update(task, advance=1, loss=result.zero_losses[-1], diff=worst)
         return worst
 
@@ -335,7 +338,7 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
     nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"]))
     optimizer.step.set_value(jnp.full_like(optimizer.step.get_value(), k))  # nnx.Optimizer's count: k steps
     result.restored_state = state_difference(restored["opt_state"], nnx.as_pure(ref_optimizer.opt_state))
-    result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}, resumed", optimizer, ref_optimizer))
+    result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
 
     result.after = run(model, optimizer, small, range(k, steps), f"  resumed on {half} devices")
     result.seconds = time.perf_counter() - t0
@@ -346,8 +349,9 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
 
 
 def memory_table(results: Sequence[Result]) -> Table:
-    table = Table(title="Optimizer state per device: zero1 against replicated optax")
-    for column in ("optimizer", "devices", "measured (shards)", "zo.describe", "stored", "optax replicated", "ratio"):
+    table = Table(title="Optimizer-state bytes per device: zero1 (its arrays' addressable shards; what "
+                        "zo.describe counts; what it stores, padding included) against replicated optax")
+    for column in ("optimizer", "devices", "shards", "describe", "stored", "optax", "ratio"):
         table.add_column(column, justify="left" if column == "optimizer" else "right")
     for m in (m for r in results for m in r.memory):
         table.add_row(m.label, str(m.devices), f"{m.measured:,}", f"{m.described:,}", f"{m.stored:,}",
@@ -356,26 +360,22 @@ def memory_table(results: Sequence[Result]) -> Table:
 
 
 def checks_table(results: Sequence[Result]) -> Table:
-    table = Table(title="Checks against plain optax (max |zero1 - optax| / max |optax|)")
-    for column in ("optimizer", "steps", "before checkpoint", "restored state", "after resume", "tolerance",
-                   "result"):
+    table = Table(title="Checks against plain optax: max |zero1 - optax| / max |optax|, over the parameters after "
+                        "each step before the checkpoint, the restored optimizer state, and each resumed step")
+    for column in ("optimizer", "steps (devices)", "before", "restored", "resumed", "rtol", ""):
         table.add_column(column, justify="left" if column == "optimizer" else "right")
     for r in results:
         table.add_row(f"{r.recipe.name} {r.recipe.partition}",
-                      f"{r.checkpoint_step} on {r.devices} + {len(r.zero_losses) - r.checkpoint_step} on "
-                      f"{r.resumed_on}", f"{r.before:.1e}", f"{r.restored_state:.1e}", f"{r.after:.1e}",
-                      f"{r.recipe.rtol:.0e}", "[green]pass" if r.ok else "[red]FAIL")
+                      f"{r.checkpoint_step} ({r.devices}) + {len(r.zero_losses) - r.checkpoint_step} ({r.resumed_on})",
+                      f"{r.before:.1e}", f"{r.restored_state:.1e}", f"{r.after:.1e}", f"{r.recipe.rtol:.0e}",
+                      "[green]pass" if r.ok else "[red]FAIL")
     return table
 
 
 def plot(results: Sequence[Result], path: Path) -> None:
     """Loss curves: zero1 (checkpointed, resharded, resumed) over the uninterrupted optax run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(results), 3.8), layout="tight")  # no pyplot: no GUI backend, no global state
+    axes = fig.subplots(1, len(results), squeeze=False)
     for ax, r in zip(axes[0], results):
         steps = np.arange(1, len(r.optax_losses) + 1)
         ax.plot(steps, r.optax_losses, color="0.6", lw=4, label="plain optax, uninterrupted")
@@ -388,9 +388,7 @@ def plot(results: Sequence[Result], path: Path) -> None:
         ax.set(title=f"zero1({r.recipe.name.lower()}), partition={r.recipe.partition!r}", xlabel="step",
                ylabel="loss (cross-entropy, nats)")
         ax.legend(frameon=False)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -431,8 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{len(text.alphabet)} symbols")
 
     results = []
-    columns = (TextColumn("{task.description:<24}"), BarColumn(bar_width=16), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}  diff {task.fields[diff]:.0e}"), TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<24}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.3f}  rel. diff {task.fields[diff]:.0e}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         for recipe in recipes:
             results.append(train(recipe, text, devices, args.steps, args.out, progress))
@@ -444,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = all(r.ok for r in results)
     for r in results:
         console.print(f"{r.recipe.name} {r.recipe.partition}: loss {r.zero_losses[0]:.3f} -> {r.zero_losses[-1]:.3f} "
-                      f"in {len(r.zero_losses)} steps, {r.seconds:.0f} s")
+                      f"in {len(r.zero_losses)} steps ({r.seconds:.0f} s); max |zero1 - optax| over all parameters "
+                      f"and steps: {r.max_abs:.1e}")
     console.print(f"loss curves: {png}; checkpoints: {args.out / 'checkpoints'}")
     console.print("[bold green]OK[/]: every step of zero1 matched plain optax, before and after resharding "
                   f"from {len(devices)} to {len(devices) // 2} devices" if ok else
