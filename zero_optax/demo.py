@@ -278,9 +278,53 @@ def state_difference(zero_state, optax_state) -> float:
     return max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in pairs) / scale
 
 
+def save(directory: Path, step: int, model: CharLM, optimizer: nnx.Optimizer) -> None:
+    """Saves the parameters with Orbax's `StandardSave` and the sharded optimizer state with `zo.ZeroSave`."""
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(nnx.as_pure(nnx.state(model, nnx.Param))),
+            opt_state=zo.ZeroSave(nnx.as_pure(optimizer.opt_state))))  # the zero1 state, unwrapped from NNX
+        manager.wait_until_finished()
+
+
+def restore(directory: Path, step: int, recipe: Recipe, vocab: int,
+            mesh: jax.sharding.Mesh) -> tuple[CharLM, nnx.Optimizer, zo.ZeroState]:
+    """Restores a checkpoint saved on any number of devices onto `mesh`.
+
+    A fresh model and optimizer on `mesh` give the targets: shapes, shardings and the zero1 layout for this mesh.
+    `reshard=True` lets `ZeroRestore` re-slice (flat) or re-own (leaf) a state saved at another world size.
+
+    Returns:
+      The model and optimizer with the restored values, and the restored zero1 state.
+    """
+    model = new_model(vocab, mesh)
+    tx = zo.zero1(recipe.make(), axis_name="data", mesh=mesh, partition=recipe.partition)
+    optimizer = new_optimizer(model, tx, mesh)
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(nnx.as_pure(nnx.state(model, nnx.Param))),
+            opt_state=zo.ZeroRestore(nnx.as_pure(optimizer.opt_state), reshard=True)))
+    nnx.update(model, restored["params"])
+    nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"]))
+    optimizer.step.set_value(jnp.full_like(optimizer.step.get_value(), step))  # nnx.Optimizer's own count
+    return model, optimizer, restored["opt_state"]
+
+
 def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int, out: Path,
           progress: Progress) -> Result:
-    """Trains with zero1 and with plain optax side by side, checkpoints half-way, resumes on half the devices."""
+    """Trains with zero1 and with plain optax side by side, checkpoints half-way, resumes on half the devices.
+
+    Args:
+      recipe: the inner optimizer and its partition.
+      text: the training text.
+      devices: the devices to start on (an even number); the run resumes on the first half of them.
+      steps: steps in all, `steps // 2` before the checkpoint.
+      out: the output folder; the checkpoint goes to `out/checkpoints/<optimizer>_<partition>`.
+      progress: where to show the progress bars.
+
+    Returns:
+      The losses, differences from optax and state bytes of the run.
+    """
     t0 = time.perf_counter()
     vocab = len(text.alphabet)
     n, half, k = len(devices), len(devices) // 2, steps // 2
@@ -315,29 +359,13 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
 
     result.before = run(model, optimizer, mesh, range(k), f"{recipe.name} {recipe.partition}, {n} devices")
 
-    # Save: the parameters with Orbax's StandardSave, the sharded optimizer state with zero_optax's ZeroSave.
+    # Half-way: save on n devices and restore on half of them; the optax run goes on, uninterrupted, on all n.
     ckpt_dir = (out / "checkpoints" / f"{recipe.name.lower()}_{recipe.partition}").absolute()
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: an old step k would not be overwritten
-    with ocp.CheckpointManager(ckpt_dir) as manager:
-        manager.save(k, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(nnx.as_pure(nnx.state(model, nnx.Param))),
-            opt_state=zo.ZeroSave(nnx.as_pure(optimizer.opt_state))))
-        manager.wait_until_finished()
-
-    # Restore onto half the devices: a fresh model and optimizer there give the targets (shapes, shardings and
-    # the zero1 layout for `half` devices); reshard=True re-slices (flat) or re-owns (leaf) the saved state.
+    save(ckpt_dir, k, model, optimizer)
     small = data_mesh(devices[:half])
-    model = new_model(vocab, small)
-    optimizer = new_optimizer(model, zo.zero1(recipe.make(), axis_name="data", mesh=small,
-                                              partition=recipe.partition), small)
-    with ocp.CheckpointManager(ckpt_dir) as manager:
-        restored = manager.restore(k, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(nnx.as_pure(nnx.state(model, nnx.Param))),
-            opt_state=zo.ZeroRestore(nnx.as_pure(optimizer.opt_state), reshard=True)))
-    nnx.update(model, restored["params"])
-    nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"]))
-    optimizer.step.set_value(jnp.full_like(optimizer.step.get_value(), k))  # nnx.Optimizer's count: k steps
-    result.restored_state = state_difference(restored["opt_state"], nnx.as_pure(ref_optimizer.opt_state))
+    model, optimizer, restored = restore(ckpt_dir, k, recipe, vocab, small)
+    result.restored_state = state_difference(restored, nnx.as_pure(ref_optimizer.opt_state))
     result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
 
     result.after = run(model, optimizer, small, range(k, steps), f"  resumed on {half} devices")
