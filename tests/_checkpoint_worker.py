@@ -3,8 +3,9 @@
 Usage: python _checkpoint_worker.py CHECKPOINT_DIR MARKER_FILE
 
 Trains zero1(adamw) on 8 simulated CPU devices, saves step 1 through an async CheckpointManager and waits for it,
-then makes array writes slow, starts saving step 2, and writes MARKER_FILE once the first array of step 2 is on
-disk. The test kills it after that; it never finishes on its own within the test's timeout.
+then makes the record's write hang, starts saving step 2, and writes MARKER_FILE when the background commit of
+step 2 reaches the record (beside Orbax's array writes). The test kills it after that; it never finishes on its
+own within the test's timeout.
 """
 
 import sys
@@ -18,7 +19,7 @@ import _zero_setup as zs
 import orbax.checkpoint as ocp
 
 import zero_optax as zo
-from zero_optax import _store
+from zero_optax import _record
 
 
 def main(directory: str, marker: str) -> None:
@@ -31,15 +32,12 @@ def main(directory: str, marker: str) -> None:
         mngr.wait_until_finished()
         print("SAVED 1", flush=True)
 
-        write_regions = _store.write_regions
-
-        def slow_write_regions(*args, **kwargs):
-            write_regions(*args, **kwargs)
+        def slow_write(*args, **kwargs):  # the record, written by a commit future of the save
             with open(marker, "w") as f:
                 f.write("writing step 2\n")
             time.sleep(600)
 
-        _store.write_regions = slow_write_regions
+        _record.write = slow_write
         p, s = tr.train(p, s, 1, 2)
         mngr.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(p), opt_state=zo.ZeroSave(s)))
         print("SAVING 2", flush=True)

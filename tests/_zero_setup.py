@@ -121,3 +121,57 @@ def assert_bit_equal(a, b) -> None:
 def trainer(kind: str, n: int = 8, chain: bool = False, owners: tuple[int, ...] | None = None) -> Trainer:
     """One compiled Trainer per configuration for the whole test session."""
     return Trainer(make_tx(kind, owners=owners, chain=chain), mesh(n))
+
+
+class MeshTrainer:
+    """zero1 on a mesh with model-parallel (or expert) axes: parameters laid out by `param_specs`, the state by
+    `zo.state_specs`, per-device gradients varying over the ZeRO axes.
+
+    Args:
+      kind: the inner optimizer (`inner(kind)`).
+      mesh_shape: `{axis: size}` in mesh order (devices are the first ones).
+      axis_name: the ZeRO axis or axes.
+      param_specs: `{name: PartitionSpec}` of the parameters (global shapes `shapes`).
+    """
+
+    def __init__(self, kind: str, mesh_shape: dict, axis_name, param_specs: dict, shapes: dict):
+        import math  # pylint: disable=import-outside-toplevel
+        n = math.prod(mesh_shape.values())
+        self.mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape), devices=jax.devices()[:n])
+        self.shapes, self.param_specs = shapes, param_specs
+        self.tx = zo.zero1(inner(kind), axis_name=axis_name, partition=PARTITION[kind])
+        zero = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        self.grad_specs, self.grad_rows = {}, {}
+        for k, spec in param_specs.items():
+            own = {a for part in spec if part for a in ((part,) if isinstance(part, str) else part)}
+            rows = tuple(a for a in zero if a not in own)
+            self.grad_specs[k] = P(rows, *spec) if rows else P(None, *spec)
+            self.grad_rows[k] = math.prod(mesh_shape[a] for a in rows)
+        p = self.params()
+        self.specs = zo.state_specs(self.tx, p, param_specs, mesh=self.mesh)
+        self.init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(param_specs,), out_specs=self.specs))
+
+        def step(p, s, g):
+            u, s = self.tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+            return optax.apply_updates(p, u), s
+
+        self._step = jax.jit(jax.shard_map(step, mesh=self.mesh, in_specs=(param_specs, self.specs, self.grad_specs),
+                                           out_specs=(param_specs, self.specs)))
+
+    def params(self):
+        return {k: global_array(v, NamedSharding(self.mesh, self.param_specs[k]))
+                for k, v in params_np(self.shapes).items()}
+
+    def train(self, p, s, start: int, stop: int):
+        for t in range(start, stop):
+            rng = np.random.default_rng(3000 + t)
+            g = {k: global_array(rng.standard_normal((self.grad_rows[k], *shape)).astype(np.float32),
+                                 NamedSharding(self.mesh, self.grad_specs[k])) for k, shape in self.shapes.items()}
+            p, s = self._step(p, s, g)
+        return p, s
+
+    def abstract(self):
+        """An abstract target: `jax.eval_shape` of init, each leaf carrying its sharding."""
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, x.sharding.spec)),
+            jax.eval_shape(self.init, self.params()))

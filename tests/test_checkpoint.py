@@ -1,4 +1,4 @@
-"""Tests for zero_optax._checkpoint: Orbax saving and restoring of zero1 states."""
+"""Tests for zero_optax._checkpoint: Orbax saving and restoring of zero1 states at the saved layout."""
 
 import json
 import os
@@ -11,12 +11,14 @@ import time
 import _zero_setup as zs
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
 import zero_optax as zo
-from zero_optax import _record, _store
+from zero_optax import _names, _record, _store
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +36,10 @@ def _composite_restore(p, target):
     return ocp.args.Composite(params=ocp.args.StandardRestore(p), opt_state=zo.ZeroRestore(target))
 
 
+def _files(directory) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(b, f), directory) for b, _, fs in os.walk(directory) for f in fs)
+
+
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("kind,chain", CONFIGS, ids=[k for k, _ in CONFIGS])
 def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
@@ -44,17 +50,21 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous)
     with ocp.CheckpointManager(tmp_path, options=options) as mngr:
         mngr.save(2, args=_composite_save(p, s))
-        # Training continues at once and donates the saved state's buffers while the save may still be running.
+        # Training continues at once, with a step that donates the saved state, while the save may still be
+        # running. (On CPU, Orbax's host copies are views of the device buffers, so JAX declines the donation
+        # until they are written; on accelerators they are copies. Either way the saved values stay intact.)
         p_ref, s_ref = tr.train(p, s, 2, 4)
-        if jax.__version_info__ < (0, 11):  # JAX 0.11 on CPU keeps the donated buffers alive (seen on 0.11.2)
-            assert all(x.is_deleted() for x in jax.tree.leaves(s))
+        s_ref_host = zs.host(s_ref)
         mngr.wait_until_finished()
+        if jax.__version_info__ < (0, 11):  # JAX 0.11 on CPU keeps the donated buffers alive (seen on 0.11.2)
+            tr.train(p_ref, s_ref, 4, 5)  # once written, the save holds no reference to any buffer
+            assert all(x.is_deleted() for x in jax.tree.leaves(s_ref))
         assert mngr.latest_step() == 2
         for target in (tr.init(p0), tr.abstract(p0)):
             restored = mngr.restore(2, args=_composite_restore(p0, target))
             r = restored.opt_state
             assert jax.tree.structure(r) == jax.tree.structure(target)
-            for state, t in zip(zo._zero1.find_states(r), zo._zero1.find_states(target)):
+            for state, t in zip(zo._state.find_states(r), zo._state.find_states(target)):
                 assert state.layout is t.layout
             for x, t in zip(jax.tree.leaves(r), jax.tree.leaves(target)):
                 assert x.sharding == t.sharding
@@ -62,11 +72,16 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
             zs.assert_bit_equal(zs.host(restored.params), saved_params)
             p_new, s_new = tr.train(restored.params, r, 2, 4)
             zs.assert_bit_equal(p_new, p_ref)
-            zs.assert_bit_equal(s_new, s_ref)
+            zs.assert_bit_equal(zs.host(s_new), s_ref_host)
         meta = mngr.item_metadata(2)["opt_state"]
-    assert meta["format_version"] == _record.FORMAT_VERSION
+    assert meta["format_version"] == _record.FORMAT_VERSION == 2
+    assert meta["storage"] == "orbax"
     assert meta["states"][0]["partition"] == zs.PARTITION[kind]
     assert 2 in meta["states"][0]["clocks"].values()  # Two steps taken.
+    # Orbax's own array storage: OCDBT data files and Orbax's metadata, no file per array or device.
+    item = tmp_path / "2" / "opt_state"
+    assert {"_METADATA", "manifest.ocdbt", _names.RECORD_FILE} <= set(os.listdir(item))
+    assert len(_files(item)) < 20
 
 
 def test_standalone_checkpointer_and_metadata(tmp_path):
@@ -81,11 +96,30 @@ def test_standalone_checkpointer_and_metadata(tmp_path):
         restored = ckpt.restore(tmp_path / "x", args=zo.ZeroRestore(tr.init(p)))
     zs.assert_bit_equal(zs.host(restored), expected)
     assert meta["format"] == _record.FORMAT
-    assert meta["tree"] == str(jax.tree.structure(s, is_leaf=lambda x: isinstance(x, zo.ZeroLeafState)))
+    assert meta["tree"] == "*"  # our own signature of the saved pytree: one zero1 state, at the root
     state = meta["states"][0]
     assert state["owners"] == list(s.layout.owners)
     assert state["clocks"] and set(state["clocks"].values()) == {1}
-    assert sorted(os.listdir(tmp_path / "x" / "arrays")) == sorted(a["name"] for a in state["arrays"])
+    shared = [f"0.entry{j:04d}" for j, e in enumerate(state["entries"]) if e["leaf"] is None]  # step counts ...
+    assert [a["name"] for a in state["arrays"]] == shared + ["0.buffer_float32"]
+    stored = {k.split("/")[0] for k in _store.ItemArrays(tmp_path / "x").stored_keys()}
+    assert {a["name"] for a in state["arrays"]} == stored
+    # Orbax reads the arrays as a plain pytree too: nothing but Orbax's format under the record.
+    arrays = ocp.PyTreeCheckpointer().restore(tmp_path / "x")
+    np.testing.assert_array_equal(arrays["0.buffer_float32"], np.asarray(s.buffers["float32"]))
+
+
+def test_file_count_stays_small_with_many_leaves(tmp_path):
+    """Orbax's OCDBT storage: a few files per process, whatever the number of leaves and devices."""
+    counts = []
+    for n_leaves in (2, 40):
+        shapes = {f"w{i:02d}": (3, i + 1) for i in range(n_leaves)}
+        tr = zs.trainer("adam")
+        s = tr.init(zs.params(tr.mesh, shapes))
+        with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
+            ckpt.save(tmp_path / str(n_leaves), args=zo.ZeroSave(s))
+        counts.append(len(_files(tmp_path / str(n_leaves))))
+    assert max(counts) < 30, counts  # the old format wrote one file per device and array: 8 * (1 + 2 * 40)
 
 
 def test_eval_shape_target_needs_the_concrete_mesh(tmp_path):
@@ -101,6 +135,23 @@ def test_eval_shape_target_needs_the_concrete_mesh(tmp_path):
             restored = ckpt.restore(tmp_path / "x", args=zo.ZeroRestore(target))
     zs.assert_bit_equal(restored, s)
     assert restored.inner_state[0].mu["a"].sharding == s.inner_state[0].mu["a"].sharding
+
+
+def test_flax_optimizer_state_in_variables(tmp_path):
+    """`nnx.Optimizer(model, tx).opt_state` holds the zero1 state's arrays in Variables; both ways work."""
+    from flax.nnx.training.optimizer import OptArray, to_opt_state  # pylint: disable=import-outside-toplevel
+    tr = zs.trainer("adamw", chain=True)
+    p0 = zs.params(tr.mesh)
+    _, s = tr.train(p0, tr.init(p0), 0, 1)
+    opt_state = to_opt_state(s)  # what nnx.Optimizer keeps
+    with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
+        ckpt.save(tmp_path / "x", args=zo.ZeroSave(opt_state))
+        restored = ckpt.restore(tmp_path / "x", args=zo.ZeroRestore(target=to_opt_state(tr.init(p0))))
+        abstract = ckpt.restore(tmp_path / "x", args=zo.ZeroRestore(target=to_opt_state(tr.abstract(p0))))
+    for r in (restored, abstract):
+        assert jax.tree.structure(r) == jax.tree.structure(opt_state)
+        assert all(isinstance(v, OptArray) for v in jax.tree.leaves(r, is_leaf=lambda x: isinstance(x, OptArray)))
+        zs.assert_bit_equal(zo._compat.pure(r), s)
 
 
 def test_save_refuses_arrays_outside_zero_states(tmp_path):
@@ -128,6 +179,8 @@ def test_handler_save_guards_against_missing_args_keyword(tmp_path):
         handler.save(tmp_path)
     with pytest.raises(zo.ZeroCheckpointError, match="needs a target"):
         handler.restore(tmp_path)
+    with pytest.raises(zo.ZeroCheckpointError, match="`reshard` must be True or False"):
+        zo.ZeroRestore(s, reshard="yes")
     with ocp.CheckpointManager(tmp_path / "m") as mngr:
         mngr.save(0, args=ocp.args.Composite(opt_state=zo.ZeroSave(s)))
         mngr.wait_until_finished()
@@ -137,34 +190,62 @@ def test_handler_save_guards_against_missing_args_keyword(tmp_path):
             mngr.restore(0)
 
 
+@pytest.mark.parametrize("where,message", [
+    ("s3://bucket/ckpt", r"the scheme `s3://` is not supported"),
+    ("gs://Not_A_Bucket!/ckpt", "does not name a valid Google Cloud Storage bucket"),
+    ("file/x", "is a file, not a directory"),
+    ("file", "it is a file, not a directory"),
+])
+def test_save_refuses_an_impossible_location_at_once(tmp_path, where, message):
+    """The refusal comes from `save` itself, before any background work (and leaves nothing behind)."""
+    (tmp_path / "file").write_text("not a directory")
+    tr = zs.trainer("adamw")
+    s = tr.init(zs.params(tr.mesh))
+    path = where if "://" in where else str(tmp_path / where)
+    with pytest.raises(zo.ZeroCheckpointError, match=message):
+        zo.ZeroCheckpointHandler().save(path, args=zo.ZeroSave(s))
+    if where == "file/x":  # through an asynchronous Checkpointer, which creates directories in the background
+        with ocp.AsyncCheckpointer(zo.ZeroCheckpointHandler()) as ckpt:
+            with pytest.raises(zo.ZeroCheckpointError, match=message):
+                ckpt.save(path, args=zo.ZeroSave(s))
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Restore refuses mismatches and damage, and reads nothing when it does.
+# Restore refuses mismatches and damage, and reads no array data when it does.
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Item directories of a flat zero1(adam) and a leaf zero1(muon) state saved on 8 devices."""
+    """Item directories of a flat zero1(adam) and a leaf zero1(muon) state saved on 8 devices, one step in."""
     root = tmp_path_factory.mktemp("saved")
     out = {}
     with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
         for kind in ("adam", "muon"):
             tr = zs.trainer(kind)
-            ckpt.save(root / kind, args=zo.ZeroSave(tr.init(zs.params(tr.mesh))))
+            p = zs.params(tr.mesh)
+            _, s = tr.train(p, tr.init(p), 0, 1)
+            ckpt.save(root / kind, args=zo.ZeroSave(s))
             out[kind] = root / kind
     return out
 
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Counts array reads; every test using it checks that a failed restore read no array."""
+    """Counts array reads (ours and Orbax's); every test using it checks that a failed restore read none."""
     count = []
-    read_to_jax = _store.read_to_jax
+    read, orbax_read = _store.ItemArrays.read, zo.ZeroCheckpointHandler._orbax_read
 
-    def counting(*args, **kwargs):
-        count.append(args[0])
-        return read_to_jax(*args, **kwargs)
+    def counting(self, name, region):
+        count.append(name)
+        return read(self, name, region)
 
-    monkeypatch.setattr(_store, "read_to_jax", counting)
+    def counting_orbax(self, directory, structs):
+        count.extend(structs)
+        return orbax_read(self, directory, structs)
+
+    monkeypatch.setattr(_store.ItemArrays, "read", counting)
+    monkeypatch.setattr(zo.ZeroCheckpointHandler, "_orbax_read", counting_orbax)
     return count
 
 
@@ -174,9 +255,9 @@ def _copy(saved, kind, tmp_path):
     return dst
 
 
-def _restore(directory, target):
+def _restore(directory, target, reshard=False):
     with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
-        return ckpt.restore(directory, args=zo.ZeroRestore(target))
+        return ckpt.restore(directory, args=zo.ZeroRestore(target, reshard=reshard))
 
 
 def _target(kind, n=8, shapes=zs.SHAPES, **kwargs):
@@ -186,28 +267,37 @@ def _target(kind, n=8, shapes=zs.SHAPES, **kwargs):
 
 def test_restore_reads_every_array_once_when_valid(saved, reads):
     restored = _restore(saved["adam"], _target("adam"))
-    assert len(reads) == len(jax.tree.leaves(restored)) == 9
+    shared = ["0.entry0000"]  # the step count, read first to check that every row agrees
+    assert reads == shared + [a.name for a in zo._arrays.stored_arrays(restored.layout, 0)]
+    assert len(jax.tree.leaves(restored)) == 9
 
 
 def _edit_record(directory, edit):
-    path = directory / _record.RECORD_FILE
+    path = directory / _names.RECORD_FILE
     record = json.loads(path.read_text())
     edit(record)
     path.write_text(json.dumps(record))
 
 
-def test_future_format_version(saved, reads, tmp_path):
+@pytest.mark.parametrize("version,message", [
+    (3, r"record format version 3; this zero_optax .* reads version 2 only. Upgrade"),
+    (1, r"record format version 1; .* reads version 2 only. Checkpoints of zero_optax 0.1 \(version 1\)"),
+    ("2", r"record format version \"2\"; .* The record is damaged"),
+])
+def test_other_format_versions(saved, reads, tmp_path, version, message):
     d = _copy(saved, "adam", tmp_path)
-    _edit_record(d, lambda r: r.update(format_version=2))
-    with pytest.raises(zo.ZeroCheckpointError, match="record format version 2.*reads version 1.*Upgrade"):
+    _edit_record(d, lambda r: r.update(format_version=version))
+    with pytest.raises(zo.ZeroCheckpointError, match=message):
         _restore(d, _target("adam"))
+    with pytest.raises(zo.ZeroCheckpointError, match=message):
+        _restore(d, _target("adam", n=4), reshard=True)
     assert not reads
 
 
 def test_corrupt_json(saved, reads, tmp_path):
     d = _copy(saved, "adam", tmp_path)
-    text = (d / _record.RECORD_FILE).read_text()
-    (d / _record.RECORD_FILE).write_text(text[: len(text) // 2])
+    text = (d / _names.RECORD_FILE).read_text()
+    (d / _names.RECORD_FILE).write_text(text[: len(text) // 2])
     with pytest.raises(zo.ZeroCheckpointError, match="is not valid JSON.*damaged"):
         _restore(d, _target("adam"))
     assert not reads
@@ -216,10 +306,10 @@ def test_corrupt_json(saved, reads, tmp_path):
 def test_damaged_record_fields(saved, reads, tmp_path):
     d = _copy(saved, "adam", tmp_path)
     _edit_record(d, lambda r: r["states"][0].pop("leaves"))
-    with pytest.raises(zo.ZeroCheckpointError, match="leaves"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"`states\[0\]` lacks 'leaves'"):
         _restore(d, _target("adam"))
     _edit_record(d, lambda r: r.update(states={}))
-    with pytest.raises(zo.ZeroCheckpointError, match="no valid `states`"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"`states` is a dict, not a list"):
         _restore(d, _target("adam"))
     assert not reads
 
@@ -228,8 +318,10 @@ def test_not_a_checkpoint(reads, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(zo.ZeroCheckpointError, match="is not a zero_optax checkpoint: zero_record.json is missing"):
         _restore(tmp_path / "empty", _target("adam"))
+    with pytest.raises(zo.ZeroCheckpointError, match="is not a zero_optax checkpoint: no such directory"):
+        zo.ZeroCheckpointHandler().restore(tmp_path / "nowhere", args=zo.ZeroRestore(_target("adam")))
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / _record.RECORD_FILE).write_text('{"format": "something else"}')
+    (tmp_path / "other" / _names.RECORD_FILE).write_text('{"format": "something else"}')
     with pytest.raises(zo.ZeroCheckpointError, match="is not a zero_optax record"):
         _restore(tmp_path / "other", _target("adam"))
     assert not reads
@@ -237,7 +329,8 @@ def test_not_a_checkpoint(reads, tmp_path):
 
 def test_world_size_change_names_reshard(saved, reads):
     with pytest.raises(zo.ZeroCheckpointError,
-                       match=r"saved with world size 8, but the target state has 4 devices.*zero_optax\.reshard"):
+                       match=r"saved with world size 8, but the target state has 4 devices. Restore it with "
+                             r"zo.ZeroRestore\(target, reshard=True\).*zo\.reshard\(src, dst, world_size=4\)"):
         _restore(saved["adam"], _target("adam", n=4))
     assert not reads
 
@@ -250,13 +343,13 @@ def test_world_size_change_through_checkpoint_manager(saved, reads, tmp_path):
         mngr.wait_until_finished()
         small = zs.trainer("adam", n=4)
         p4 = zs.params(small.mesh)
-        with pytest.raises(zo.ZeroCheckpointError, match="reshard"):
+        with pytest.raises(zo.ZeroCheckpointError, match="reshard=True"):
             mngr.restore(0, args=_composite_restore(p4, small.init(p4)))
     assert not reads
 
 
 def test_different_owners(saved, reads):
-    owners = tuple(reversed(saved_owners := _record.read_record(saved["muon"])["states"][0]["owners"]))
+    owners = tuple(reversed(saved_owners := _record.read(saved["muon"])["states"][0]["owners"]))
     assert list(owners) != saved_owners
     with pytest.raises(zo.ZeroCheckpointError,
                        match=r"zero1 state 0 \(at `<root>`\): owners\[\d+\] is \d+ in the checkpoint but \d+ in the"):
@@ -266,21 +359,24 @@ def test_different_owners(saved, reads):
 
 def test_different_shapes(saved, reads):
     shapes = dict(zs.SHAPES, c=(9,))
-    with pytest.raises(zo.ZeroCheckpointError, match=r"leaves\[2\] is .*\"shape\": \[7\].* in the checkpoint but"
-                                                     r" .*\"shape\": \[9\].* in the target"):
-        _restore(saved["adam"], _target("adam", shapes=shapes))
+    for reshard in (False, True):
+        with pytest.raises(zo.ZeroCheckpointError, match=r"leaves\[2\] is .*\"shape\": \[7\].* in the checkpoint but"
+                                                         r" .*\"shape\": \[9\].* in the target"):
+            _restore(saved["adam"], _target("adam", shapes=shapes), reshard=reshard)
     assert not reads
 
 
 def test_adam_record_into_lion_target(saved, reads):
-    with pytest.raises(zo.ZeroCheckpointError, match=r"state_tree is .*ScaleByAdamState.* in the checkpoint but .*ScaleByLionState.* in the target"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"state_tree is .*ScaleByAdamState.* in the checkpoint but "
+                                                     r".*ScaleByLionState.* in the target"):
         _restore(saved["adam"], _target("lion"))
     assert not reads
 
 
 def test_flat_record_into_leaf_target(saved, reads):
-    with pytest.raises(zo.ZeroCheckpointError, match="partition is \"flat\" in the checkpoint but \"leaf\""):
-        _restore(saved["adam"], _target("muon"))
+    for reshard in (False, True):
+        with pytest.raises(zo.ZeroCheckpointError, match="partition is \"flat\" in the checkpoint but \"leaf\""):
+            _restore(saved["adam"], _target("muon"), reshard=reshard)
     assert not reads
 
 
@@ -292,46 +388,74 @@ def test_adam_record_into_adabelief_target(saved, reads):
         zs.params(tr.mesh))
     with pytest.raises(zo.ZeroCheckpointError, match=r"state_tree is .*ScaleByAdamState.* in the checkpoint but "
                        r".*ScaleByBeliefState.* in the target"):
-        _restore(saved["adam"], target)
+        _restore(saved["adam"], target, reshard=True)
     assert not reads
 
 
 def test_different_tree_around_the_zero_state(saved, reads):
-    with pytest.raises(zo.ZeroCheckpointError, match=r"the saved pytree is .* but the target is .*EmptyState"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"the saved pytree is \"\*\" but the target is .*EmptyState"):
         _restore(saved["adam"], _target("adam", chain=True))
     assert not reads
 
 
-def _chunk(directory, array="0.entry0001", chunk="3.0"):
-    path = directory / _record.ARRAYS_DIR / array / chunk
-    assert path.exists()
-    return path
+def _database(directory):
+    return ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(directory) + "/"}}).result()
 
 
-def test_deleted_chunk_file(saved, reads, tmp_path):
+def test_deleted_chunk(saved, reads, tmp_path):
     d = _copy(saved, "adam", tmp_path)
-    _chunk(d).unlink()
-    with pytest.raises(zo.ZeroCheckpointError, match=r"incomplete or damaged: array 0.entry0001: missing chunk file"
-                                                     r" .*0.entry0001/3.0. Nothing was loaded"):
+    del _database(d)[b"0.entry0001/c/3"]
+    with pytest.raises(zo.ZeroCheckpointError, match=r"incomplete or damaged: array 0.entry0001: 1 chunks are "
+                                                     r"missing \(first: 0.entry0001/c/3\). Nothing was loaded"):
         _restore(d, _target("adam"))
-    assert not reads
-
-
-def test_truncated_chunk_file(saved, reads, tmp_path):
-    d = _copy(saved, "muon", tmp_path)
-    path = _chunk(d, "0.buffer_float32", "5.0")
-    path.write_bytes(path.read_bytes()[:-4])
-    with pytest.raises(zo.ZeroCheckpointError, match=r"array 0.buffer_float32: truncated chunk file .*5.0"):
-        _restore(d, _target("muon"))
     assert not reads
 
 
 def test_missing_array_metadata(saved, reads, tmp_path):
+    d = _copy(saved, "muon", tmp_path)
+    del _database(d)[b"0.buffer_float32/zarr.json"]
+    with pytest.raises(zo.ZeroCheckpointError, match="array 0.buffer_float32: cannot open it"):
+        _restore(d, _target("muon"))
+    assert not reads
+
+
+def test_missing_database(saved, reads, tmp_path):
     d = _copy(saved, "adam", tmp_path)
-    (d / _record.ARRAYS_DIR / "0.entry0008" / ".zarray").unlink()
-    with pytest.raises(zo.ZeroCheckpointError, match="array 0.entry0008: cannot read array metadata"):
+    (d / "manifest.ocdbt").unlink()
+    with pytest.raises(zo.ZeroCheckpointError, match="incomplete or damaged"):
         _restore(d, _target("adam"))
     assert not reads
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_truncated_data_file(saved, tmp_path, reshard):
+    """Damage that only reading finds is still a ZeroCheckpointError, never values."""
+    d = _copy(saved, "adam", tmp_path)
+    data = max((d / "d").iterdir(), key=lambda f: f.stat().st_size)  # the data files of the arrays
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(zo.ZeroCheckpointError):
+        _restore(d, _target("adam", n=8 if not reshard else 3), reshard=reshard)
+
+
+@pytest.mark.parametrize("kind", ["adam", "muon"])
+def test_shared_entries_that_differ_between_devices_are_refused(saved, reads, tmp_path, kind):
+    d = _copy(saved, kind, tmp_path)
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": {"driver": "file",
+                                                                                 "path": str(d) + "/"},
+                                                     "path": "0.entry0000/"}}).result()
+    store[5].write(np.int32(7)).result()
+    with pytest.raises(zo.ZeroCheckpointError, match=r"shared entry `.*count` of state 0 differs between source "
+                                                     r"rows: row 0 holds 1, row 5 holds 7"):
+        _restore(d, _target(kind))
+    assert reads == ["0.entry0000"]  # read to check it, nothing else
+
+
+def test_recorded_clock_must_match_the_arrays(saved, reads, tmp_path):
+    d = _copy(saved, "adam", tmp_path)
+    _edit_record(d, lambda r: r["states"][0]["clocks"].update({"[0].count": 5}))
+    with pytest.raises(zo.ZeroCheckpointError, match=r"the record says shared entry `\[0\].count` of state 0 is 5, "
+                                                     r"but the arrays hold 1"):
+        _restore(d, _target("adam"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Checkpoints written and read by a real two-process `jax.distributed` job (4 CPU devices each, loopback only)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import zero_optax as zo
+from zero_optax import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +61,7 @@ def test_two_processes_save_then_two_processes_restore_and_continue(tmp_path):
     directory = tmp_path / "ckpt"
     _run_job("train", directory, tmp_path)
     for kind, _ in worker.KINDS:
-        record = (directory / kind / str(worker.SPLIT) / "opt_state" / "zero_record.json")
+        record = (directory / kind / str(worker.SPLIT) / "opt_state" / _names.RECORD_FILE)
         assert record.exists(), sorted(os.listdir(directory / kind))
     _run_job("resume", directory, tmp_path)
 
@@ -82,3 +84,34 @@ def test_two_processes_save_then_two_processes_restore_and_continue(tmp_path):
         assert sorted(final.files) == sorted(p)
         for k, v in p.items():
             np.testing.assert_allclose(final[k], np.asarray(v), rtol=1e-6, atol=1e-7, err_msg=f"{kind} {k}")
+
+
+def test_two_processes_restore_a_three_device_checkpoint_with_reshard(tmp_path):
+    """Saved on 3 devices of this process, restored with reshard=True on 8 devices of two processes: each process
+    reads only the coordinates its own devices hold (one read per device and block), and training goes on."""
+    directory = tmp_path / "ckpt"
+    finals = {}
+    for kind, chain in worker.KINDS:
+        tr3, tr8 = zs.trainer(kind, 3, chain), zs.trainer(kind, 8, chain)
+        p3 = zs.params(tr3.mesh)
+        p, s = tr3.train(p3, tr3.init(p3), 0, worker.SPLIT)
+        with ocp.CheckpointManager(directory / f"{kind}3") as mngr:
+            mngr.save(worker.SPLIT, args=ocp.args.Composite(params=ocp.args.StandardSave(p),
+                                                            opt_state=zo.ZeroSave(s)))
+            mngr.wait_until_finished()
+            p8 = zs.params(tr8.mesh)
+            restored = mngr.restore(worker.SPLIT, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(p8), opt_state=zo.ZeroRestore(tr8.init(p8), reshard=True)))
+        finals[kind] = tr8.train(restored.params, restored.opt_state, worker.SPLIT, worker.TOTAL)[0]
+    _run_job("reshard", directory, tmp_path)
+    for kind, _ in worker.KINDS:
+        final = np.load(directory / f"{kind}3" / "final.npz")
+        for k, v in finals[kind].items():
+            np.testing.assert_allclose(final[k], np.asarray(v), rtol=1e-6, atol=1e-7, err_msg=f"{kind} {k}")
+        logs = [json.loads((directory / f"{kind}3" / f"reads.{i}.json").read_text()) for i in range(2)]
+        for name in logs[0]["ranges"]:
+            starts = [[tuple(r[0]) for n, r in log["reads"] if n == name] for log in logs]
+            assert starts[0], (kind, name)  # process 0's devices hold the first coordinates
+            for i, log in enumerate(logs):  # every read starts where one of this process's devices starts
+                assert {a for a, _ in starts[i]} <= {lo for lo, _ in log["ranges"][name]}, (kind, i, name, starts)
+                assert len(starts[i]) == len(set(starts[i])), (kind, i, name, starts)  # one read per device

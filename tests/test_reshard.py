@@ -20,11 +20,12 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from zero_optax import _record, _store
+from zero_optax import _arrays, _install, _names, _record, _store
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"a": (5, 3), "b": (), "c": (7,), "m": (4, 6)}
@@ -110,16 +111,20 @@ def oracle(kind: str):
 
 
 def full_state(state) -> list[np.ndarray]:
-    """The unsharded inner-state leaves of a zero1 state, in the inner state's flatten order."""
+    """The unsharded inner-state leaves of a zero1 state (1-D mesh), in the inner state's flatten order, read
+    straight from its arrays as zero_optax._state documents them."""
     layout = zo.describe(state)
+    stored = dict(zip(_arrays.unowned_entries(layout), jax.tree.leaves(state.inner_state)))
     out = []
-    for j, e in enumerate(layout.entries):
-        if layout.partition == "flat":
-            rows = np.asarray(jax.tree.leaves(state.inner_state)[j])
-            out.append(rows[0] if e.leaf is None else
-                       rows.reshape(-1)[:layout.leaves[e.leaf].size].reshape(layout.leaves[e.leaf].shape))
+    for j in layout.inner_entries:
+        e = layout.entries[j]
+        if e.leaf is None:
+            out.append(np.asarray(stored[j])[0])
+        elif layout.leaves[e.leaf].sliced:
+            leaf = layout.leaves[e.leaf]
+            out.append(np.asarray(stored[j])[:leaf.size].reshape(leaf.shape))
         else:
-            owner = 0 if e.leaf is None else layout.leaves[e.leaf].owner
+            owner = layout.leaves[e.leaf].owner
             d, off = layout.state_packing.offsets[owner][j]
             out.append(np.asarray(state.buffers[d])[owner, off:off + e.size].reshape(e.shape))
     return out
@@ -132,9 +137,9 @@ def save(directory, state, step: int = STEPS_BEFORE) -> str:
     return os.path.join(directory, str(step), ITEM)
 
 
-def restore(directory, target, step: int = STEPS_BEFORE):
+def restore(directory, target, step: int = STEPS_BEFORE, reshard: bool = False):
     with ocp.CheckpointManager(directory) as mngr:
-        return mngr.restore(step, args=ocp.args.Composite(**{ITEM: zo.ZeroRestore(target)}))[ITEM]
+        return mngr.restore(step, args=ocp.args.Composite(**{ITEM: zo.ZeroRestore(target, reshard=reshard)}))[ITEM]
 
 
 @functools.cache
@@ -177,8 +182,20 @@ PAIRS = [(8, 3), (3, 8), (8, 1), (1, 5), (4, 4)]
 def test_reshard_then_continue_matches_uninterrupted_optax(root, tmp_path, kind, n, m):
     src, p = saved_run(kind, n, root)
     zo.reshard(src, tmp_path / str(STEPS_BEFORE) / ITEM, world_size=m)
-    assert _record.read_record(tmp_path / str(STEPS_BEFORE) / ITEM)["states"][0]["world_size"] == m
+    record = _record.read(tmp_path / str(STEPS_BEFORE) / ITEM)
+    assert record["states"][0]["world_size"] == m and record["storage"] == "tensorstore"
     p, state = continue_on(kind, m, str(tmp_path), p)
+    assert_matches_oracle(kind, p, state)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+@pytest.mark.parametrize("n,m", [(8, 3), (1, 5)])
+def test_restore_with_reshard_then_continue_matches_uninterrupted_optax(root, kind, n, m):
+    """The same, without the offline step: ZeroRestore(target, reshard=True) straight from the N-device save."""
+    src, p = saved_run(kind, n, root)
+    tr = trainer(kind, m)
+    state = restore(os.path.dirname(os.path.dirname(src)), tr.init(params_np()), reshard=True)
+    p, state = tr.train(p, state, STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)
     assert_matches_oracle(kind, p, state)
 
 
@@ -195,7 +212,7 @@ def test_dtypes_and_absent_histories_kept(root, tmp_path):
     src, p = saved_run("masked", 8, root)
     dst = tmp_path / str(STEPS_BEFORE) / ITEM
     zo.reshard(src, dst, world_size=3)
-    rec = _record.read_record(dst)["states"][0]
+    rec = _record.read(dst)["states"][0]
     assert {e["dtype"] for e in rec["entries"] if e["leaf"] is not None} == {"bfloat16", "float32"}
     assert all(e["leaf"] != 2 for e in rec["entries"])  # the frozen leaf "c" has no history
     assert [x["slots"] for x in rec["leaves"]] == [5, 1, 3, 8]
@@ -206,28 +223,39 @@ def test_dtypes_and_absent_histories_kept(root, tmp_path):
 # ------------------------------------------------------------------------------------------------ round trips
 
 
-def files(directory) -> dict[str, bytes]:
-    """The record and every array file (not Orbax's commit marker), by relative path."""
-    out = {_record.RECORD_FILE: open(os.path.join(directory, _record.RECORD_FILE), "rb").read()}
-    for base, _, names in os.walk(os.path.join(directory, _record.ARRAYS_DIR)):
-        for name in names:
-            path = os.path.join(base, name)
-            out[os.path.relpath(path, directory)] = open(path, "rb").read()
-    return out
+def arrays(directory) -> dict[str, np.ndarray]:
+    """Every stored array of an item directory, whole, by name."""
+    store = _store.ItemArrays(directory)
+    names = sorted({k.split("/")[0] for k in store.stored_keys()})
+    return {name: store.read(name, tuple((0, d) for d in store.open(name).shape)) for name in names}
+
+
+def record_without_storage(directory) -> dict:
+    record = _record.read(directory)
+    record.pop("storage")
+    return record
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """The same record (but for how the arrays are stored) and the same arrays, bit for bit."""
+    assert record_without_storage(a) == record_without_storage(b)
+    x, y = arrays(a), arrays(b)
+    assert sorted(x) == sorted(y)
+    for name in x:
+        assert x[name].dtype == y[name].dtype and x[name].tobytes() == y[name].tobytes(), name
+
+
+def files(directory) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(b, f), directory) for b, _, fs in os.walk(directory) for f in fs)
 
 
 @pytest.mark.parametrize("kind,n,m", [("adamw", 8, 3), ("masked", 3, 8), ("muon", 8, 3), ("adafactor", 3, 1)])
-def test_n_to_m_to_n_is_byte_identical(root, tmp_path, kind, n, m):
+def test_n_to_m_to_n_gives_back_the_same_arrays(root, tmp_path, kind, n, m):
     src, _ = saved_run(kind, n, root)
     zo.reshard(src, tmp_path / "m", world_size=m)
     zo.reshard(tmp_path / "m", tmp_path / "n", world_size=n)
-    a, b = files(src), files(tmp_path / "n")
-    assert sorted(a) == sorted(b)
-    for name in a:
-        if name == _record.RECORD_FILE:
-            assert json.loads(a[name]) == json.loads(b[name])
-        else:
-            assert a[name] == b[name], name
+    assert_same_checkpoint(src, tmp_path / "n")
+    assert _record.read(tmp_path / "n")["storage"] == "tensorstore"
 
 
 def test_progress_and_force(root, tmp_path):
@@ -238,50 +266,63 @@ def test_progress_and_force(root, tmp_path):
     assert calls and calls[-1][0] == calls[-1][1] and all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
     with pytest.raises(zo.ZeroCheckpointError, match="already exists; pass force=True"):
         zo.reshard(src, dst, world_size=2)
-    assert _record.read_record(dst)["states"][0]["world_size"] == 3
+    assert _record.read(dst)["states"][0]["world_size"] == 3
     zo.reshard(src, dst, world_size=2, force=True)
-    assert _record.read_record(dst)["states"][0]["world_size"] == 2
+    assert _record.read(dst)["states"][0]["world_size"] == 2
     zo.reshard(dst, dst, world_size=5, force=True)  # in place: read whole, then swapped in
-    assert _record.read_record(dst)["states"][0]["world_size"] == 5
+    assert _record.read(dst)["states"][0]["world_size"] == 5
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary or replaced directories left behind
     zo.reshard(dst, tmp_path / "back", world_size=8)
-    assert files(tmp_path / "back") == files(src)
+    assert_same_checkpoint(tmp_path / "back", src)
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "fallback"])
 @pytest.mark.parametrize("force", [False, True])
-def test_output_is_flushed_before_it_is_renamed_into_place(root, tmp_path, monkeypatch, force):
+def test_output_is_flushed_before_it_is_renamed_into_place(root, tmp_path, monkeypatch, force, exchange):
     src, _ = saved_run("adamw", 8, root)
     dst = str(tmp_path / "out")
     if force:
         zo.reshard(src, dst, world_size=2)
     events = []
-    fsync_tree, fsync_path, replace = _store.fsync_tree, _store.fsync_path, os.replace
+    fsync_tree, fsync_path, renameat2, rename = _install.fsync_tree, _install.fsync_path, _install.renameat2, os.rename
 
     def spy_tree(path):
-        events.append(("fsync_tree", os.fspath(path), sorted(files(path))))
+        events.append(("fsync_tree", path, files(path)))
         fsync_tree(path)
 
     def spy_path(path):
-        events.append(("fsync_path", os.fspath(path)))
+        events.append(("fsync_path", path))
         fsync_path(path)
 
-    def spy_replace(a, b):
-        if os.fspath(b) == dst:  # not the record's own temporary file, nor moving an old `dst` aside
-            events.append(("replace", os.fspath(a), dst))
-        replace(a, b)
+    def spy_renameat2(a, b, flags):
+        done = exchange and renameat2(a, b, flags)
+        if done:
+            events.append(("exchange" if flags == _install._RENAME_EXCHANGE else "rename", a, b))
+        return done
 
-    monkeypatch.setattr(_store, "fsync_tree", spy_tree)
-    monkeypatch.setattr(_store, "fsync_path", spy_path)
-    monkeypatch.setattr(os, "replace", spy_replace)
+    def spy_rename(a, b):
+        events.append(("rename", os.fspath(a), os.fspath(b)))
+        rename(a, b)
+
+    monkeypatch.setattr(_install, "fsync_tree", spy_tree)
+    monkeypatch.setattr(_install, "fsync_path", spy_path)
+    monkeypatch.setattr(_install, "renameat2", spy_renameat2)
+    monkeypatch.setattr(os, "rename", spy_rename)
     zo.reshard(src, dst, world_size=3, force=force)
     tmp = events[0][1]
     assert os.path.dirname(tmp) == str(tmp_path) and tmp != dst
-    assert events[0] == ("fsync_tree", tmp, sorted(files(dst)))  # complete when flushed
-    everything = {os.path.join(tmp, os.path.relpath(os.path.join(base, name), dst))
-                  for base, dirs, names in os.walk(dst) for name in dirs + names} | {tmp}
-    assert sorted(events[1:-2]) == sorted(("fsync_path", path) for path in everything)
-    assert events[-2:] == [("replace", tmp, dst), ("fsync_path", str(tmp_path))]
+    assert events[0] == ("fsync_tree", tmp, files(dst))  # complete when flushed
+    moves = [e for e in events[1:] if e[0] != "fsync_path"]
+    if not force:
+        assert moves == [("rename", tmp, dst)]
+    elif exchange:
+        assert moves == [("exchange", tmp, dst)]  # one atomic swap; the old checkpoint is then deleted
+    else:
+        aside = moves[0][2]
+        assert moves == [("rename", dst, aside), ("rename", tmp, dst)]
+    assert events[-1] == ("fsync_path", str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert _record.read(dst)["states"][0]["world_size"] == 3
 
 
 def test_several_states_in_one_item(root, tmp_path):
@@ -300,30 +341,26 @@ def test_several_states_in_one_item(root, tmp_path):
             assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
 
 
-def tampered(src: str, tmp_path, kind: str) -> str:
+def database(directory):
+    return ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(directory) + "/"}}).result()
+
+
+def tampered(src: str, tmp_path) -> str:
     """A copy of `src` whose shared step count differs on row 1."""
     bad = str(tmp_path / "bad")
     shutil.copytree(src, bad)
-    rec = _record.read_record(bad)["states"][0]
-    layout = _record.layout_from_record(rec)
-    j = next(j for j, e in enumerate(layout.entries) if e.leaf is None and "count" in e.path)
-    if kind == "flat":
-        path = os.path.join(bad, "arrays", f"0.entry{j:04d}")
-        value = _store.read(path)
-        value[1] += 7
-    else:
-        d, off = layout.state_packing.offsets[1][j]
-        path = os.path.join(bad, "arrays", f"0.buffer_{d}")
-        value = _store.read(path)
-        value[1, off] += 7
-    _store.write_array(path, value)
+    rec = _record.read(bad)["states"][0]
+    j = next(j for j, e in enumerate(rec["entries"]) if e["leaf"] is None and "count" in e["path"])
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": bad + "/"},
+                                                    "path": _names.entry_array(0, j) + "/"}}).result()
+    store[1].write(store[1].read().result() + 7).result()
     return bad
 
 
 @pytest.mark.parametrize("kind,partition", [("adamw", "flat"), ("muon", "leaf")])
 def test_differing_clocks_refused(root, tmp_path, kind, partition):
     src, _ = saved_run(kind, 4, root)
-    bad = tampered(src, tmp_path, partition)
+    bad = tampered(src, tmp_path)
     with pytest.raises(zo.ZeroCheckpointError, match=r"shared entry `.*count.*` of state 0 differs between source "
                                                      r"rows: row 0 holds 2, row 1 holds 9"):
         zo.reshard(bad, tmp_path / "out", world_size=3)
@@ -334,8 +371,9 @@ def test_damaged_source_refused_before_writing(root, tmp_path):
     src, _ = saved_run("adamw", 4, root)
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
-    os.remove(bad / "arrays" / "0.entry0003" / "2.0")
-    with pytest.raises(zo.ZeroCheckpointError, match=r"is damaged: missing chunk file .*0\.entry0003/2\.0"):
+    del database(bad)[b"0.entry0003/c/2"]
+    with pytest.raises(zo.ZeroCheckpointError, match=r"is incomplete or damaged: array 0\.entry0003: 1 chunks are "
+                                                     r"missing \(first: 0\.entry0003/c/2\)"):
         zo.reshard(bad, tmp_path / "out", world_size=3)
     assert sorted(os.listdir(tmp_path)) == ["bad"]
 
@@ -478,13 +516,13 @@ def test_cli_converts_and_forces(root, tmp_path):
     dst = tmp_path / "out"
     r = cli(src, dst, "--world-size", 3, "--owners", owners)
     assert (r.returncode, r.stderr) == (0, "")
-    assert _record.read_record(dst)["states"][0]["owners"] == [2, 1, 0, 1]
+    assert _record.read(dst)["states"][0]["owners"] == [2, 1, 0, 1]
     r = cli(src, dst, "--world-size", 2)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "already exists; pass force=True (--force)" in r.stderr
     r = cli(src, dst, "--world-size", 2, "--force")
     assert (r.returncode, r.stderr) == (0, "")
     balanced = zo.balanced_owners(params_np(), 2, inner=INNER["muon"][0]())
-    assert _record.read_record(dst)["states"][0]["owners"] == balanced
+    assert _record.read(dst)["states"][0]["owners"] == balanced
 
 
 def bad_inputs(src: str, tmp_path):
@@ -492,15 +530,15 @@ def bad_inputs(src: str, tmp_path):
     empty.mkdir()
     missing = tmp_path / "missing"
     shutil.copytree(src, missing)
-    os.remove(missing / "arrays" / "0.entry0001" / "0.0")
+    del database(missing)[b"0.entry0001/c/0"]
     future = tmp_path / "future"
     shutil.copytree(src, future)
-    rec = json.loads((future / _record.RECORD_FILE).read_text())
-    (future / _record.RECORD_FILE).write_text(json.dumps({**rec, "format_version": 99}))
+    rec = json.loads((future / _names.RECORD_FILE).read_text())
+    (future / _names.RECORD_FILE).write_text(json.dumps({**rec, "format_version": 99}))
     return [
         ((empty, "--world-size", 2), "is not a zero_optax checkpoint: zero_record.json is missing"),
         ((tmp_path / "nowhere", "--world-size", 2), "is not a zero_optax checkpoint: no such directory"),
-        ((missing, "--world-size", 2), "missing chunk file"),
+        ((missing, "--world-size", 2), "1 chunks are missing"),
         ((future, "--world-size", 2), "has record format version 99"),
         ((src, "--world-size", 0), "`world_size` must be a positive int, got 0"),
         ((src, "--world-size", "two"), "invalid int value: 'two'"),
@@ -525,7 +563,7 @@ def test_module_import_keeps_function_callable(root, tmp_path):
     import zero_optax.reshard  # noqa: F401  # pylint: disable=import-outside-toplevel
     src, _ = saved_run("adamw", 4, root)
     zo.reshard(src, tmp_path / "out", world_size=2)
-    assert _record.read_record(tmp_path / "out")["states"][0]["world_size"] == 2
+    assert _record.read(tmp_path / "out")["states"][0]["world_size"] == 2
 
 
 class FakeStream(io.StringIO):
@@ -537,23 +575,24 @@ class FakeStream(io.StringIO):
         return self.tty
 
 
-def test_progress_bar_only_on_a_terminal_or_for_large_checkpoints():
-    from zero_optax.reshard import LARGE_BYTES, _Bar  # pylint: disable=import-outside-toplevel
+def test_progress_only_on_a_terminal_or_for_large_checkpoints():
+    from zero_optax.reshard import LARGE_BYTES, _Progress  # pylint: disable=import-outside-toplevel
     quiet = FakeStream(tty=False)
-    bar = _Bar(quiet)
+    bar = _Progress(quiet)
     for done in range(0, 101, 5):
         bar(done, 100)
     bar.close()
     assert quiet.getvalue() == ""
     logged = FakeStream(tty=False)
-    bar = _Bar(logged)
+    bar = _Progress(logged)
     for done in range(0, 101, 5):
         bar(done * LARGE_BYTES // 100, LARGE_BYTES)
     bar.close()
-    assert logged.getvalue().count("\n") == 11 and "100%" in logged.getvalue() and "\r" not in logged.getvalue()
+    lines = logged.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1] == "resharding: 100% (1.07/1.07 GB)" and "\r" not in logged.getvalue()
     tty = FakeStream(tty=True)
-    bar = _Bar(tty)
+    bar = _Progress(tty)
     bar(0, 100)
     bar(100, 100)
     bar.close()
-    assert tty.getvalue().startswith("\rresharding [") and tty.getvalue().endswith("100% 0.00/0.00 GB\n")
+    assert "resharding" in tty.getvalue() and "100 bytes" in tty.getvalue()

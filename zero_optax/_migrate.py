@@ -4,7 +4,8 @@ A `RankRecord` is what one device of one data-parallel group holds of one zero1 
 coordinate histories per parameter plus the shared clocks. `reshard_explicit` re-slices each parameter from its
 own group of source records (one per old rank) to a target rank of a new group, as `Migration`s name them, so
 tensor-parallel or expert parameters whose groups differ can be moved together. `load_rank_records` reads such
-records from a flat zero1 checkpoint item directory; `zero_optax._reshard.reshard` converts whole directories.
+records from a zero1 checkpoint item directory (one per device of each data-parallel group);
+`zero_optax._reshard.reshard` converts whole directories.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from zero_optax import _reshard, _store
+from zero_optax import _names, _remap, _reshard
 from zero_optax._errors import ZeroCheckpointError as _Error
-from zero_optax._layout import FLAT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ParamSlice:
     """One parameter's coordinate histories on one device of its data-parallel group.
 
     Attributes:
-      shape: the full parameter shape.
+      shape: the parameter's shape (of a zero1 state on a mesh with model-parallel axes: its block's shape).
       buffers: history name (for zero1 states, the inner-state entry path such as `"[0].mu['w']"`) -> 1-D numpy
         array of this rank's `ceil(size / world_size)` coordinates, zero-padded at the tail, in its own dtype.
         Empty for a parameter without history (frozen or never updated).
@@ -43,7 +43,8 @@ class RankRecord:
     Attributes:
       rank: this device's index in the group, in `[0, world_size)`.
       world_size: the size of the group the record was saved in.
-      params: parameter id -> its `ParamSlice` on this rank.
+      params: parameter id -> its `ParamSlice` on this rank (`load_rank_records` keys a leaf by its path, or by
+        `path#block<b>` for block `b` of a leaf sharded over model-parallel axes).
       clocks: shared entries (step counts ...), name -> numpy value; identical on every rank of a run.
     """
 
@@ -75,25 +76,49 @@ class Migration:
 
 
 def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[RankRecord]:
-    """The rank-local records (one per device row) of flat zero1 state `state` in an item directory.
+    """The rank-local records of zero1 state `state` of an item directory: one per device of each
+    data-parallel group its sliced leaves are split over.
 
-    Parameters are keyed by their leaf path, buffers by their entry path, clocks by the shared entries' paths.
-    Loads the whole state into memory; `reshard` streams instead.
+    A sliced leaf is split into `blocks` blocks (one per model-parallel shard; 1 on a 1-D mesh) and each block
+    over a group of `group` devices (the world size, or fewer for expert leaves sharded over a ZeRO axis). Rank
+    `r` of a group of size `g` gets `RankRecord(rank=r, world_size=g)`, whose `params` hold, for every sliced
+    leaf split over `g` devices and every block `b` of it, the key `zero_optax._names.block_key(path, b,
+    blocks)`: the leaf path (`"['w']"`) when it has one block, else `"['w']#block<b>"`; each `ParamSlice` holds
+    the block's shape and one `slots`-long history per state entry (keyed by entry path, master copies
+    included). Records come ordered by group size, largest first, then rank. Clocks are the shared entries,
+    keyed by path. Owned leaves (the leaf partition) are not rank-local slices and are left out: move them with
+    `reshard(..., owners=)`. Loads the whole state into memory; `reshard` streams instead.
+
+    Raises:
+      ZeroCheckpointError: the directory is not a valid zero1 checkpoint, `state` is out of range, or the state
+        has no sliced leaf.
     """
-    src = os.path.abspath(os.fspath(directory))
-    _, layouts = _reshard.load_states(src)
-    if not 0 <= state < len(layouts):
-        raise _Error(f"`state` {state} is out of range: {src} holds {len(layouts)} zero1 states.")
-    layout = layouts[state]
-    if layout.partition != FLAT:
-        raise _Error(f"state {state} of {src} uses the leaf partition; move whole leaves with reshard(..., owners=).")
-    clocks = {layout.entries[j].path: v for j, v in _reshard.shared_values(src, layout, state).items()}
-    rows = {j: _store.read(_reshard.array_dir(src, f"{state}.entry{j:04d}"))
-            for j, e in enumerate(layout.entries) if e.leaf is not None}
-    return [RankRecord(r, layout.world_size, {
-        x.path: ParamSlice(x.shape, {layout.entries[j].path: rows[j][r] for j in rows
-                                     if layout.entries[j].leaf == i}) for i, x in enumerate(layout.leaves)},
-        dict(clocks)) for r in range(layout.world_size)]
+    saved, store, shared = _reshard.load(directory)
+    if isinstance(state, bool) or not isinstance(state, (int, np.integer)) or not 0 <= state < len(saved.states):
+        raise _Error(f"`state` {state!r} is out of range: {directory} holds {len(saved.states)} zero1 states.")
+    layout = saved.states[state].layout
+    sliced = [i for i, x in enumerate(layout.leaves) if x.sliced]
+    if not sliced:
+        raise _Error(f"state {state} of {directory} uses the leaf partition; move whole leaves with "
+                     "reshard(..., owners=).")
+    clocks = {layout.entries[j].path: v for j, v in shared[state].items()}
+    names = {a.entry: a.name for a in saved.states[state].arrays if a.entry is not None}
+    histories = {j: store.read(names[j], ((0, math.prod(store.open(names[j]).shape)),))
+                 for j, e in enumerate(layout.entries) if e.leaf is not None and layout.leaves[e.leaf].sliced}
+    records = []
+    for g in sorted({layout.leaves[i].group for i in sliced}, reverse=True):
+        members = [i for i in sliced if layout.leaves[i].group == g]
+        for r in range(g):
+            params = {}
+            for i in members:
+                leaf, s = layout.leaves[i], layout.leaves[i].slots
+                for b in range(leaf.blocks):
+                    at = (b * g + r) * s
+                    params[_names.block_key(leaf.path, b, leaf.blocks)] = ParamSlice(leaf.shape, {
+                        layout.entries[j].path: h[at:at + s].copy() for j, h in histories.items()
+                        if layout.entries[j].leaf == i})
+            records.append(RankRecord(r, g, params, dict(clocks)))
+    return records
 
 
 def _clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> str | None:
@@ -101,8 +126,8 @@ def _clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) 
         return f"clocks {sorted(a)} vs {sorted(b)}"
     for name in sorted(a):
         x, y = np.asarray(a[name]), np.asarray(b[name])
-        if not _reshard.same(x, y):
-            return f"clock `{name}` is {_reshard.show(x)} vs {_reshard.show(y)}"
+        if not _remap.same(x, y):
+            return f"clock `{name}` is {_remap.show(x)} vs {_remap.show(y)}"
     return None
 
 
@@ -202,10 +227,13 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
             raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")
         src = group[0].params[m.param]
-        size, s_old, s_new = math.prod(src.shape), -(-math.prod(src.shape) // len(group)), -(-math.prod(src.shape) // n)
-        buffers = {name: _reshard.recut(np.zeros(s_new, first.dtype), min(t * s_new, size), min((t + 1) * s_new, size),
-                                        s_old, lambda r, lo, hi, name=name: group[r].params[m.param].buffers[name][lo:hi])
-                   for name, first in src.buffers.items()}
+        size = math.prod(src.shape)
+        s_new = -(-size // n)
+        buffers = {}
+        for name, first in src.buffers.items():
+            history = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
+            buffers[name] = _remap.recut(lambda lo, hi, h=history: h[lo:hi], size, t * s_new, (t + 1) * s_new,
+                                         first.dtype)
         if key not in out:
             placed[key] = (t, n, i)
             out[key] = RankRecord(t, n, {}, {c: np.array(v, copy=True) for c, v in group[0].clocks.items()})

@@ -53,3 +53,38 @@ def tree_signature(tree: Any, is_leaf=None) -> str:
         return f"{type(node).__name__}({inner})"
 
     return walk(tree)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint names
+#
+# Every name a checkpoint stores is formatted here, from validated values only: a record never supplies a name
+# that is then used to read or write, so no record can point outside its item directory.
+
+RECORD_FILE = "zero_record.json"
+"""The file, in an item directory, that holds the record (`zero_optax._record`)."""
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
+
+
+def _checked(name: str) -> str:
+    if not name or not set(name) <= _NAME_CHARS or ".." in name or name[0] == ".":
+        raise ValueError(f"not a valid zero_optax array name: {name!r}")  # only reachable through a bug
+    return name
+
+
+def entry_array(state: int, entry: int) -> str:
+    """The name of the array holding state entry `entry` of zero1 state `state` (its shared copies, or a sliced
+    leaf's 1-D history or master slice), e.g. `0.entry0003`."""
+    return _checked(f"{int(state)}.entry{int(entry):04d}")
+
+
+def buffer_array(state: int, dtype: str) -> str:
+    """The name of the packed `[N, size]` buffer of dtype `dtype` of zero1 state `state`, e.g.
+    `0.buffer_float32` (`dtype` comes from the record's allow-list)."""
+    return _checked(f"{int(state)}.buffer_{dtype}")
+
+
+def block_key(path: str, block: int, blocks: int) -> str:
+    """The key of one block of a parameter in `zero_optax.RankRecord.params`: its path when the parameter has
+    one block, else `path#block<b>` (block `b` in `[0, blocks)`, row-major over the parameter's mesh axes)."""
+    return path if blocks == 1 else f"{path}#block{int(block)}"

@@ -1,295 +1,223 @@
-"""Offline resharding of zero1 checkpoints to another world size, exactly, with numpy and `_store` only.
+"""Offline resharding of a zero1 checkpoint to another world size, exactly, with TensorStore and numpy only.
 
-Flat states are re-sliced coordinate by coordinate: the old rows of each history are concatenated, the padding
-is dropped and the result is cut again for the new world size (new padding is zero). Leaf states move each
-leaf's complete state from its old owner's row to its new owner's. Shared entries (step counts) are copied
-after checking that every source row agrees. Nothing is replayed or summed, so a restored run continues exactly.
+Sliced leaves are re-cut coordinate by coordinate (each block's padded history is contiguous, so a new device's
+coordinates are one read of the old block; new padding is zero); owned leaves move their complete state from the
+old owner's row to the new owner's; shared entries (step counts) are copied after checking that every old row
+agrees. Nothing is replayed or summed, so a run restored from the result continues exactly.
 
-`reshard` streams one chunk of one array at a time and writes into a temporary sibling directory that is
-renamed into place at the end. The source checks and the re-slicing helpers here are shared with
-`zero_optax._migrate`, which migrates rank-local records whose data-parallel groups differ per parameter.
+The output is the same arrays under the same names as a checkpoint Orbax writes, zarr3 in an OCDBT database, but
+written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's own metadata files can only be
+written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
+Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
+does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
+destination and renamed into place (`zero_optax._install`); elsewhere (`gs://`) the record is written last, so an
+interrupted run leaves no readable checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, so np.dtype("bfloat16") works)
 import numpy as np
 
-from zero_optax import _owners, _record, _store
-from zero_optax._errors import ZeroCheckpointError as _Error
-from zero_optax._layout import FLAT, LEAF, Layout
+from zero_optax import (
+    _arrays,
+    _install,
+    _owners,
+    _paths,
+    _record,
+    _remap,
+    _schema,
+    _store,
+)
+from zero_optax._errors import ZeroCheckpointError
+from zero_optax._layout import LEAF, Layout
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
+CHUNK_ELEMENTS = 1 << 22
+"""The most elements one chunk of the output holds."""
 
 
-def same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bitwise equality, so NaN clocks compare equal to themselves and -0.0 differs from 0.0."""
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ZeroCheckpointError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if world_size > _schema.MAX_WORLD_SIZE:
+        raise ZeroCheckpointError(f"`world_size` must be at most {_schema.MAX_WORLD_SIZE}, got {world_size}.")
+    return int(world_size)
 
 
-def show(x: np.ndarray) -> str:
-    """A short text form of a value, for error messages."""
-    return str(x.item() if x.size == 1 else x.tolist())
+def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
+    """The checked record of `src`, its arrays (every one checked present and complete) and the shared entries'
+    values (checked to agree on every row)."""
+    path = _paths.as_path(src)
+    saved = _schema.parse(_record.read(path), str(path))
+    store = _store.ItemArrays(path)
+    store.check([a for s in saved.states for a in s.arrays])
+    return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
 
 
-def recut(out: np.ndarray, start: int, stop: int, slots: int, read: Callable[[int, int, int], Any]) -> np.ndarray:
-    """Fills `out` with coordinates `[start, stop)` of a history kept as rows of `slots`; `read(row, lo, hi)`."""
-    at = 0
-    while start < stop:
-        row, lo = divmod(start, slots)
-        hi = min(slots, lo + stop - start)
-        out[at:at + hi - lo] = read(row, lo, hi)
-        at, start = at + hi - lo, start + hi - lo
-    return out
+def refuse_expert_leaves(saved: _schema.SavedState, where: str) -> None:
+    layout = saved.layout
+    for leaf in layout.leaves:
+        if set(leaf.axes) & set(layout.axes):
+            raise ZeroCheckpointError(
+                f"{where}: state {saved.index}'s leaf `{leaf.path}` is sharded over the ZeRO axis "
+                f"`{min(set(leaf.axes) & set(layout.axes))}` (an expert parameter), so a new world size "
+                "also changes its number of blocks. Migrate such leaves with zo.load_rank_records and "
+                "zo.reshard_explicit, naming each block's source group and target placement.")
 
 
-# ------------------------------------------------------------------------------------------------ source checks
-
-
-def load_states(src: str) -> tuple[dict[str, Any], list[Layout]]:
-    """The record of `src` and one layout per state, after validating every array it names."""
-    if not os.path.isdir(src):
-        raise _Error(f"{src} is not a zero_optax checkpoint: no such directory.")
-    rec = _record.read_record(src)
-    if not isinstance(rec.get("tree"), str):
-        raise _Error(f"{src}: the record has no `tree`; the record is damaged.")
-    layouts = []
-    for k, state in enumerate(rec.get("states") or []):
-        try:
-            layout = _record.layout_from_record(state)
-            expected = _record.array_names(layout, k)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise _Error(f"{src}: the record of state {k} is damaged ({type(e).__name__}: {e}).") from None
-        if layout.partition not in (FLAT, LEAF):
-            raise _Error(f"{src}: state {k} has unknown partition {layout.partition!r}.")
-        if state.get("arrays") != expected:
-            raise _Error(f"{src}: the arrays listed for state {k} do not match its layout; the record is damaged.")
-        if layout.partition == LEAF and state.get("packing") != _record.layout_record(layout, k)["packing"]:
-            raise _Error(f"{src}: the packing recorded for state {k} does not match its owners; the record is damaged.")
-        for a in expected:
-            try:
-                _store.validate_array(array_dir(src, a["name"]), a["shape"], a["dtype"])
-            except _store.StoreError as e:
-                raise _Error(f"{src} is damaged: {e}") from None
-        layouts.append(layout)
-    if not layouts:
-        raise _Error(f"{src}: the record holds no zero1 state.")
-    return rec, layouts
-
-
-def array_dir(root: str, name: str) -> str:
-    """The directory of array `name` in item directory `root`."""
-    return os.path.join(root, _record.ARRAYS_DIR, name)
-
-
-def shared_values(src: str, layout: Layout, k: int) -> dict[int, np.ndarray]:
-    """Entry index -> value of every shared entry, checked to agree on every source row."""
-    values = {}
-    for j, e in enumerate(layout.entries):
-        if e.leaf is not None:
-            continue
-        if layout.partition == FLAT:
-            rows = list(_store.read(array_dir(src, f"{k}.entry{j:04d}")))
-        else:
-            rows = []
-            for r, offsets in enumerate(layout.state_packing.offsets):
-                d, off = offsets[j]
-                flat = _store.read(array_dir(src, f"{k}.buffer_{d}"), (r, slice(off, off + e.size)))
-                rows.append(flat.reshape(e.shape))
-        for r, row in enumerate(rows):
-            if not same(row, rows[0]):
-                raise _Error(f"{src}: shared entry `{e.path}` of state {k} differs between source rows: row 0 holds "
-                             f"{show(rows[0])}, row {r} holds {show(row)}; the checkpoint is inconsistent.")
-        values[j] = rows[0]
-    return values
-
-
-# ------------------------------------------------------------------------------------------------ new layouts
-
-
-def _flat_layout(old: Layout, n: int) -> Layout:
-    leaves = tuple(dataclasses.replace(x, slots=-(-x.size // n)) for x in old.leaves)
-    entries = tuple(e if e.leaf is None else dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
-                    for e in old.entries)
-    return dataclasses.replace(old, world_size=n, leaves=leaves, entries=entries)
-
-
-def _leaf_layout(old: Layout, n: int, owners: Sequence[int] | None) -> Layout:
+def new_layout(old: Layout, m: int, owners: Sequence[int] | None) -> Layout:
+    """`old` at world size `m`: sliced leaves re-cut, owned leaves given `owners` (default: balanced the way
+    `zero1` balances them at `init`)."""
+    owned = [not x.sliced for x in old.leaves]
     if owners is None:
-        owners = _owners.owners_for_entries(old.entries, len(old.leaves), n)
-    owners = _owners.check_owners(owners, len(old.leaves), n, old.paths)
-    leaves = tuple(dataclasses.replace(x, owner=o) for x, o in zip(old.leaves, owners))
-    return dataclasses.replace(old, world_size=n, leaves=leaves)
+        owners = _owners.owners_for_entries(old.entries, owned, m)
+    else:
+        owners = _owners.check_owners(owners, len(old.leaves), m, old.paths)
+    leaves = tuple(dataclasses.replace(x, group=m, slots=-(-x.size // m)) if x.sliced else
+                   dataclasses.replace(x, group=m, owner=o) for x, o in zip(old.leaves, owners))
+    entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
+                    if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
+    return dataclasses.replace(old, world_size=m, leaves=leaves, entries=entries)
 
 
 def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] | None]:
-    """`owners` (None, one list for the only leaf state, or one item per state) as one item per state."""
+    """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
     leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
-    if owners is not None and all(isinstance(o, (int, np.integer)) for o in owners):
+    if owners is not None and not isinstance(owners, (list, tuple)):
+        raise ZeroCheckpointError(f"`owners` must be a list, got {type(owners).__name__}.")
+    if owners is not None and all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
         if len(leaf_states) != 1:
-            raise _Error(f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; "
-                         "give one item (a list or None) per state.")
+            raise ZeroCheckpointError(
+                f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; give one "
+                "item (a list or None) per state.")
         owners = [owners if k == leaf_states[0] else None for k in range(len(layouts))]
     owners = [None] * len(layouts) if owners is None else list(owners)
     if len(owners) != len(layouts):
-        raise _Error(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 states.")
+        raise ZeroCheckpointError(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 "
+                                  "states.")
     for k, o in enumerate(owners):
-        if o is not None and layouts[k].partition != LEAF:
-            raise _Error(f"`owners[{k}]` is given, but state {k} uses the flat partition, which has no owners.")
+        if o is None:
+            continue
+        if layouts[k].partition != LEAF:
+            raise ZeroCheckpointError(f"`owners[{k}]` is given, but state {k} uses the {layouts[k].partition} "
+                                      "partition, which has no owners to choose.")
+        if not isinstance(o, (list, tuple)):
+            raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
     return owners
 
 
-# ------------------------------------------------------------------------------------------------ writing
+def _chunks(a: _arrays.StoredArray, layout: Layout) -> tuple[int, ...]:
+    """Chunks of an output array: one device's share where it fits in `CHUNK_ELEMENTS`, else balanced pieces."""
+    def fit(n: int) -> int:
+        return max(1, -(-n // -(-n // CHUNK_ELEMENTS))) if n else 1
+    if a.buffer is not None:
+        return 1, fit(a.shape[1])
+    e = layout.entries[a.entry]
+    if e.leaf is None:
+        return a.shape if math.prod(a.shape) <= CHUNK_ELEMENTS else (1, *e.shape)
+    return (fit(layout.leaves[e.leaf].slots),)
 
 
-def _write(path: str, shape: tuple[int, ...], dtype: str, fill: Callable[[int, int, int], np.ndarray],
-           tick: Callable[[int], None]) -> None:
-    """Creates a `[rows, width]` array and writes it one chunk at a time; `fill(t, a, b)` is row t's `[a, b)`."""
-    out = _store.create_array(path, shape, dtype)
-    step = _store.array_spec(shape, dtype)["chunks"][1]
-    for t in range(shape[0]):
-        for a in range(0, shape[1], step):
-            b = min(a + step, shape[1])
-            out[t, a:b].write(fill(t, a, b)).result()
-            tick((b - a) * np.dtype(dtype).itemsize)
-
-
-def _write_flat(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: dict[int, np.ndarray],
-                tick: Callable[[int], None]) -> None:
-    for j, (e_old, e) in enumerate(zip(old.entries, new.entries)):
-        name = f"{k}.entry{j:04d}"
-        if e.leaf is None:  # small: written whole
-            _store.write_array(array_dir(tmp, name), np.broadcast_to(shared[j], (new.world_size, *e.shape)))
-            tick(shared[j].nbytes * new.world_size)
-            continue
-        size, s_old, s_new = old.leaves[e.leaf].size, e_old.shape[0], e.shape[0]
-        source = _store.open_array(array_dir(src, name))
-
-        def fill(t: int, a: int, b: int, source=source, size=size, s_old=s_old, s_new=s_new, dtype=e.dtype):
-            out = np.zeros(b - a, np.dtype(dtype))  # coordinates past `size` stay zero: the new padding
-            return recut(out, min(t * s_new + a, size), min(t * s_new + b, size), s_old,
-                          lambda r, lo, hi: source[r, lo:hi].read().result())
-
-        _write(array_dir(tmp, name), (new.world_size, s_new), e.dtype, fill, tick)
-
-
-def _write_leaf(src: str, tmp: str, k: int, old: Layout, new: Layout, shared: dict[int, np.ndarray],
-                tick: Callable[[int], None]) -> None:
-    p_old, p_new = old.state_packing, new.state_packing
-    sources = {d: _store.open_array(array_dir(src, f"{k}.buffer_{d}")) for d in p_old.sizes}
-    for d, size in p_new.sizes.items():
-        def fill(t: int, a: int, b: int, d=d):
-            out = np.zeros(b - a, np.dtype(d))
-            for j, (dj, off) in p_new.offsets[t].items():
-                e = new.entries[j]
-                lo, hi = max(off, a), min(off + e.size, b)
-                if dj != d or lo >= hi:
-                    continue
-                if e.leaf is None:
-                    out[lo - a:hi - a] = shared[j].reshape(-1)[lo - off:hi - off]
-                else:  # the leaf's complete state, from its old owner's row
-                    owner = old.leaves[e.leaf].owner
-                    _, at = p_old.offsets[owner][j]
-                    out[lo - a:hi - a] = sources[d][owner, at + lo - off:at + hi - off].read().result()
-            return out
-
-        _write(array_dir(tmp, f"{k}.buffer_{d}"), (new.world_size, size), d, fill, tick)
-
-
-def _install(tmp: str, dst: str, force: bool) -> None:
-    """Renames `tmp` to `dst`; an existing `dst` (only with `force`) is moved aside first, then deleted.
-
-    Everything in `tmp` is flushed to stable storage before the rename, and the parent directory after it, so a
-    power loss never leaves a `dst` with missing or incomplete files.
-    """
-    _store.fsync_tree(tmp)
-    if not os.path.lexists(dst):
-        os.replace(tmp, dst)
-        _store.fsync_path(os.path.dirname(dst))
+def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    """The chunk-sized regions of an array, in order (leading dimensions one index at a time)."""
+    if any(d == 0 for d in shape):
         return
-    if not force:
-        raise _Error(f"{dst} already exists; pass force=True (--force) to replace it.")
-    aside = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.replaced-{os.getpid()}")
-    os.replace(dst, aside)
-    try:
-        os.replace(tmp, dst)
-    except OSError:
-        os.replace(aside, dst)
-        raise
-    _store.fsync_path(os.path.dirname(dst))
-    shutil.rmtree(aside) if os.path.isdir(aside) and not os.path.islink(aside) else os.remove(aside)
+    if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
+        for lo in range(0, shape[0], chunks[0]):
+            yield ((lo, min(lo + chunks[0], shape[0])),) + tuple((0, d) for d in shape[1:])
+        return
+    for r in range(0, shape[0], chunks[0]):
+        for lo in range(0, shape[1], chunks[1]):
+            yield ((r, min(r + chunks[0], shape[0])), (lo, min(lo + chunks[1], shape[1]))) + tuple(
+                (0, d) for d in shape[2:])
 
 
-def reshard(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, world_size: int, *,
+def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
+           layouts: list[Layout], progress: Progress | None) -> None:
+    outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
+    total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
+    done = 0
+    with _store.ItemWriter(dst) as writer:
+        plans = []
+        for old, lay, arrays, values in zip(saved.states, layouts, outputs, shared):
+            remap = _remap.Remap(old, lay, store.read, values)
+            for a in arrays:
+                chunks = _chunks(a, lay)
+                writer.create(a.name, a.shape, a.dtype, chunks)
+                plans.append((remap, a, chunks))
+        for remap, a, chunks in plans:
+            for region in _regions(a.shape, chunks):
+                data = remap.region(a, region)
+                writer.write(a.name, region, data)
+                done += data.nbytes
+                if progress is not None:
+                    progress(done, total)
+    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
+    _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
+
+
+def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
             owners: Sequence[int] | Sequence[Sequence[int] | None] | None = None, force: bool = False,
             progress: Progress | None = None) -> None:
     """Converts a zero1 checkpoint item directory to another data-parallel world size, exactly.
 
-    Flat states: every coordinate history is concatenated over the old rows, stripped of padding and cut again
-    into `ceil(size / world_size)` slots per row (zero padding); `slots` is updated in the record. Leaf states:
-    each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes the way
-    `zero1(partition="leaf")` balances them) and the buffers are packed anew. Shared entries (step counts) are
-    copied unchanged after checking that all old rows agree. Dtypes (f32, bf16, f16 ...) are kept.
+    Sliced leaves (the flat partition): every block's coordinate histories are cut again into
+    `ceil(size / world_size)` slots per device (zero padding); `slots` is updated in the record. Owned leaves (the
+    leaf partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes
+    the way `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied
+    after checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept. States
+    from a 2-D mesh reshard to another data size with the model axis unchanged; states with expert leaves
+    (sharded over a ZeRO axis) are refused: use `zo.reshard_explicit`.
 
-    Every source array is validated before anything is written. The output is written into a temporary sibling
-    of `dst_dir` and renamed into place, so `dst_dir` appears complete or not at all. Arrays are copied one
-    storage chunk (at most 4 Mi elements) at a time, so peak memory does not grow with the checkpoint or leaf size.
+    Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
+    by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
+    appears complete or not at all, and `force` swaps it for an existing one in one step. Arrays are copied one
+    chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
+    new world size (and, with `reshard=True`, at any other).
 
     Args:
-      src_dir: an item directory written by `ZeroSave` (or by `reshard`).
+      src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
       dst_dir: where to write the converted item directory.
-      world_size: the new number of devices on each state's data axis.
+      world_size: the new number of devices along each state's ZeRO axes.
       owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
         (a list or None) per zero1 state. None balances.
       force: replace an existing `dst_dir`.
       progress: optional `progress(done_bytes, total_bytes)` callback.
 
     Raises:
-      ZeroCheckpointError: `src_dir` is not a complete zero1 checkpoint of a known version, its shared entries
-        differ between rows, `dst_dir` exists without `force`, or the arguments are invalid.
+      ZeroCheckpointError: `src_dir` is not a complete, valid zero1 checkpoint of this format version, its shared
+        entries differ between rows, `dst_dir` exists without `force`, or the arguments are invalid.
 
     Examples:
       >>> import zero_optax as zo
       >>> zo.reshard("ckpt/100/opt_state", "ckpt3/100/opt_state", world_size=3)  # doctest: +SKIP
     """
-    src, dst = os.path.abspath(os.fspath(src_dir)), os.path.abspath(os.fspath(dst_dir))
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise _Error(f"`world_size` must be a positive int, got {world_size!r}.")
-    if os.path.lexists(dst) and not force:
-        raise _Error(f"{dst} already exists; pass force=True (--force) to replace it.")
-    rec, layouts = load_states(src)
-    per_state = _owners_per_state(owners, layouts)
-    shared = [shared_values(src, x, k) for k, x in enumerate(layouts)]
-    new = [_flat_layout(x, int(world_size)) if x.partition == FLAT else _leaf_layout(x, int(world_size), o)
-           for x, o in zip(layouts, per_state)]
-    total = sum(math.prod(a["shape"]) * np.dtype(a["dtype"]).itemsize
-                for k, x in enumerate(new) for a in _record.array_names(x, k))
-    done = 0
-
-    def tick(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
-
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.reshard-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    src, dst = _paths.as_path(src_dir), _paths.as_path(dst_dir)
+    m = check_world_size(world_size)
+    if dst.exists() and not force:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+    if not _paths.is_local(dst) and force:
+        raise ZeroCheckpointError(f"{dst}: replacing a checkpoint atomically needs a local file system; delete it "
+                                  "first.")
+    saved, store, shared = load(src)
+    for s in saved.states:
+        refuse_expert_leaves(s, str(src))
+    per_state = _owners_per_state(owners, [s.layout for s in saved.states])
+    layouts = [new_layout(s.layout, m, o) for s, o in zip(saved.states, per_state)]
+    if not _paths.is_local(dst):
+        _write(dst, saved, store, shared, layouts, progress)
+        return
+    tmp = _install.temporary_sibling(str(dst), "reshard")
     try:
-        os.makedirs(os.path.join(tmp, _record.ARRAYS_DIR))
-        states = []
-        for k, (old, lay) in enumerate(zip(layouts, new)):
-            (_write_flat if old.partition == FLAT else _write_leaf)(src, tmp, k, old, lay, shared[k], tick)
-            states.append({**rec["states"][k], **_record.layout_record(lay, k, rec["states"][k].get("clocks"))})
-        _record.write_record(tmp, {**rec, **_record.new_record(rec["tree"], states)})
-        _install(tmp, dst, force)
+        _write(tmp, saved, store, shared, layouts, progress)
+        _install.install(tmp, str(dst), force)
+    except FileExistsError:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _install.remove(tmp)

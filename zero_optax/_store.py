@@ -1,369 +1,232 @@
-"""Raw array storage for ZeRO checkpoints: uncompressed zarr v2 arrays written with TensorStore.
+"""The arrays of an item directory, read and written with TensorStore: zarr3 arrays in one OCDBT database.
 
-Every optimizer-state array has a leading device axis, shape ``(N, *rest)``, and each
-device holds one row. Arrays are stored so that:
+Orbax's `PyTreeCheckpointHandler` (with `use_zarr3=True`, OCDBT on by default) stores each array of a flat dict as
+a zarr3 array under its name inside an OCDBT database at the item directory: a handful of files per process,
+merged into one database when the checkpoint is finalized. TensorStore reads those arrays alone, without
+devices, region by region (`ItemArrays`); `ItemWriter` writes arrays of the same form offline (what
+`zero_optax.reshard` produces), one bounded transaction at a time.
 
-* chunks never span two rows, so hosts writing the rows they own never touch the same
-  chunk file, and the files are identical whether written by one process or many;
-* chunks are uncompressed, so every chunk file has an exact, known byte size
-  (``prod(chunks) * itemsize``; zarr v2 edge chunks are stored full size) and missing or
-  truncated files can be detected by :func:`validate_array` before anything is loaded;
-* an axis split into chunks is split into pieces of balanced width, so the full-size edge
-  chunk wastes less than one element (of that axis) per piece;
-* any region (one row, or part of one) can be read without loading the rest;
-* chunk files are fsynced as they are written; :func:`fsync_tree` flushes a whole tree
-  (arrays, other files, the directories themselves) before it is renamed into view.
+Reads never hold much more than the region asked for: a region larger than `PIECE_BYTES` is read in pieces
+aligned to the stored chunks, one after another, so TensorStore decodes a few chunks at a time.
 
-On-disk layout of an array at ``path``::
-
-    path/.zarray      JSON metadata (zarr_format 2, shape, chunks, dtype, ...)
-    path/0.0, 0.1 ... one file per chunk, chunk grid indices joined by "."
-    path/0            the single chunk of a 0-d array
-
-Arrays with a zero-sized dimension have only ``.zarray``.
+Examples:
+  >>> import numpy as np, tempfile
+  >>> from zero_optax import _store, _paths
+  >>> path = _paths.as_path(tempfile.mkdtemp())
+  >>> with _store.ItemWriter(path) as w:
+  ...     w.create("0.entry0000", (10,), "float32", (4,))
+  ...     w.write("0.entry0000", ((0, 10),), np.arange(10, dtype=np.float32))
+  >>> _store.ItemArrays(path).read("0.entry0000", ((3, 6),)).tolist()
+  [3.0, 4.0, 5.0]
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
-import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
 import tensorstore as ts
+from etils import epath
 
-CHUNK_ELEMENTS = 1 << 22
-"""Maximum number of elements in one chunk."""
+from zero_optax import _paths
+from zero_optax._errors import StoreError
 
-_DIMENSION_SEPARATOR = "."
+PIECE_BYTES = 16 << 20
+"""Reads larger than this are split into sequential pieces aligned to the stored chunks."""
+BATCH_BYTES = 64 << 20
+"""`ItemWriter` commits a transaction (one new OCDBT data file) whenever this many bytes are staged."""
+Region = tuple[tuple[int, int], ...]
+"""A region of an array: `(start, stop)` per dimension."""
 
 
-from zero_optax._errors import StoreError  # noqa: E402  (re-exported: zero_optax._store.StoreError)
+def _kvstore(directory: epath.Path) -> dict[str, Any]:
+    return {"driver": "ocdbt", "base": _paths.kvstore(directory)}
 
 
-def _zarr_dtype(dtype: Any) -> str:
-    """Returns the zarr v2 dtype string for ``dtype`` (little-endian; ml_dtypes by name)."""
+def _spec(directory: epath.Path, name: str) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": {**_kvstore(directory), "path": name + "/"}}
+
+
+def aligned_empty(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: `jax.device_put` then places it on a CPU
+    device without copying, so a block read for a device is never held twice."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dtype = np.dtype(dtype)
-    if dtype.kind == "V":  # ml_dtypes extension types such as bfloat16.
-        return dtype.name
-    return dtype.newbyteorder("<").str
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _chunks(shape: tuple[int, ...], balanced: bool = True) -> list[int]:
-    """Returns chunk sizes: one row per chunk, trailing axes kept whole while they fit.
-
-    Axis 0 is always chunked at 1. Walking from the last axis towards axis 1, each axis
-    is kept whole while the chunk stays within ``CHUNK_ELEMENTS``; the first axis that does
-    not fit is split into the fewest pieces that do, all of width
-    ``ceil(size / pieces)``, and the axes before it are chunked at 1. ``balanced=False``
-    gives the layout of checkpoints written before widths were balanced: pieces as wide
-    as fit, so the last one may be almost empty.
-    Zero-sized axes get chunk size 1 (zarr requires positive chunk sizes).
-    """
-    chunks = [1] * len(shape)
-    elements = 1
-    for axis in range(len(shape) - 1, 0, -1):
-        size = max(shape[axis], 1)
-        if elements * size <= CHUNK_ELEMENTS:
-            chunks[axis] = size
-            elements *= size
-        else:
-            widest = max(CHUNK_ELEMENTS // elements, 1)
-            chunks[axis] = -(-size // -(-size // widest)) if balanced else widest
-            break
-    return chunks
+def aligned_zeros(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
+    out = aligned_empty(shape, dtype)
+    out.fill(0)
+    return out
 
 
-def array_spec(shape: tuple[int, ...], dtype: Any) -> dict[str, Any]:
-    """Returns the zarr v2 metadata used to store an array of ``shape`` and ``dtype``.
+def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[str]:
+    """The keys of every chunk of a zarr3 array of `shape` stored in `chunks` (default key encoding)."""
+    if any(d == 0 for d in shape):
+        return set()
+    grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
+    return {f"{name}/c/" + "/".join(map(str, cell)) for cell in itertools.product(*grid)}
+
+
+class ItemArrays:
+    """The arrays of one item directory, opened once each, read region by region.
 
     Args:
-      shape: Global array shape, leading axis the device axis.
-      dtype: Array dtype (numpy or ml_dtypes).
-
-    Returns:
-      The ``metadata`` dictionary of the TensorStore zarr spec, also what ``.zarray``
-      holds (apart from ``zarr_format``).
+      directory: the item directory.
+      context: a TensorStore context to share (one is created by default).
     """
-    shape = tuple(int(d) for d in shape)
-    return {
-        "shape": list(shape),
-        "chunks": _chunks(shape),
-        "dtype": _zarr_dtype(dtype),
-        "compressor": None,
-        "filters": None,
-        "fill_value": None,
-        "order": "C",
-        "dimension_separator": _DIMENSION_SEPARATOR,
-    }
 
+    def __init__(self, directory: Any, context: ts.Context | None = None):
+        self.directory = _paths.as_path(directory)
+        self.context = ts.Context() if context is None else context
+        self._open: dict[str, ts.TensorStore] = {}
 
-def _open(
-    path: str | os.PathLike, metadata: dict[str, Any] | None = None, **kwargs: Any
-) -> ts.TensorStore:
-    """Opens (or with ``create=True`` creates) the zarr array at ``path``.
+    def _fail(self, name: str, problem: str) -> StoreError:
+        return StoreError(f"{self.directory} is incomplete or damaged: array {name}: {problem}. Nothing was loaded.")
 
-    Every file is written under a temporary name, fsynced, renamed into place, and the
-    array directory fsynced (``file_io_sync``), so a write is durable once its future is.
-    """
-    spec = {
-        "driver": "zarr",
-        "kvstore": {"driver": "file", "path": os.fspath(path)},
-        # Write chunk files even when they equal the fill value, so every chunk exists.
-        "store_data_equal_to_fill_value": True,
-        "context": {"file_io_sync": True},  # TensorStore's default, relied on: keep it.
-    }
-    if metadata is not None:
-        spec["metadata"] = metadata
-    try:
-        return ts.open(spec, **kwargs).result()
-    except ValueError as e:
-        raise StoreError(f"cannot open array at {os.fspath(path)}: {e}") from e
+    def open(self, name: str) -> ts.TensorStore:
+        if name not in self._open:
+            spec = dict(_spec(self.directory, name), fill_missing_data_reads=False)
+            try:
+                self._open[name] = ts.open(spec, open=True, read=True, context=self.context).result()
+            except ValueError as e:
+                raise self._fail(name, f"cannot open it ({_first_line(e)})") from None
+        return self._open[name]
 
-
-def open_array(path: str | os.PathLike) -> ts.TensorStore:
-    """Opens the array at ``path`` for reading, once, for callers that read many regions.
-
-    ``open_array(path)[index].read().result()`` is :func:`read` without opening the array
-    again for every region. Missing chunks read as zeros; run :func:`validate_array` first.
-
-    Raises:
-      StoreError: If no readable array is stored at ``path``.
-    """
-    return _open(path, open=True, read=True)
-
-
-def create_array(
-    path: str | os.PathLike, shape: tuple[int, ...], dtype: Any
-) -> ts.TensorStore:
-    """Creates (or opens, if its metadata is identical) the array at ``path`` for writing.
-
-    For writers that fill an array region by region (e.g. one chunk, ``array_spec(shape,
-    dtype)["chunks"]``, at a time): ``create_array(...)[index].write(data).result()``.
-    Writes of whole chunks from different processes never touch the same file.
-
-    Raises:
-      StoreError: If an array with different metadata already exists at ``path``.
-    """
-    return _open(path, create=True, open=True, metadata=array_spec(shape, dtype))
-
-
-def write_array(path: str | os.PathLike, value: jax.Array | np.ndarray) -> None:
-    """Writes ``value`` as a zarr array at ``path``, creating the array if needed.
-
-    For a ``jax.Array`` only the addressable shards with ``replica_id == 0`` are written,
-    each to the region its index names, so every process of a multi-host job can call this
-    for the same global array and together they write each element exactly once. The
-    array is opened with ``create=True, open=True``: processes racing to create it with
-    identical metadata all succeed. Safe concurrent writing needs shard boundaries that
-    align with chunk boundaries, which holds for row sharding ``P("data")`` and replicated
-    arrays.
-
-    Args:
-      path: Directory of the array.
-      value: A global ``jax.Array`` or a numpy array (written whole).
-
-    Raises:
-      StoreError: If an array with different metadata already exists at ``path``.
-    """
-    if isinstance(value, jax.Array):
-        regions = [
-            (shard.index, np.asarray(shard.data))
-            for shard in value.addressable_shards
-            if shard.replica_id == 0
-        ]
-    else:
-        regions = [((), np.asarray(value))]
-    write_regions(path, value.shape, value.dtype, regions)
-
-
-def write_regions(
-    path: str | os.PathLike,
-    shape: tuple[int, ...],
-    dtype: Any,
-    regions: list[tuple[Any, np.ndarray]],
-) -> None:
-    """Writes host ``(index, data)`` regions of an array of ``shape`` and ``dtype`` at ``path``.
-
-    The array is created if needed, as in :func:`write_array` (which calls this with a
-    ``jax.Array``'s replica-0 shards); this form takes data already copied to host memory,
-    for writers that copy device data first and write later (asynchronous checkpointing).
-
-    Raises:
-      StoreError: If an array with different metadata already exists at ``path``.
-    """
-    store = create_array(path, shape, dtype)
-    futures = [store[index].write(data) for index, data in regions]
-    for future in futures:
-        future.result()
-
-
-def expected_chunk_files(
-    path: str | os.PathLike, shape: tuple[int, ...], dtype: Any
-) -> list[tuple[str, int]]:
-    """Lists every chunk file an array of ``shape`` and ``dtype`` has, with its exact size.
-
-    Args:
-      path: Directory of the array (unused; the names are relative to it).
-      shape: Global array shape.
-      dtype: Array dtype.
-
-    Returns:
-      ``(file name relative to path, size in bytes)`` for each chunk, in row-major order
-      of the chunk grid. Empty for arrays with a zero-sized dimension.
-    """
-    del path
-    spec = array_spec(shape, dtype)
-    return _chunk_files(spec["shape"], spec["chunks"], dtype)
-
-
-def _chunk_files(
-    shape: list[int], chunks: list[int], dtype: Any
-) -> list[tuple[str, int]]:
-    """:func:`expected_chunk_files` of an array of ``shape`` stored in ``chunks``."""
-    nbytes = math.prod(chunks) * np.dtype(dtype).itemsize
-    grid = [range(math.ceil(d / c)) for d, c in zip(shape, chunks)]
-    if not grid:  # 0-d arrays have one chunk, named "0".
-        return [("0", nbytes)]
-    return [
-        (_DIMENSION_SEPARATOR.join(map(str, cell)), nbytes)
-        for cell in itertools.product(*grid)
-    ]
-
-
-def validate_array(path: str | os.PathLike, shape: tuple[int, ...], dtype: Any) -> None:
-    """Checks that a complete array of ``shape`` and ``dtype`` is stored at ``path``.
-
-    Only file metadata is read: ``.zarray`` must match :func:`array_spec`, and every chunk
-    file must exist with exactly its expected size. TensorStore silently reads fill values
-    for missing chunks, so call this before reading a checkpoint. Arrays written before
-    chunk widths were balanced (``_chunks(shape, balanced=False)``) are accepted too.
-
-    Args:
-      path: Directory of the array.
-      shape: Expected global shape.
-      dtype: Expected dtype.
-
-    Raises:
-      StoreError: Naming the first problem: missing or unreadable ``.zarray``,
-        mismatching metadata, or a missing, truncated or oversized chunk file.
-    """
-    path = os.fspath(path)
-    zarray = os.path.join(path, ".zarray")
-    try:
-        with open(zarray) as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as e:
-        raise StoreError(f"cannot read array metadata {zarray}: {e}") from e
-    expected = array_spec(shape, dtype) | {"zarr_format": 2}
-    unbalanced = _chunks(tuple(expected["shape"]), balanced=False)
-    if metadata.get("chunks") == unbalanced:
-        expected["chunks"] = unbalanced
-    for key, want in expected.items():
-        if metadata.get(key) != want:
-            raise StoreError(
-                f"{zarray}: {key} is {metadata.get(key)!r}, expected {want!r}"
-            )
-    for name, size in _chunk_files(expected["shape"], expected["chunks"], dtype):
-        file = os.path.join(path, name)
+    def stored_keys(self) -> set[str]:
+        """Every key of the item's OCDBT database (array metadata and chunks)."""
         try:
-            actual = os.path.getsize(file)
-        except OSError:
-            raise StoreError(f"missing chunk file {file}") from None
-        if actual != size:
-            kind = "truncated" if actual < size else "oversized"
-            raise StoreError(f"{kind} chunk file {file}: {actual} bytes, expected {size}")
+            kv = ts.KvStore.open(_kvstore(self.directory), context=self.context).result()
+            return {k.decode() for k in kv.list().result()}
+        except ValueError as e:
+            raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
+
+    def check(self, arrays: Sequence[Any]) -> None:
+        """Checks that every array of `arrays` (`StoredArray`s) is stored with its shape, its dtype and all of its
+        chunks, reading metadata only.
+
+        Raises:
+          StoreError: naming the first missing, mismatching or incomplete array.
+        """
+        keys = self.stored_keys()
+        for a in arrays:
+            store = self.open(a.name)
+            shape, dtype = tuple(store.domain.shape), store.dtype.numpy_dtype
+            if shape != tuple(a.shape) or np.dtype(dtype).name != a.dtype:
+                raise self._fail(a.name, f"it is {list(shape)} {np.dtype(dtype).name}, expected {list(a.shape)} "
+                                         f"{a.dtype}")
+            missing = chunk_keys(a.name, shape, store.chunk_layout.write_chunk.shape) - keys
+            if missing:
+                raise self._fail(a.name, f"{len(missing)} chunks are missing (first: {min(missing)})")
+
+    def read(self, name: str, region: Region) -> np.ndarray:
+        """The values of `region` of array `name`, read in pieces of about `PIECE_BYTES` at most."""
+        store = self.open(name)
+        shape = tuple(hi - lo for lo, hi in region)
+        out = aligned_empty(shape, store.dtype.numpy_dtype)
+        if out.size == 0:
+            return out
+        chunk = store.chunk_layout.read_chunk.shape[-1]
+        row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
+        step = max(1, PIECE_BYTES // max(row_bytes * chunk, 1)) * chunk
+        lo, hi = region[-1]
+        start = lo
+        try:
+            while start < hi:
+                stop = min(hi, (start // chunk) * chunk + step)
+                index = tuple(slice(a, b) for a, b in region[:-1]) + (slice(start, stop),)
+                out[..., start - lo:stop - lo] = store[index].read().result()
+                start = stop
+        except ValueError as e:
+            raise self._fail(name, f"reading {list(region)} failed ({_first_line(e)})") from None
+        return out
 
 
-def fsync_path(path: str | os.PathLike) -> None:
-    """Flushes one file, or one directory's entries (creations, renames), to stable storage."""
-    directory = getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0
-    fd = os.open(path, os.O_RDONLY | directory)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class ItemWriter:
+    """Writes zarr3 arrays into an OCDBT database at an item directory: their metadata in one transaction, then
+    their data in transactions of about `batch_bytes` (one new data file each).
 
-
-def fsync_tree(path: str | os.PathLike) -> None:
-    """Flushes every file and directory under ``path``, and ``path`` itself, to stable storage.
-
-    Call it on a directory written in a temporary place before renaming it into view, so
-    that a power loss just after the rename cannot expose missing or incomplete files (then
-    :func:`fsync_path` the parent to make the rename itself durable). Contents are never
-    read; files TensorStore wrote are already synced, so they cost one system call each.
-    Symbolic links are not followed.
+    Use as a context manager: `create` every array first, then `write` regions; what is staged is committed
+    when the context exits without an error.
     """
-    for root, _, files in os.walk(os.fspath(path), topdown=False):  # children first
-        for name in files:
-            file = os.path.join(root, name)
-            if not os.path.islink(file):
-                fsync_path(file)
-        fsync_path(root)
+
+    def __init__(self, directory: Any, batch_bytes: int = BATCH_BYTES):
+        self.directory = _paths.as_path(directory)
+        self.context = ts.Context()
+        self.batch_bytes = batch_bytes
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[str, ts.TensorStore] = {}
+        self._txn: ts.Transaction | None = None
+        self._staged = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self._create_pending()
+            self.commit()
+        elif self._txn is not None:
+            self._txn.abort()
+
+    def create(self, name: str, shape: Sequence[int], dtype: str, chunks: Sequence[int]) -> None:
+        """Declares array `name` of `shape` and `dtype`, stored in chunks of `chunks` (zstd-compressed); the
+        metadata of every declared array is written together, before the first `write`."""
+        self._pending[name] = {
+            "shape": list(shape), "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunks]}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "zstd", "configuration": {"level": 3}}]}
+
+    def _create_pending(self) -> None:
+        if not self._pending:
+            return
+        txn = ts.Transaction()
+        try:
+            for name, metadata in self._pending.items():
+                ts.open(_spec(self.directory, name) | {"metadata": metadata}, create=True, context=self.context,
+                        transaction=txn).result()
+            txn.commit_async().result()
+            for name in self._pending:
+                # Chunks of zeros are stored too, so that a missing chunk is damage (as in Orbax's arrays).
+                self._arrays[name] = ts.open(_spec(self.directory, name) | {"store_data_equal_to_fill_value": True},
+                                             open=True, write=True, context=self.context).result()
+        except ValueError as e:
+            raise StoreError(f"cannot create arrays in {self.directory}: {_first_line(e)}") from None
+        self._pending = {}
+
+    def write(self, name: str, region: Region, data: np.ndarray) -> None:
+        """Stages `data` as `region` of array `name`; commits once `batch_bytes` are staged."""
+        self._create_pending()
+        if self._txn is None:
+            self._txn = ts.Transaction()
+        index = tuple(slice(lo, hi) for lo, hi in region)
+        try:
+            self._arrays[name].with_transaction(self._txn)[index].write(data).result()
+        except ValueError as e:
+            raise StoreError(f"cannot write array {name} in {self.directory}: {_first_line(e)}") from None
+        self._staged += data.nbytes
+        if self._staged >= self.batch_bytes:
+            self.commit()
+
+    def commit(self) -> None:
+        """Commits what is staged."""
+        if self._txn is not None:
+            txn, self._txn, self._staged = self._txn, None, 0
+            try:
+                txn.commit_async().result()
+            except ValueError as e:
+                raise StoreError(f"cannot write arrays to {self.directory}: {_first_line(e)}") from None
 
 
-def read(path: str | os.PathLike, index: Any = ...) -> np.ndarray:
-    """Reads a region of the array at ``path``, loading only the chunks it touches.
-
-    Missing chunks read as zeros without error; run :func:`validate_array` first.
-
-    Args:
-      path: Directory of the array.
-      index: A numpy-style basic index, e.g. ``r`` for one row or
-        ``(r, slice(a, b))`` for part of a row of a 2-D array. Defaults to everything.
-
-    Returns:
-      The region as a numpy array.
-    """
-    return np.asarray(open_array(path)[index].read().result())
-
-
-def read_to_jax(
-    path: str | os.PathLike,
-    shape: tuple[int, ...],
-    dtype: Any,
-    sharding: jax.sharding.Sharding,
-) -> jax.Array:
-    """Reads the array at ``path`` into a global ``jax.Array`` laid out by ``sharding``.
-
-    Only the regions of this process's addressable devices are read, each distinct region
-    once, all concurrently.
-
-    Args:
-      path: Directory of the array.
-      shape: Expected global shape.
-      dtype: Expected dtype.
-      sharding: Target sharding, e.g. ``NamedSharding(mesh, P("data"))``; need not match
-        the sharding the array was written from.
-
-    Returns:
-      The global array.
-
-    Raises:
-      StoreError: If the stored shape or dtype differs from ``shape`` and ``dtype``, or
-        JAX would silently narrow ``dtype`` (64-bit types without ``jax_enable_x64``).
-    """
-    shape = tuple(int(d) for d in shape)
-    if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
-        raise StoreError(f"{np.dtype(dtype)} arrays need jax_enable_x64 to load into JAX")
-    store = open_array(path)
-    stored_dtype = store.dtype.numpy_dtype
-    if tuple(store.shape) != shape or _zarr_dtype(stored_dtype) != _zarr_dtype(dtype):
-        raise StoreError(
-            f"array at {os.fspath(path)} is {tuple(store.shape)} {stored_dtype},"
-            f" expected {shape} {np.dtype(dtype)}"
-        )
-
-    def key(index: tuple[slice, ...]) -> tuple[tuple[int, int, int], ...]:
-        return tuple(s.indices(d) for s, d in zip(index, shape))
-
-    pending = {}
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        if key(index) not in pending:
-            pending[key(index)] = store[index].read()
-    return jax.make_array_from_callback(
-        shape, sharding, lambda index: np.asarray(pending[key(index)].result())
-    )
+def _first_line(e: Exception) -> str:
+    text = str(e).split(" [tensorstore_spec=")[0]
+    return text.splitlines()[0] if text else type(e).__name__

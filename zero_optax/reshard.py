@@ -17,9 +17,18 @@ import ctypes
 import json
 import os
 import sys
-import time
 import types
 from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from zero_optax._reshard import reshard as _reshard_fn
 
@@ -33,31 +42,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see --help)\n")
 
 
-class _Bar:
-    """A text progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+class _Progress:
+    """Progress on stderr: a `rich` bar (bytes, speed, time left) on a terminal; in a log, one line per 10% for
+    checkpoints of at least `LARGE_BYTES`; nothing otherwise."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.tty, self.shown, self.last = stream, stream.isatty(), -1, 0.0
-        self.active = False
+    def __init__(self, stream=None):
+        self.console = Console(file=stream if stream is not None else sys.stderr, stderr=stream is None)
+        self.bar: Progress | None = None
+        self.task = None
+        self.shown = -1
 
     def __call__(self, done: int, total: int) -> None:
-        if not (self.tty or total >= LARGE_BYTES) or total <= 0:
+        if total <= 0:
             return
-        pct = 100 * done // total
-        now = time.monotonic()
-        if self.tty and (pct != self.shown and (now - self.last > 0.1 or pct == 100)):
-            bar = "#" * (pct // 4) + "." * (25 - pct // 4)
-            self.stream.write(f"\rresharding [{bar}] {pct:3d}% {done / 1e9:.2f}/{total / 1e9:.2f} GB")
-            self.shown, self.last, self.active = pct, now, True
-        elif not self.tty and pct // 10 != self.shown // 10:
-            self.stream.write(f"resharding: {pct}% ({done / 1e9:.2f}/{total / 1e9:.2f} GB)\n")
-            self.shown = pct
-        self.stream.flush()
+        if self.console.is_terminal:
+            if self.bar is None:
+                self.bar = Progress(TextColumn("resharding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                    TimeRemainingColumn(), console=self.console)
+                self.bar.start()
+                self.task = self.bar.add_task("reshard", total=total)
+            self.bar.update(self.task, completed=done)
+        elif total >= LARGE_BYTES and 100 * done // total // 10 != self.shown // 10:
+            self.shown = 100 * done // total
+            self.console.print(f"resharding: {self.shown}% ({done / 1e9:.2f}/{total / 1e9:.2f} GB)",
+                               highlight=False, soft_wrap=True)
 
     def close(self) -> None:
-        if self.active:
-            self.stream.write("\n")
-            self.active = False
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def _fixed_mmap_threshold() -> None:
@@ -85,13 +98,13 @@ def _owners(arg: str):
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     parser = _Parser(prog=PROG, description="Convert a zero_optax checkpoint item directory to another world size.")
-    parser.add_argument("src", help="the item directory to read (holds zero_record.json)")
+    parser.add_argument("src", help="the item directory to read (holds zero_record.json); local or gs://")
     parser.add_argument("dst", help="the item directory to write")
     parser.add_argument("--world-size", type=int, required=True, help="the new number of devices")
     parser.add_argument("--owners", default="auto", help="'auto' (balanced) or a JSON file of leaf owners")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
     args = parser.parse_args(argv)
-    bar = _Bar()
+    bar = _Progress()
     _fixed_mmap_threshold()
     try:
         _reshard_fn(args.src, args.dst, args.world_size, owners=_owners(args.owners), force=args.force,
