@@ -1,190 +1,481 @@
-"""`python -m zero_optax.demo`: ZeRO-1 on 8 devices, checked against plain optax, saved, resharded and resumed.
+"""`python -m zero_optax.demo`: train a small language model with ZeRO-1, check it against optax, reshard, resume.
 
-On a machine without accelerators it simulates 8 CPU devices. It trains a small next-token model with
-token-count-weighted gradients and prints a report:
+The main job of the package, written to be read top to bottom:
 
-1. `zero1(adamw)` with the flat partition and `zero1(muon)` with the leaf partition, each against plain optax on
-   one device fed the same globally reduced gradient (the parameters must agree to float32 rounding);
-2. optimizer-state bytes per device against replicated optax;
-3. an Orbax `CheckpointManager` save/restore, `zero_optax.reshard` of the checkpoint from 8 to 3 devices, and
-   training resumed on 3 devices, again against plain optax.
+1. A character-level transformer language model (Flax NNX) learns the first chapters of *Pride and Prejudice*,
+   which ship with the package, on all devices (8 simulated CPU devices where there is no accelerator).
+2. Its optimizer is `zero1(optax.adamw(...), mesh=mesh)` (flat partition) inside an `nnx.Optimizer`, stepped under
+   `nnx.jit`; then `zero1(optax.contrib.muon(...), partition="leaf")`. Next to it, the same model trains with the
+   plain optax optimizer on the same batches, and after every step the parameters of the two must agree to float32
+   rounding.
+3. A table compares the optimizer-state bytes each device holds (read from the arrays' `addressable_shards`, and
+   as `zero_optax.describe` reports them) with replicated optax.
+4. Half-way, the run is saved with an Orbax `CheckpointManager` (`StandardSave` for the parameters, `ZeroSave` for
+   the optimizer state), restored onto half the devices with `ZeroRestore(target, reshard=True)`, and resumed
+   there; every resumed step is checked against the plain optax run, which never stopped.
+5. The loss curves of the resumed and the uninterrupted run go to `loss_curves.png` in the output folder.
+
+The exit status is 0 only if every check passed.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import dataclasses
+import shutil
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
 
 import jax
-
-if not os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORMS") == "cpu":
-    try:  # 8 simulated CPU devices where there is no accelerator; ignored once the backend is up
-        jax.config.update("jax_num_cpu_devices", 8)
-    except Exception:  # noqa: BLE001
-        pass
-
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 import zero_optax as zo
 
-VOCAB, DIM, SEQ, BATCH_PER_DEVICE = 61, 24, 12, 4
+SIMULATED_DEVICES = 8
+SEQ_LEN = 64
+BATCH = 16  # sequences per step, split over the devices (divisible by 8 and 4)
+DIM, HEADS, LAYERS = 48, 4, 2
 
 
-def init_params(key: jax.Array) -> dict:
-    k = jax.random.split(key, 4)
-    return {
-        "embed": 0.3 * jax.random.normal(k[0], (VOCAB, DIM)),
-        "mlp": {"w_in": 0.3 * jax.random.normal(k[1], (DIM, 3 * DIM)), "b_in": jnp.zeros(3 * DIM),
-                "w_out": 0.3 * jax.random.normal(k[2], (3 * DIM, DIM))},
-        "norm": jnp.ones(DIM),
-        "head": 0.3 * jax.random.normal(k[3], (DIM, VOCAB)),
-        "temperature": jnp.asarray(1.0),
-    }
+# --------------------------------------------------------------------------------------------------- devices
 
 
-def loss_sum(params: dict, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-    """Summed next-token cross-entropy over the unmasked positions of this device's batch."""
-    x = params["embed"][tokens[:, :-1]]
-    h = jax.nn.gelu(x @ params["mlp"]["w_in"] + params["mlp"]["b_in"]) @ params["mlp"]["w_out"]
-    h = (x + h) * params["norm"] / jnp.sqrt(jnp.mean((x + h) ** 2, -1, keepdims=True) + 1e-6)
-    logits = h @ params["head"] / params["temperature"]
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return jnp.sum(nll * mask[:, 1:])
+def simulate_cpu_devices(count: int) -> None:
+    """Asks XLA for `count` CPU devices; only effective before the backend starts (the first device query).
+
+    Accelerators are unaffected (the setting concerns the CPU backend); where the backend has already started
+    (for example in a test session that set it first) the current count stays.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except Exception:  # noqa: BLE001  (the backend is up: keep what it has)
+        pass
 
 
-def batch(step: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A deterministic global batch: sequences following a fixed rule, with ragged lengths (masked tails)."""
-    rng = np.random.default_rng(step)
-    start = rng.integers(0, VOCAB, size=(n * BATCH_PER_DEVICE, 1))
-    tokens = (start * 7 + 3 * np.arange(SEQ)[None]) % VOCAB
-    lengths = rng.integers(3, SEQ + 1, size=(n * BATCH_PER_DEVICE, 1))
-    return tokens.astype(np.int32), (np.arange(SEQ)[None] < lengths).astype(np.float32)
+def pick_devices(count: int | None) -> list[jax.Device]:
+    """`count` devices (default: all) of the default backend, or simulated CPU devices where it has fewer than 2."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        devices = jax.devices("cpu")
+    count = len(devices) if count is None else count
+    if count < 2 or count % 2 or count > len(devices) or BATCH % count:
+        raise SystemExit(f"--devices must be even, between 2 and {len(devices)}, and divide {BATCH}; got {count}.")
+    return devices[:count]
 
 
-class ZeroTrainer:
-    """A zero1 train step on an `n`-device mesh: local loss-sum gradients, weighted by local token counts."""
-
-    def __init__(self, inner: optax.GradientTransformation, n: int, **kwargs):
-        self.mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
-        self.n = n
-        self.tx = zo.zero1(inner, axis_name="data", **kwargs)
-        self.init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(), out_specs=P("data")))
-
-        def step(params, state, tokens, mask):
-            loss, grads = jax.value_and_grad(loss_sum)(zo.as_local(params, "data"), tokens, mask)
-            updates, state = self.tx.update(grads, state, params, weight=jnp.sum(mask[:, 1:]))
-            return optax.apply_updates(params, updates), state, jax.lax.psum(loss, "data")
-
-        self.step = jax.jit(jax.shard_map(step, mesh=self.mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                                          out_specs=(P(), P("data"), P())), donate_argnums=(0, 1))
-
-    def replicate(self, params):
-        """A replicated copy (from host memory, so donating it never deletes the caller's arrays)."""
-        return jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(self.mesh, P()))
-
-    def train(self, params, state, steps: range):
-        shard = NamedSharding(self.mesh, P("data"))
-        losses = []
-        for t in steps:
-            tokens, mask = batch(t, self.n)
-            params, state, loss = self.step(params, state, jax.device_put(tokens, shard),
-                                            jax.device_put(mask, shard))
-            losses.append(float(loss) / float(mask[:, 1:].sum()))
-        return params, state, losses
+def data_mesh(devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    return jax.make_mesh((len(devices),), ("data",), devices=devices)
 
 
-def train_reference(inner, params, steps: range, n: int, state=None):
-    """Plain optax on one device fed the globally reduced (token-weighted) gradient."""
-    state = inner.init(params) if state is None else state
-
-    @jax.jit
-    def step(params, state, tokens, mask):
-        grads = jax.grad(loss_sum)(params, tokens, mask)
-        grads = jax.tree.map(lambda g: g / jnp.sum(mask[:, 1:]), grads)
-        updates, state = inner.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    for t in steps:
-        params, state = step(params, state, *batch(t, n))
-    return params, state
+# ------------------------------------------------------------------------------------------------------ data
 
 
-def max_diff(a, b) -> float:
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+@dataclasses.dataclass(frozen=True)
+class Text:
+    """A text as integer character ids, and the alphabet that maps them back."""
+
+    ids: np.ndarray
+    alphabet: str
+
+    @classmethod
+    def load(cls) -> Text:
+        raw = resources.files("zero_optax").joinpath("data/pride_and_prejudice.txt").read_text(encoding="utf-8")
+        alphabet = "".join(sorted(set(raw)))
+        lookup = {c: i for i, c in enumerate(alphabet)}
+        return cls(np.array([lookup[c] for c in raw], np.int32), alphabet)
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The global batch of `step`: `BATCH` random windows of the text, inputs and next-character targets."""
+        starts = np.random.default_rng(step).integers(0, len(self.ids) - SEQ_LEN - 1, size=BATCH)
+        windows = np.stack([self.ids[s:s + SEQ_LEN + 1] for s in starts])
+        return windows[:, :-1], windows[:, 1:]
 
 
-def state_bytes(state) -> int:
-    per_device: dict = {}
-    for arr in jax.tree.leaves(state):
-        for shard in arr.addressable_shards:
+# ----------------------------------------------------------------------------------------------------- model
+
+
+class Block(nnx.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.attn_norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(self.attn_norm(x)).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
+        x = x + self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d))
+        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class CharLM(nnx.Module):
+    """A character-level transformer language model: embeddings, `LAYERS` blocks, a final norm and a head."""
+
+    def __init__(self, vocab: int, *, rngs: nnx.Rngs):
+        self.vocab = vocab
+        self.embed = nnx.Linear(vocab, DIM, use_bias=False, rngs=rngs)  # applied to one-hot characters
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (SEQ_LEN, DIM)))
+        self.blocks = nnx.List([Block(DIM, HEADS, rngs=rngs) for _ in range(LAYERS)])
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.head = nnx.Linear(DIM, vocab, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        # A one-hot product rather than a gather: it shards with the batch under the mesh's explicit axes.
+        x = self.embed(jax.nn.one_hot(ids, self.vocab)) + self.pos[...]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(model: CharLM, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-character cross-entropy over the global batch (so `jax.grad` gives the global mean gradient)."""
+    return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+
+
+@nnx.jit
+def train_step(model: CharLM, optimizer: nnx.Optimizer, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """One step, the same for zero1 and for plain optax: nothing in it knows the optimizer state is sharded."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+    optimizer.update(model, grads)
+    return loss
+
+
+def place(node: nnx.Module | nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
+    """Moves every array of a model or optimizer that is not yet on `mesh` there, replicated; in place.
+
+    Parameters must be replicated over the data axis. Arrays already on `mesh` (a zero1 state, sharded over
+    "data") stay as they are. Counters that Flax and optax create off the mesh (`nnx.Optimizer.step`, optax's
+    `count`) would otherwise change type after the first step and make `nnx.jit` compile the step twice.
+    """
+    def onto_mesh(x: jax.Array) -> jax.Array:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P()))
+
+    nnx.update(node, jax.tree.map(onto_mesh, nnx.state(node)))
+
+
+def new_model(vocab: int, mesh: jax.sharding.Mesh) -> CharLM:
+    """The model with its parameters replicated over `mesh` (the same initial values every time: seed 0)."""
+    model = CharLM(vocab, rngs=nnx.Rngs(0))
+    place(model, mesh)
+    return model
+
+
+def new_optimizer(model: CharLM, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh) -> nnx.Optimizer:
+    """`nnx.Optimizer(model, tx, wrt=nnx.Param)`, with its step counter (and optax's counts) on `mesh`."""
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    place(optimizer, mesh)
+    return optimizer
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def parameter_difference(model: CharLM, reference: CharLM) -> tuple[float, float]:
+    """max |zero1 - optax| over all parameters, and the largest |optax| parameter (on the host)."""
+    ours, theirs = (jax.tree.leaves(jax.device_get(nnx.as_pure(nnx.state(m, nnx.Param)))) for m in (model, reference))
+    return (max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs)),
+            max(float(np.max(np.abs(b))) for b in theirs))
+
+
+def bytes_per_device(tree) -> dict[jax.Device, int]:
+    """What each device really stores of `tree`: the sizes of its arrays' addressable shards."""
+    per_device: dict[jax.Device, int] = {}
+    for array in jax.tree.leaves(tree):
+        for shard in array.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
+    return per_device
 
 
-def main() -> int:
-    n = min(8, jax.device_count())
-    print(f"zero_optax {zo.__version__} demo: jax {jax.__version__}, {n} x {jax.devices()[0].platform} devices\n")
-    params0 = init_params(jax.random.key(0))
-    n_params = sum(x.size for x in jax.tree.leaves(params0))
-    rows = []
-    ok = True
-    for name, inner_fn, partition, tol in (("adamw", lambda: optax.adamw(3e-3, weight_decay=0.01), "flat", 1e-5),
-                                            ("muon", lambda: optax.contrib.muon(2e-2), "leaf", 5e-5)):
-        t0 = time.perf_counter()
-        trainer = ZeroTrainer(inner_fn(), n, partition=partition)
-        params = trainer.replicate(params0)
-        state = trainer.init(params)
-        params, state, losses = trainer.train(params, state, range(30))
-        seconds = time.perf_counter() - t0
-        ref_params, _ = train_reference(inner_fn(), params0, range(30), n)
-        diff = max_diff(params, ref_params)
-        replicated = sum(x.nbytes for x in jax.tree.leaves(inner_fn().init(params0)))
-        ok &= diff <= tol
-        rows.append((name, partition, losses[0], losses[-1], diff, state_bytes(state), replicated, seconds))
-    print(f"{n_params:,} parameters; 30 steps, loss weighted by each device's token count\n")
-    print("| optimizer | partition | loss first -> last | max |param - optax| | state bytes/device | "
-          "replicated | ratio | seconds |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, partition, l0, l1, diff, mine, rep, sec in rows:
-        print(f"| {name} | {partition} | {l0:.3f} -> {l1:.3f} | {diff:.1e} | {mine:,} | {rep:,} | "
-              f"{mine / rep:.3f} | {sec:.1f} |")
+@dataclasses.dataclass
+class Memory:
+    """Optimizer-state bytes per device of one layout, next to replicated optax."""
 
-    # Checkpoint on n devices, reshard to 3, resume: compare with 40 uninterrupted steps of plain optax.
-    inner_fn = lambda: optax.adamw(3e-3, weight_decay=0.01)
-    trainer = ZeroTrainer(inner_fn(), n)
-    params = trainer.replicate(params0)
-    params, state, _ = trainer.train(params, trainer.init(params), range(20))
-    m = 3 if n > 3 else max(1, n - 1)  # a different world size where the machine has one
-    with tempfile.TemporaryDirectory() as tmp:
-        with ocp.CheckpointManager(os.path.join(tmp, "run")) as mngr:
-            mngr.save(20, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                  opt_state=zo.ZeroSave(state)))
-            mngr.wait_until_finished()
-        src = os.path.join(tmp, "run", "20", "opt_state")
-        dst = os.path.join(tmp, "opt_state_m")
-        zo.reshard(src, dst, world_size=m)
-        small = ZeroTrainer(inner_fn(), m)
-        target = jax.eval_shape(small.init, small.replicate(params0))
-        restored = ocp.Checkpointer(zo.ZeroCheckpointHandler()).restore(
-            dst, args=zo.ZeroRestore(jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(small.mesh, P("data"))),
-                target)))
-        params, state, _ = small.train(small.replicate(params), restored, range(20, 40))
-    ref_params, ref_state = train_reference(inner_fn(), params0, range(20), n)
-    ref_params, ref_state = train_reference(inner_fn(), ref_params, range(20, 40), m, ref_state)
-    diff = max_diff(params, ref_params)
-    ok &= diff <= 1e-5
-    print(f"\nCheckpoint at step 20 on {n} devices -> zero_optax.reshard to {m} devices -> 20 more steps on {m}: "
-          f"max |param - uninterrupted optax| = {diff:.1e}")
-    print("\n" + zo.describe(state).summary())
-    print("\nOK: zero1 matches single-device optax" if ok else "\nMISMATCH: see the table above")
+    label: str
+    devices: int
+    measured: int  # max over devices of the zero1 state's addressable shards
+    described: int  # max over devices of `zo.describe(state).state_bytes_per_device`
+    stored: int  # `zo.describe(state).stored_bytes_per_device` (owned leaves padded to one shape)
+    replicated: int  # max over devices of the plain optax state's addressable shards
+
+    @classmethod
+    def of(cls, label: str, optimizer: nnx.Optimizer, reference: nnx.Optimizer) -> Memory:
+        state = nnx.as_pure(optimizer.opt_state)
+        layout = zo.describe(state)
+        return cls(label, layout.world_size, max(bytes_per_device(state).values()),
+                   max(layout.state_bytes_per_device), layout.stored_bytes_per_device,
+                   max(bytes_per_device(nnx.as_pure(reference.opt_state)).values()))
+
+
+# ------------------------------------------------------------------------------------------------------- run
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """An inner optimizer, the partition zero1 gives it, and the tolerance of the comparison with optax."""
+
+    name: str
+    make: Callable[[], optax.GradientTransformation]
+    partition: str
+    rtol: float
+
+
+RECIPES = {
+    "flat": Recipe("AdamW", lambda: optax.adamw(3e-3, weight_decay=0.01), "flat", 1e-5),
+    "leaf": Recipe("Muon", lambda: optax.contrib.muon(2e-2, adam_learning_rate=3e-3), "leaf", 5e-5),
+    "auto": Recipe("Muon", lambda: optax.contrib.muon(2e-2, adam_learning_rate=3e-3), "auto", 5e-5),
+}
+
+
+@dataclasses.dataclass
+class Result:
+    """What one recipe's run measured."""
+
+    recipe: Recipe
+    devices: int
+    resumed_on: int
+    checkpoint_step: int
+    zero_losses: list[float] = dataclasses.field(default_factory=list)
+    optax_losses: list[float] = dataclasses.field(default_factory=list)
+    before: float = 0.0  # worst relative difference before the checkpoint
+    after: float = 0.0  # worst relative difference after resuming
+    restored_state: float = 0.0  # restored optimizer state, gathered, against optax's at the checkpoint
+    max_abs: float = 0.0  # worst max |zero1 - optax| over all parameters and steps
+    memory: list[Memory] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return max(self.before, self.after, self.restored_state) <= self.recipe.rtol
+
+
+def state_difference(zero_state, optax_state) -> float:
+    """max |gathered zero1 state - optax state| over all floating leaves, relative to the largest optax entry."""
+    pairs = [(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(zo.gather_state(zero_state)),
+                                                             jax.tree.leaves(optax_state))
+             if jnp.issubdtype(b.dtype, jnp.floating)]
+    scale = max(float(np.max(np.abs(b), initial=0.0)) for _, b in pairs) or 1.0
+    return max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in pairs) / scale
+
+
+def save(directory: Path, step: int, model: CharLM, optimizer: nnx.Optimizer) -> None:
+    """Saves the parameters with Orbax's `StandardSave` and the sharded optimizer state with `zo.ZeroSave`."""
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(nnx.as_pure(nnx.state(model, nnx.Param))),
+            opt_state=zo.ZeroSave(nnx.as_pure(optimizer.opt_state))))  # the zero1 state, unwrapped from NNX
+        manager.wait_until_finished()
+
+
+def restore(directory: Path, step: int, recipe: Recipe, vocab: int,
+            mesh: jax.sharding.Mesh) -> tuple[CharLM, nnx.Optimizer, zo.ZeroState]:
+    """Restores a checkpoint saved on any number of devices onto `mesh`.
+
+    A fresh model and optimizer on `mesh` give the targets: shapes, shardings and the zero1 layout for this mesh.
+    `reshard=True` lets `ZeroRestore` re-slice (flat) or re-own (leaf) a state saved at another world size.
+
+    Returns:
+      The model and optimizer with the restored values, and the restored zero1 state.
+    """
+    model = new_model(vocab, mesh)
+    tx = zo.zero1(recipe.make(), axis_name="data", mesh=mesh, partition=recipe.partition)
+    optimizer = new_optimizer(model, tx, mesh)
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(nnx.as_pure(nnx.state(model, nnx.Param))),
+            opt_state=zo.ZeroRestore(nnx.as_pure(optimizer.opt_state), reshard=True)))
+    nnx.update(model, restored["params"])
+    nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"]))
+    optimizer.step.set_value(jnp.full_like(optimizer.step.get_value(), step))  # nnx.Optimizer's own count
+    return model, optimizer, restored["opt_state"]
+
+
+def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int, out: Path,
+          progress: Progress) -> Result:
+    """Trains with zero1 and with plain optax side by side, checkpoints half-way, resumes on half the devices.
+
+    Args:
+      recipe: the inner optimizer and its partition.
+      text: the training text.
+      devices: the devices to start on (an even number); the run resumes on the first half of them.
+      steps: steps in all, `steps // 2` before the checkpoint.
+      out: the output folder; the checkpoint goes to `out/checkpoints/<optimizer>_<partition>`.
+      progress: where to show the progress bars.
+
+    Returns:
+      The losses, differences from optax and state bytes of the run.
+    """
+    t0 = time.perf_counter()
+    vocab = len(text.alphabet)
+    n, half, k = len(devices), len(devices) // 2, steps // 2
+    mesh = data_mesh(devices)
+    result = Result(recipe, n, half, k)
+
+    # The model twice, from the same initial parameters: one with zero1, one with the plain optax optimizer.
+    model = new_model(vocab, mesh)
+    tx = zo.zero1(recipe.make(), axis_name="data", mesh=mesh, partition=recipe.partition)
+    optimizer = new_optimizer(model, tx, mesh)
+    reference = new_model(vocab, mesh)
+    ref_optimizer = new_optimizer(reference, recipe.make(), mesh)
+    result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
+
+    def run(model, optimizer, zero_mesh, steps: range, label: str) -> float:
+        """Steps zero1 (on `zero_mesh`) and optax (always on `mesh`) on the same batches.
+
+        Returns the worst relative parameter difference (max |zero1 - optax| / max |optax|) after any step.
+        """
+        task = progress.add_task(label, total=len(steps), loss=float("nan"), diff=0.0)
+        worst = 0.0
+        for t in steps:
+            batch = text.batch(t)
+            loss = train_step(model, optimizer, *jax.device_put(batch, NamedSharding(zero_mesh, P("data"))))
+            ref_loss = train_step(reference, ref_optimizer, *jax.device_put(batch, NamedSharding(mesh, P("data"))))
+            result.zero_losses.append(float(loss))
+            result.optax_losses.append(float(ref_loss))
+            diff, scale = parameter_difference(model, reference)
+            worst, result.max_abs = max(worst, diff / scale), max(result.max_abs, diff)
+            progress.update(task, advance=1, loss=result.zero_losses[-1], diff=worst)
+        return worst
+
+    result.before = run(model, optimizer, mesh, range(k), f"{recipe.name} {recipe.partition}, {n} devices")
+
+    # Half-way: save on n devices and restore on half of them; the optax run goes on, uninterrupted, on all n.
+    ckpt_dir = (out / "checkpoints" / f"{recipe.name.lower()}_{recipe.partition}").absolute()
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: an old step k would not be overwritten
+    save(ckpt_dir, k, model, optimizer)
+    small = data_mesh(devices[:half])
+    model, optimizer, restored = restore(ckpt_dir, k, recipe, vocab, small)
+    result.restored_state = state_difference(restored, nnx.as_pure(ref_optimizer.opt_state))
+    result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
+
+    result.after = run(model, optimizer, small, range(k, steps), f"  resumed on {half} devices")
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def memory_table(results: Sequence[Result]) -> Table:
+    table = Table(title="Optimizer-state bytes per device: zero1 (its arrays' addressable shards; what "
+                        "zo.describe counts; what it stores, padding included) against replicated optax")
+    for column in ("optimizer", "devices", "shards", "describe", "stored", "optax", "ratio"):
+        table.add_column(column, justify="left" if column == "optimizer" else "right")
+    for m in (m for r in results for m in r.memory):
+        table.add_row(m.label, str(m.devices), f"{m.measured:,}", f"{m.described:,}", f"{m.stored:,}",
+                      f"{m.replicated:,}", f"{m.measured / m.replicated:.3f}")
+    return table
+
+
+def checks_table(results: Sequence[Result]) -> Table:
+    table = Table(title="Checks against plain optax: max |zero1 - optax| / max |optax|, over the parameters after "
+                        "each step before the checkpoint, the restored optimizer state, and each resumed step")
+    for column in ("optimizer", "steps (devices)", "before", "restored", "resumed", "rtol", ""):
+        table.add_column(column, justify="left" if column == "optimizer" else "right")
+    for r in results:
+        table.add_row(f"{r.recipe.name} {r.recipe.partition}",
+                      f"{r.checkpoint_step} ({r.devices}) + {len(r.zero_losses) - r.checkpoint_step} ({r.resumed_on})",
+                      f"{r.before:.1e}", f"{r.restored_state:.1e}", f"{r.after:.1e}", f"{r.recipe.rtol:.0e}",
+                      "[green]pass" if r.ok else "[red]FAIL")
+    return table
+
+
+def plot(results: Sequence[Result], path: Path) -> None:
+    """Loss curves: zero1 (checkpointed, resharded, resumed) over the uninterrupted optax run."""
+    fig = Figure(figsize=(5.5 * len(results), 3.8), layout="tight")  # no pyplot: no GUI backend, no global state
+    axes = fig.subplots(1, len(results), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        steps = np.arange(1, len(r.optax_losses) + 1)
+        ax.plot(steps, r.optax_losses, color="0.6", lw=4, label="plain optax, uninterrupted")
+        k = r.checkpoint_step
+        ax.plot(steps[:k], r.zero_losses[:k], "C0.-", ms=3, label=f"zero1 on {r.devices} devices")
+        ax.plot(steps[k:], r.zero_losses[k:], "C1.-", ms=3, label=f"restored, resumed on {r.resumed_on}")
+        ax.axvline(k + 0.5, color="k", ls=":", lw=1)
+        ax.annotate(f" checkpoint: {r.devices} -> {r.resumed_on} devices", (k + 0.5, 0.5), xycoords=("data", "axes fraction"),
+                    fontsize=8)
+        ax.set(title=f"zero1({r.recipe.name.lower()}), partition={r.recipe.partition!r}", xlabel="step",
+               ylabel="loss (cross-entropy, nats)")
+        ax.legend(frameon=False)
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_optax.demo",
+        description="Train a small character-level transformer with zero1 on all devices, check every step "
+                    "against plain optax, checkpoint with Orbax, reshard to half the devices, resume, and plot the "
+                    "loss curves. Exits non-zero if any check fails.")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="steps per optimizer, half before the checkpoint and half after (default: 60)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help=f"devices to train on, even (default: all; {SIMULATED_DEVICES} simulated CPU devices "
+                             "where there is no accelerator)")
+    parser.add_argument("--partition", choices=("flat", "leaf", "auto", "both"), default="both",
+                        help="flat: AdamW; leaf or auto: Muon; both (default): AdamW flat, then Muon leaf")
+    parser.add_argument("--out", type=Path, default=Path("zero_optax_demo"),
+                        help="output folder for checkpoints and loss_curves.png (default: ./zero_optax_demo)")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (one before the checkpoint, one after).")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the demo; returns the exit status (0 only if every check passed)."""
+    args = parse_args(argv)
+    simulate_cpu_devices(max(SIMULATED_DEVICES, args.devices or 0))  # before anything starts the backend
+    console = Console()
+    devices = pick_devices(args.devices)
+    text = Text.load()
+    recipes = [RECIPES["flat"], RECIPES["leaf"]] if args.partition == "both" else [RECIPES[args.partition]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]zero_optax {zo.__version__}[/] demo: jax {jax.__version__}, {len(devices)} x "
+                  f"{devices[0].platform} devices; {len(text.ids):,} characters of Pride and Prejudice, "
+                  f"{len(text.alphabet)} symbols")
+
+    results = []
+    columns = (TextColumn("{task.description:<24}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.3f}  rel. diff {task.fields[diff]:.0e}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for recipe in recipes:
+            results.append(train(recipe, text, devices, args.steps, args.out, progress))
+
+    console.print(memory_table(results))
+    console.print(checks_table(results))
+    png = args.out / "loss_curves.png"
+    plot(results, png)
+    ok = all(r.ok for r in results)
+    for r in results:
+        console.print(f"{r.recipe.name} {r.recipe.partition}: loss {r.zero_losses[0]:.3f} -> {r.zero_losses[-1]:.3f} "
+                      f"in {len(r.zero_losses)} steps ({r.seconds:.0f} s); max |zero1 - optax| over all parameters "
+                      f"and steps: {r.max_abs:.1e}")
+    console.print(f"loss curves: {png}; checkpoints: {args.out / 'checkpoints'}")
+    console.print("[bold green]OK[/]: every step of zero1 matched plain optax, before and after resharding "
+                  f"from {len(devices)} to {len(devices) // 2} devices" if ok else
+                  "[bold red]FAILED[/]: zero1 differed from plain optax beyond float32 rounding (see the checks)")
     return 0 if ok else 1
 
 
