@@ -28,7 +28,7 @@ from zero_optax._state import ZeroFlatState, ZeroLeafState, ZeroState
 from zero_optax._transfer import gather_state, master_params, scatter_state
 from zero_optax._zero1 import as_local, describe, zero1
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 __all__ = (
     "Layout",
