@@ -17,8 +17,8 @@ Variants:
 2. ``gspmd``: MaxText-style; ``jax.jit`` with params replicated and every optimizer-state leaf
    sharded over "data" on its first dimension divisible by N, leaving GSPMD to partition the update.
 3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf`` / ``zero1_auto``: ``zero_optax.zero1``
-   under ``jax.shard_map`` (``partition="flat"`` with an all-reduce or the default reduce-scatter, ``"leaf"``,
-   ``"auto"``).
+   under ``jax.shard_map`` (``partition="flat"`` with an all-reduce or the default reduce-scatter in buckets,
+   ``zero1_flat_per_leaf`` the same with one reduce-scatter and one all-gather per leaf, ``"leaf"``, ``"auto"``).
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("gspmd", build_gspmd),
     Variant("zero1_flat_psum", _zero1_builder(partition="flat", reduce="psum"), zero1=True),
     Variant("zero1_flat_scatter", _zero1_builder(partition="flat", reduce="psum_scatter"), zero1=True),
+    Variant("zero1_flat_per_leaf", _zero1_builder(partition="flat", bucket_bytes=0), zero1=True),
     Variant("zero1_leaf", _zero1_builder(partition="leaf"), zero1=True),
     Variant("zero1_auto", _zero1_builder(partition="auto"), zero1=True),
 )

@@ -24,12 +24,15 @@ from jax import lax
 from zero_optax import _compat, _reduce
 from zero_optax._layout import Layout, ParamLeaf
 
-DEFAULT_BUCKET_BYTES = 64 << 20
-"""Chosen by `benchmarks/buckets.py` (see `benchmarks/RESULTS.md`)."""
+DEFAULT_BUCKET_BYTES = 4 << 20
+"""Chosen by `benchmarks/collectives.py --section buckets` and `benchmarks/first_step.py` (`benchmarks/RESULTS.md`):
+with at most `MAX_BUCKET_LEAVES` leaves a bucket, 4 MiB keeps a tree of B bytes within 2 x ceil(B / 4 MiB)
+collectives per step, and a 4 MiB collective is long enough to amortise its launch latency on GPUs."""
 
-MAX_BUCKET_LEAVES = 128
-"""A bucket also closes at this many leaves: XLA's compile time grows with the square of the number of slices
-taken from one buffer, so very long buckets cost seconds of compilation for no bandwidth gain."""
+MAX_BUCKET_LEAVES = 32
+"""A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of the number of slices
+taken from one buffer (0.64 s for a 100-leaf update unbucketed, 1.2 s with 32-leaf buckets, 2.3 s with one
+bucket), so longer buckets cost seconds of compilation for no bandwidth gain."""
 
 
 @dataclasses.dataclass(frozen=True)
