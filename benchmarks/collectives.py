@@ -192,19 +192,6 @@ def section_jit() -> str:
             f"JAX {jax.__version__} on {jax.devices()[0].platform}.\n\n" + "\n".join(lines))
 
 
-def _tp_specs(params):
-    def spec(path, x):
-        name = jax.tree_util.keystr(path)
-        if x.ndim == 2 and any(k in name for k in ("qkv", "mlp_in", "embed")):
-            return P(None, "model")
-        if x.ndim == 2:
-            return P("model", None)
-        if "qkv_bias" in name or "mlp_in_bias" in name:
-            return P("model")
-        return P()
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
 def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
     coords = {int(d.id): idx for idx, d in np.ndenumerate(mesh.devices)}
     pts = np.array([coords[g] for g in group])
@@ -214,7 +201,7 @@ def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
 def section_mesh2d() -> str:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     params = gpt_params(2048, 256, 4)
-    specs = _tp_specs(params)
+    specs = tensor_parallel_specs(params)
     tx = zo.zero1(optax.adamw(1e-3), axis_name="data")
     state_specs = zo.state_specs(tx, params, specs, mesh=mesh)
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)

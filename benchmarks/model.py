@@ -63,6 +63,21 @@ def gpt_params(
     return {"embed": normal((vocab, d)), "layers": layers, "ln_f": ln()}
 
 
+def tensor_parallel_specs(params: Params, axis: str = "model") -> Any:
+    """Megatron-style `PartitionSpec`s for a `gpt_params` tree: the embedding and the qkv / mlp_in projections
+    column-parallel (with their biases), proj / mlp_out row-parallel, everything else replicated."""
+    def spec(path: Any, x: Any) -> P:
+        name = jax.tree_util.keystr(path)
+        if x.ndim == 2 and any(k in name for k in ("qkv", "mlp_in", "embed")):
+            return P(None, axis)
+        if x.ndim == 2:
+            return P(axis, None)
+        if "qkv_bias" in name or "mlp_in_bias" in name:
+            return P(axis)
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def param_count(tree: Any) -> int:
     """Total number of elements over all array leaves."""
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))

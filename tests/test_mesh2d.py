@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.model import gpt_params
+from benchmarks.model import gpt_params, tensor_parallel_specs
 
 # Leaf shapes divide neither the data axis (4, or 2 x 2) nor, per block, anything: (5, 6) splits into (5, 3)
 # blocks of 15 elements.
@@ -167,25 +167,11 @@ def test_state_specs_on_a_1d_mesh_are_data():
         assert set(jax.tree.leaves(specs)) == {P("data")}
 
 
-def tensor_parallel_gpt_specs(params):
-    """Megatron-style: column-parallel in-projections and embedding, row-parallel out-projections."""
-    def spec(path, x):
-        name = jax.tree_util.keystr(path)
-        if x.ndim == 2 and any(k in name for k in ("qkv", "mlp_in", "embed")):
-            return P(None, "model")
-        if x.ndim == 2:
-            return P("model", None)
-        if any(k in name for k in ("qkv_bias", "mlp_in_bias")):
-            return P("model")
-        return P()
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
 def test_state_bytes_on_a_tensor_parallel_gpt_are_ideal():
     """AdamW: per-device state <= 1.01 x (full state / (data x model)) on a tensor-parallel GPT-shaped tree."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     params = gpt_params(2048, 256, 2)
-    specs = tensor_parallel_gpt_specs(params)
+    specs = tensor_parallel_specs(params)
     tx = zo.zero1(optax.adamw(1e-3), axis_name="data")
     state_specs = zo.state_specs(tx, params, specs, mesh=mesh)
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
