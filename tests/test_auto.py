@@ -100,3 +100,13 @@ def test_position_dependent_masks_give_the_leaf_an_owner():
 def test_assume_elementwise_is_for_the_flat_partition():
     with pytest.raises(zo.ZeroError, match="assume_elementwise"):
         zo.zero1(optax.adam(1e-2), axis_name="data", partition="auto", assume_elementwise=True)
+
+
+def test_auto_behind_a_global_clip_with_reduce_false():
+    n = 3
+    grads = h.gradient_sequence(PARAMS, n, steps=3)
+    tx = optax.chain(zo.reduce_gradients("data"), optax.clip_by_global_norm(0.5),
+                     zo.zero1(muon_recipe(), axis_name="data", partition="auto", reduce=False))
+    zp, zs, _ = h.run_zero(tx, PARAMS, grads, n)
+    rp, rs = h.run_oracle(optax.chain(optax.clip_by_global_norm(0.5), muon_recipe()), PARAMS, grads)
+    h.assert_matches(zp, zs[2], rp, rs[1], rtol=5e-5)
