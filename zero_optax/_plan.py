@@ -19,6 +19,7 @@ import optax
 from zero_optax import _compat, _coupling, _layout, _names, _owners
 from zero_optax._errors import ZeroAxisError, ZeroCouplingError, ZeroStructureError
 from zero_optax._layout import (
+    AUTO,
     FLAT,
     LEAF,
     MASTER,
@@ -204,6 +205,21 @@ def _check_slices(cfg: Config, traced: _coupling.Traced, real_state, mixed_tree,
             f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
 
 
+def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
+    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too.
+
+    A sliced leaf puts 1/N of its state on every device, the busiest owner included; a small leaf owned instead
+    lands on a device with room (owners are balanced largest first), usually in the padding of the packed buffers,
+    so biases and norms cost nothing next to the matrices Muon owns. The rule depends on the leaves alone, not on
+    the world size, so a checkpoint restores at any world size with the same split.
+    """
+    if cfg.partition != AUTO or not coupled:
+        return set()
+    smallest = min(math.prod(real[i].shape) for i in coupled)
+    return {i for i, x in enumerate(real)
+            if i not in coupled and not placement[i][0] and math.prod(x.shape) < smallest}
+
+
 def build_layout(cfg: Config, params) -> Layout:
     """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -221,11 +237,11 @@ def build_layout(cfg: Config, params) -> Layout:
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     coupled = _coupled_leaves(cfg, traced, treedef, len(real), real_state, [e.leaf for e in real_entries])
 
-    owned = [i in coupled for i in range(len(values))]
     for i in coupled:
         if placement[i][0]:
             why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
             raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
+    owned = [i in coupled or i in _small_elementwise(cfg, real, coupled, placement) for i in range(len(values))]
     slots = [math.prod(x.shape) if owned[i] else -(-math.prod(np.shape(x)) // placement[i][2])
              for i, x in enumerate(real)]
     mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]

@@ -126,15 +126,17 @@ def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequenc
 
 def all_reduce_slices(grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
                       denom: _reduce.Denominator, out_dtypes: dict[int, str], ranks) -> dict[int, jax.Array]:
-    """Like `reduce_scatter`, but all-reduces the bucket and slices it (3x the wire volume with the gather)."""
+    """Like `reduce_scatter`, but all-reduces the bucket and slices it (3x the wire volume with the gather).
+
+    The bucket is one variadic all-reduce of its leaves (no concatenation: `lax.psum` of a list is one op).
+    """
     out = {}
     for b in buckets:
         leaves = [layout.leaves[i] for i in b.leaves]
-        flat = [grads[i].astype(b.dtype).reshape(-1) for i in b.leaves]
-        total = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        parts = [grads[i].astype(b.dtype) for i in b.leaves]
         if b.axes:
-            total = lax.psum(total, b.axes)
-        for i, leaf, g in zip(b.leaves, leaves, _split(total, [leaf.size for leaf in leaves])):
+            parts = lax.psum(parts, b.axes)
+        for i, leaf, g in zip(b.leaves, leaves, parts):
             out[i] = _reduce.divide(own_slice(g, leaf, ranks[b.axes]), denom, out_dtypes[i])
     return out
 
