@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 from benchmarks.memory import max_state_bytes
-from benchmarks.model import gpt_params, param_count, tree_bytes
+from benchmarks.model import gpt_params, param_count, tensor_parallel_specs, tree_bytes
 
 N = 8
 
