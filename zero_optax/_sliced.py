@@ -110,10 +110,8 @@ def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequenc
         leaves = [layout.leaves[i] for i in b.leaves]
         group = leaves[0].group
         parts = [_padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
-        if not b.axes:
+        if not b.axes or group == 1:  # one device: its gradient is the sum
             rows = parts
-        elif group == 1:  # one device: nothing to scatter; the psum only retypes the value (XLA drops it)
-            rows = [lax.psum(p, b.axes) for p in parts]
         elif len(parts) == 1:
             rows = [_compat.psum_scatter(parts[0], b.axes)]
         else:
