@@ -89,11 +89,6 @@ def varying_axes(x) -> frozenset:
     return _varying_axes(x)
 
 
-def is_varying(x: jax.Array, axes: Axes) -> bool:
-    """Whether `x` is typed as varying across every axis of `axes` (always False when `check_vma=False`)."""
-    return set(as_tuple(axes)) <= _varying_axes(x)
-
-
 def pvary(x, axes: Axes):
     """Marks a pytree of values as varying across `axes` (a no-op for axes they already vary across)."""
     axes = as_tuple(axes)
