@@ -47,6 +47,8 @@ import jaxlib
 import numpy as np
 from jax.extend import core as jcore
 
+from zero_optax._errors import ZeroCouplingError
+
 Taint = frozenset[int]
 _NONE: Taint = frozenset()
 
@@ -132,8 +134,9 @@ _KNOWN = (_ELEMENTWISE | _PER_OPERAND_IDENTITY | _UNIFORM_PRESERVING | _POSITION
           | _CALLS | _CONTROL)
 
 
-class CouplingError(Exception):
-    """An update mixes parameter leaves, or draws random numbers into parameter data."""
+CouplingError = ZeroCouplingError
+"""Raised where an update mixes parameter leaves or draws random numbers into parameter data (the message names
+the primitive and its source line; zero1 adds what to do)."""
 
 
 @dataclasses.dataclass(frozen=True)
