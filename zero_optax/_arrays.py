@@ -35,7 +35,6 @@ from zero_optax import _names
 from zero_optax._layout import MASTER, Layout, Packing
 from zero_optax._state import ZeroState
 
-SHARED, SLICED, OWNED = "shared", "sliced", "owned"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +65,8 @@ class StoredArray:
 def unowned_entries(layout: Layout) -> list[int]:
     """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
     entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
-    inner = [j for j in layout.inner_entries if layout.kind(layout.entries[j]) != OWNED]
-    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == SLICED]
+    inner = list(layout.unpacked_entries)
+    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced"]
     return inner + masters
 
 
@@ -83,7 +82,7 @@ def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[S
         else:
             leaf = layout.leaves[e.leaf]
             out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
-                                   (tuple(leaf.axes) + layout.zero_axes(leaf),), entry=j))
+                                   (layout.history_axes(leaf),), entry=j))
     pack = layout.state_packing if pack is None else pack
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),

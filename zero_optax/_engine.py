@@ -94,9 +94,6 @@ class Engine:
 
     # ------------------------------------------------------------------ views and bookkeeping
 
-    def _sliced_entries(self, layout: Layout) -> list[int]:
-        return [j for j in layout.inner_entries if layout.kind(layout.entries[j]) != "owned"]
-
     def _owned_entries(self, layout: Layout, r: int) -> list[int]:
         return [j for j in layout.inner_entries
                 if layout.entries[j].leaf is None or layout.leaves[layout.entries[j].leaf].owner == r]
@@ -107,7 +104,7 @@ class Engine:
         if key not in self._views:
             if r is None:
                 present = {i for i, leaf in enumerate(layout.leaves) if leaf.sliced}
-                self._views[key] = _plan.view_treedef(self.cfg, layout, present, self._sliced_entries(layout),
+                self._views[key] = _plan.view_treedef(self.cfg, layout, present, list(layout.unpacked_entries),
                                                       "on the sliced leaves")
             else:
                 present = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
@@ -157,7 +154,7 @@ class Engine:
                     f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
                     f"transformation's init gives {layout.state_tree}.")
 
-        a_entries = self._sliced_entries(layout)
+        a_entries = list(layout.unpacked_entries)
         if full is None:
             state_a = cfg.inner.init(_tree(layout, _layout.masked_view([slices.get(i) for i in range(len(values))],
                                                                        slices)))
@@ -277,7 +274,7 @@ class Engine:
             p_sl = m_sl if master else {i: _sliced.own_slice(p_leaves[i], layout.leaves[i],
                                                               ranks[layout.zero_axes(layout.leaves[i])])
                                         for i in sliced}
-        a_entries = self._sliced_entries(layout)
+        a_entries = list(layout.unpacked_entries)
         view = lambda d: _tree(layout, _layout.masked_view([d.get(i) for i in range(len(layout.leaves))], d))
         g_view = view(g_sl)
         stored = jax.tree.leaves(state.inner_state)

@@ -213,6 +213,16 @@ class Layout:
         """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""
         return tuple(a for a in self.axes if a not in leaf.axes)
 
+    def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
+        return tuple(leaf.axes) + self.zero_axes(leaf)
+
+    @functools.cached_property
+    def unpacked_entries(self) -> tuple[int, ...]:
+        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
+        `ZeroState.inner_state`."""
+        return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
+
     def kind(self, entry: StateEntry) -> str:
         """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
         if entry.leaf is None:

@@ -22,13 +22,13 @@ def _spec(axes: tuple[str, ...]) -> P:
 
 def history_spec(layout: Layout, leaf: ParamLeaf) -> P:
     """A sliced leaf's 1-D history: block-major over the leaf's own axes, then its ZeRO axes."""
-    return _spec(tuple(leaf.axes) + layout.zero_axes(leaf))
+    return _spec(layout.history_axes(leaf))
 
 
 def specs_of(state: ZeroState) -> ZeroState:
     """`state` with every array replaced by its `PartitionSpec` (the same layout, so a valid `out_specs`)."""
     layout = state.layout
-    entries = [j for j in layout.inner_entries if layout.kind(layout.entries[j]) != "owned"]
+    entries = layout.unpacked_entries
     treedef = jax.tree.structure(state.inner_state)
     inner = [_spec(layout.axes) if layout.entries[j].leaf is None else
              history_spec(layout, layout.leaves[layout.entries[j].leaf]) for j in entries]

@@ -48,8 +48,7 @@ def _entry(state: ZeroState, j: int) -> jax.Array:
         sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
         value = jax.tree.leaves(state.master)[sliced.index(e.leaf)]
     else:
-        stored = [k for k in layout.inner_entries if layout.kind(layout.entries[k]) != "owned"]
-        value = jax.tree.leaves(state.inner_state)[stored.index(j)]
+        value = jax.tree.leaves(state.inner_state)[layout.unpacked_entries.index(j)]
     value = _compat.replicate(value)
     if kind == "shared":
         return value[0]

@@ -39,7 +39,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 import zero_optax as zo
