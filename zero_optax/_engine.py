@@ -30,6 +30,11 @@ def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
+def _masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
+    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
+    return _tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
+
+
 def check_layout(state, axis_name) -> Layout:
     """The state's layout, after checking its type, its axis and the world size of the enclosing mesh."""
     if not isinstance(state, ZeroState):
@@ -156,8 +161,7 @@ class Engine:
 
         a_entries = list(layout.unpacked_entries)
         if full is None:
-            state_a = cfg.inner.init(_tree(layout, _layout.masked_view([slices.get(i) for i in range(len(values))],
-                                                                       slices)))
+            state_a = cfg.inner.init(_masked_tree(layout, slices))
             a_values = jax.tree.leaves(state_a)
         else:
             a_values = []
@@ -192,7 +196,7 @@ class Engine:
             buffers = {d: b[None] for d, b in buffers.items()}
         master = None
         if cfg.master_dtype is not None:
-            master = _tree(layout, _layout.masked_view([slices.get(i) for i in range(len(values))], slices))
+            master = _masked_tree(layout, slices)
         return ZeroState(inner_state, buffers, master, layout)
 
     @staticmethod
@@ -275,10 +279,9 @@ class Engine:
                                                               ranks[layout.zero_axes(layout.leaves[i])])
                                         for i in sliced}
         a_entries = list(layout.unpacked_entries)
-        view = lambda d: _tree(layout, _layout.masked_view([d.get(i) for i in range(len(layout.leaves))], d))
-        g_view = view(g_sl)
+        g_view = _masked_tree(layout, g_sl)
         stored = jax.tree.leaves(state.inner_state)
-        p_view = None if p_sl is None else view(p_sl)
+        p_view = None if p_sl is None else _masked_tree(layout, p_sl)
         invariant = self._invariant.get(layout, False)
         a_old = self._from_storage(layout, a_entries, stored, invariant)
         old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
@@ -388,8 +391,8 @@ class Engine:
                     p_view = None
                 else:
                     p = masters if master else {i: p_leaves[i] for i in mine}
-                    p_view = _tree(layout, _layout.masked_view([p.get(i) for i in range(len(layout.leaves))], p))
-                g_view = _tree(layout, _layout.masked_view([g.get(i) for i in range(len(layout.leaves))], g))
+                    p_view = _masked_tree(layout, p)
+                g_view = _masked_tree(layout, g)
                 u, new = cfg.inner.update(g_view, old, p_view, **extra)
                 _check_returned(u, new, g_view, old, f"leaves device {r} owns")
                 u = dict(zip(mine, jax.tree.leaves(u)))
