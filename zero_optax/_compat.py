@@ -1,4 +1,9 @@
-"""The JAX primitives zero_optax needs whose name or home moved between JAX releases, each behind one function."""
+"""Every difference between the JAX releases zero_optax supports (0.10 to 0.12), each behind one function.
+
+Public APIs only: the oldest supported release has every primitive used here under its public name. A
+difference that a release makes is handled here and nowhere else, and is tested on the oldest and the newest
+release (`.ci/run`).
+"""
 
 from __future__ import annotations
 
@@ -72,11 +77,8 @@ def manual_axes() -> dict[str, int]:
 
 
 def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def vma_enabled(axes: Axes) -> bool:
@@ -97,11 +99,7 @@ def pvary(x, axes: Axes):
 
     def one(v):
         missing = tuple(a for a in axes if a not in _varying_axes(v))
-        if not missing:
-            return v
-        if hasattr(lax, "pcast"):
-            return lax.pcast(v, missing, to="varying")
-        return lax.pvary(v, missing)  # JAX < 0.8
+        return lax.pcast(v, missing, to="varying") if missing else v
     return jax.tree.map(one, x)
 
 
@@ -118,31 +116,41 @@ def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> ja
     """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant
     across `axes`.
 
-    `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects. JAX ships an
-    invariant all-gather under a private name; without it, a masked psum gives the same value at twice the
-    traffic.
+    A plain `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects;
+    `to="invarying"` (public since JAX 0.10, the oldest release zero_optax supports) compiles to the same single
+    all-gather. There is deliberately no masked-psum fallback: it would move one and a half times the bytes
+    (`tests/test_bench_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
     """
     axes = as_tuple(axes)
     if not vma_enabled(axes):
         return lax.all_gather(x, _axis_arg(axes), tiled=tiled)
-    try:
-        from jax._src.lax.parallel import all_gather_invariant as gather  # pylint: disable=g-import-not-at-top
-    except ImportError:  # pragma: no cover - depends on the JAX release
-        gather = None
-    if gather is not None:
-        return gather(pvary(x, axes), _axis_arg(axes), tiled=tiled)
-    n = axis_size(axes)  # pragma: no cover - depends on the JAX release
-    onehot = jnp.arange(n) == axis_index(axes)
-    placed = jnp.where(onehot.reshape((n,) + (1,) * x.ndim), x[None], jnp.zeros_like(x)[None])
-    out = lax.psum(placed, _axis_arg(axes))
-    return out.reshape((n * x.shape[0],) + x.shape[1:]) if tiled else out
+    return lax.all_gather(pvary(x, axes), _axis_arg(axes), tiled=tiled, to="invarying")
+
+
+def _spec_axes(spec: jax.sharding.PartitionSpec) -> set[str]:
+    names = set()
+    for entry in spec:
+        names.update((entry,) if isinstance(entry, str) else (entry or ()))
+    return names
+
+
+def _explicit_only(sharding) -> bool:
+    """Whether every mesh axis `sharding`'s spec names is `Explicit` (what `jax.reshard` accepts)."""
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in _spec_axes(sharding.spec))
 
 
 def reshard(x, sharding):
-    """`x` moved to `sharding` inside or outside `jax.jit` (`jax.reshard` where it exists)."""
-    if hasattr(jax, "reshard"):
+    """`x` moved to `sharding`, inside or outside `jax.jit`, on meshes with `Explicit` axes, `Auto` axes or both.
+
+    `jax.reshard` moves values whose type carries their sharding (`Explicit` axes) and refuses `Auto` axes; those are
+    placed with a sharding constraint under a trace and with `jax.device_put` outside one.
+    """
+    if _explicit_only(sharding):
         return jax.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)  # pragma: no cover - JAX < 0.7
+    if isinstance(x, jax.core.Tracer):
+        return lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
 
 
 def pure(tree):
@@ -169,3 +177,13 @@ def replicate(x: jax.Array) -> jax.Array:
     if not isinstance(sharding, jax.sharding.NamedSharding) or all(s is None for s in sharding.spec):
         return x
     return reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+
+
+def scan_counts(eqn) -> tuple[int, int]:
+    """How many of a `scan` equation's operands are constants and carries: JAX 0.10 names both counts in the
+    equation's params; JAX >= 0.11 groups the operands into a flat tree (`ft_in`) of (consts, carry, xs)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))

@@ -47,6 +47,7 @@ import jaxlib
 import numpy as np
 from jax.extend import core as jcore
 
+from zero_optax import _compat
 from zero_optax._errors import ZeroCouplingError
 
 Taint = frozenset[int]
@@ -438,16 +439,6 @@ def _subjaxprs(params: dict[str, Any]) -> list[Any]:
     return found
 
 
-def _scan_counts(eqn: Any) -> tuple[int, int]:
-    """How many of a scan's operands are constants and carries (JAX <= 0.10 names them; 0.11 groups them)."""
-    params = eqn.params
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    # JAX >= 0.11: `ft_in` is a flat tree grouping the operands into (consts, carry, xs).
-    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-    return len(list(consts)), len(list(carry))
-
-
 def _open(jaxpr: Any) -> jcore.Jaxpr:
     """The Jaxpr of a ClosedJaxpr."""
     return jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr
@@ -786,7 +777,7 @@ class _Analysis:
         coordinates along the scanned axis; stacked results (``ys``) may depend
         on the iteration and so on their position.
         """
-        nc, nk = _scan_counts(eqn)
+        nc, nk = _compat.scan_counts(eqn)
         consts, carry, xs = facts[:nc], facts[nc:nc + nk], facts[nc + nk:]
         xs_coords = _join(xs).coords
         if xs_coords:

@@ -153,7 +153,10 @@ class CharLM(nnx.Module):
 
 def loss_fn(model: CharLM, inputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-character cross-entropy over the global batch (so `jax.grad` gives the global mean gradient)."""
-    return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+    # One-hot targets rather than an integer-label gather: its gradient shards with the batch on every JAX release
+    # (under Explicit mesh axes JAX >= 0.12 refuses the gather's scatter gradient without an `out_sharding`).
+    logits = model(inputs)
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(targets, logits.shape[-1])).mean()
 
 
 @nnx.jit
