@@ -66,6 +66,8 @@ _CALLEE_RE = re.compile(
 _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _GROUPS_RE = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS_RE = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# XLA with JAX >= 0.12 names the mesh axes: replica_groups=mesh['data'=4,'model'=2] {'data'}
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 
 _COUNTED: dict[str, str] = {k: k for k in KINDS} | {
@@ -264,10 +266,25 @@ def collective_ops(hlo_text: str) -> list[dict[str, Any]]:
     return ops
 
 
+def _mesh_groups(mesh_text: str, axes_text: str) -> list[list[int]]:
+    """Device groups of a collective over the named axes of a mesh (device ids row-major over the mesh)."""
+    sizes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh_text)]
+    axes = re.findall(r"'([^']+)'", axes_text)
+    names = [name for name, _ in sizes]
+    ids = np.arange(int(np.prod([size for _, size in sizes]))).reshape([size for _, size in sizes])
+    others = [names.index(a) for a in names if a not in axes]
+    ids = ids.transpose(others + [names.index(a) for a in axes])
+    return ids.reshape(-1, int(np.prod([dict(sizes)[a] for a in axes]))).tolist()
+
+
 def replica_groups(line: str) -> list[list[int]]:
-    """The device groups of a collective (`replica_groups={{0,2},{1,3}}`); empty when the line has none."""
+    """The device groups of a collective (`replica_groups={{0,2},{1,3}}`, the iota form `[2,2]<=[4]`, or the
+    named-axes form `mesh['data'=2,'model'=2] {'data'}`); empty when the line has none."""
     m = _GROUPS_RE.search(line)
     if m is None:
+        named = _MESH_GROUPS_RE.search(line)
+        if named is not None:
+            return _mesh_groups(named.group(1), named.group(2))
         iota = _IOTA_GROUPS_RE.search(line)
         if iota is None:
             return []

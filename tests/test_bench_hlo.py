@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.hlo import collective_bytes, collective_ops, shape_bytes, wire_volume
+from benchmarks.hlo import collective_bytes, collective_ops, replica_groups, shape_bytes, wire_volume
 
 N = 8
 
@@ -154,3 +154,14 @@ def test_wire_volume_weights():
     b = {"all-reduce": 100, "all-gather": 100, "reduce-scatter": 0}
     assert wire_volume(b, 100) == pytest.approx(3.0)
     assert wire_volume({"reduce-scatter": 50, "all-gather": 50}, 50) == pytest.approx(2.0)
+
+
+def test_replica_groups_in_every_printed_form():
+    """Explicit lists (JAX 0.10), the iota form, and the named-axes form of the XLA that JAX 0.12 ships."""
+    by_data = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert replica_groups("x, replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}") == by_data
+    assert replica_groups("x, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}") == by_data
+    assert replica_groups("x, replica_groups=mesh['data'=4,'model'=2] {'data'}, use_global_device_ids=true") == by_data
+    assert replica_groups("x, replica_groups=mesh['data'=4,'model'=2] {'model'}, x") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert replica_groups("x, replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, x") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert replica_groups("x, dimensions={0}") == []
