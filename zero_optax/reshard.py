@@ -30,7 +30,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from zero_optax._reshard import reshard as _reshard_fn
+from zero_optax.checkpoint._reshard import reshard as _reshard_fn
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30

@@ -1,0 +1,6 @@
+"""The bottom layer, shared by every other folder; it imports nothing else of zero_optax.
+
+* `_errors`: every exception zero_optax raises.
+* `_compat`: the JAX primitives whose name or home moved between releases, each behind one function.
+* `_names`: how zero_optax names leaf paths, tree structures and stored arrays, whatever the JAX release.
+"""
