@@ -24,6 +24,7 @@ from zero_optax.core._errors import (
     ZeroGradientError,
     ZeroStructureError,
 )
+from zero_optax.core._version import __version__ as __version__
 from zero_optax.transform._layout import Layout
 from zero_optax.transform._owners import balanced_owners
 from zero_optax.transform._reduce import reduce_gradients
@@ -43,8 +44,6 @@ from zero_optax.transform._zero1 import (
     describe,
     zero1,
 )
-
-__version__ = "0.2.0"
 
 __all__ = (
     "Layout",

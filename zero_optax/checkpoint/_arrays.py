@@ -1,7 +1,7 @@
 """Which arrays a zero1 state stores in a checkpoint: their names, global shapes, dtypes and shardings.
 
-A `ZeroState` holds three kinds of arrays (see `zero_optax._state`), and a checkpoint stores each as one global
-array under a name from `zero_optax._names`:
+A `ZeroState` holds three kinds of arrays (see `zero_optax.transform._state`), and a checkpoint stores each as
+one global array under a name from `zero_optax.core._names`:
 
 * `<k>.entry<j>` for every entry `j` that is not owned: a shared entry as `[N, *shape]` (one identical copy per
   device, sharding `P(ZeRO axes)`), a sliced leaf's history or master slice as a 1-D array of
@@ -41,7 +41,7 @@ class StoredArray:
     """One global array of a stored zero1 state.
 
     Attributes:
-      name: its name in the checkpoint (`zero_optax._names`).
+      name: its name in the checkpoint (`zero_optax.core._names`).
       shape: its global shape.
       dtype: its dtype name.
       spec: the mesh axes each dimension is sharded over (the array's `PartitionSpec`, one tuple per dimension).

@@ -1,15 +1,15 @@
 """Orbax checkpointing of zero1 states: `ZeroCheckpointHandler`, `ZeroSave`, `ZeroRestore`.
 
-The handler wraps Orbax's `PyTreeCheckpointHandler` the way `ocp.StandardCheckpointHandler` does: the state's
-arrays are saved by Orbax's own serialization as one flat dict `{name: jax.Array}` (zarr3 arrays in OCDBT
-databases, a few files per process, merged by `finalize`), each host writing only the shards it holds, on any
-path Orbax accepts (local or `gs://`). Beside them, the primary host writes the versioned record
-(`zero_record.json`, see `zero_optax._record`) that says what every array is. Orbax writes the item into a
-temporary directory that it renames once every host has finished, so a checkpoint is complete or absent.
+The handler wraps Orbax's `PyTreeCheckpointHandler` the way `ocp.StandardCheckpointHandler` does: the state's arrays
+are saved by Orbax's own serialization as one flat dict `{name: jax.Array}` (zarr3 arrays in OCDBT databases, a few
+files per process, merged by `finalize`), each host writing only the shards it holds, on any path Orbax accepts
+(local or `gs://`). Beside them, the primary host writes the versioned record (`zero_record.json`, see
+`zero_optax.checkpoint._record`) that says what every array is. Orbax writes the item into a temporary directory
+that it renames once every host has finished, so a checkpoint is complete or absent.
 
 Restoring checks the record field by field and against the target before reading any array, then loads into the
-target's layouts and shardings (`zero_optax._restore`); with `reshard=True` the target may have another world
-size, and each host reads only the regions its devices need.
+target's layouts and shardings (`zero_optax.checkpoint._restore`); with `reshard=True` the target may have another
+world size, and each host reads only the regions its devices need.
 
 Example::
 
@@ -178,7 +178,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._impl.restore(directory, args=ocp.args.PyTreeRestore(item=structs, restore_args=restore_args))
 
     def metadata(self, directory: Any) -> dict[str, Any]:
-        """The checkpoint's record (a dict, see `zero_optax._record`), after checking every field.
+        """The checkpoint's record (a dict, see `zero_optax.checkpoint._record`), after checking every field.
 
         The arrays' own Orbax metadata is `ocp.PyTreeCheckpointHandler().metadata(directory)`.
         """

@@ -5,7 +5,7 @@ coordinate histories per parameter plus the shared clocks. `reshard_explicit` re
 own group of source records (one per old rank) to a target rank of a new group, as `Migration`s name them, so
 tensor-parallel or expert parameters whose groups differ can be moved together. `load_rank_records` reads such
 records from a zero1 checkpoint item directory (one per device of each data-parallel group);
-`zero_optax._reshard.reshard` converts whole directories.
+`zero_optax.checkpoint._reshard.reshard` converts whole directories.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[Rank
     A sliced leaf is split into `blocks` blocks (one per model-parallel shard; 1 on a 1-D mesh) and each block
     over a group of `group` devices (the world size, or fewer for expert leaves sharded over a ZeRO axis). Rank
     `r` of a group of size `g` gets `RankRecord(rank=r, world_size=g)`, whose `params` hold, for every sliced
-    leaf split over `g` devices and every block `b` of it, the key `zero_optax._names.block_key(path, b,
+    leaf split over `g` devices and every block `b` of it, the key `zero_optax.core._names.block_key(path, b,
     blocks)`: the leaf path (`"['w']"`) when it has one block, else `"['w']#block<b>"`; each `ParamSlice` holds
     the block's shape and one `slots`-long history per state entry (keyed by entry path, master copies
     included). Records come ordered by group size, largest first, then rank. Clocks are the shared entries,

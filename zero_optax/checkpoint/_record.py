@@ -12,7 +12,7 @@ The record (format version 2)::
 
     {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.2.0",
      "storage": "orbax" | "tensorstore",
-     "tree": "<zero_optax._names.tree_signature of the saved pytree, each zero1 state shown as *>",
+     "tree": "<zero_optax.core._names.tree_signature of the saved pytree, each zero1 state shown as *>",
      "states": [{                    # one per zero1 state of the saved pytree, in tree order
         "partition": "flat" | "leaf" | "auto", "axis_name": "data" | ["replica", "data"], "world_size": 8,
         "mesh_axes": [["model", 2]],  # the other mesh axes parameters are sharded over, with their sizes
@@ -22,12 +22,12 @@ The record (format version 2)::
         "state_tree": "<tree_signature of the inner optimizer's state>",
         "entries": [{"path", "leaf", "shape", "dtype", "role"}],
         "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
-        "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax._arrays
+        "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax.checkpoint._arrays
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
 
-Shapes are local blocks (`zero_optax._layout`); `spec` lists, per array dimension, the mesh axes it is sharded
-over. Nothing is pickled and no name is taken from the record: `zero_optax._schema` checks every field before
-anything is read, and array names are formatted by `zero_optax._names` from checked values.
+Shapes are local blocks (`zero_optax.transform._layout`); `spec` lists, per array dimension, the mesh axes it is
+sharded over. Nothing is pickled and no name is taken from the record: `zero_optax.checkpoint._schema` checks every
+field before anything is read, and array names are formatted by `zero_optax.core._names` from checked values.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np
 from zero_optax.checkpoint import _arrays, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.core._version import __version__
 from zero_optax.transform._layout import Layout
 
 FORMAT = "zero_optax.record"
@@ -52,11 +53,6 @@ MAX_RECORD_BYTES = 64 << 20
 MAX_DEPTH = 16
 """JSON nesting deeper than this is refused before parsing (the format nests 7 levels)."""
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def _version() -> str:
-    from zero_optax import __version__  # pylint: disable=g-import-not-at-top
-    return __version__
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -98,7 +94,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
 
 
 def new_record(tree: str, states: list[dict[str, Any]], storage: str) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "zero_optax_version": _version(),
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "zero_optax_version": __version__,
             "storage": storage, "tree": tree, "states": states}
 
 
@@ -158,7 +154,7 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     version = record.get("format_version")
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise ZeroCheckpointError(
-            f"{where} has record format version {short(version)}; this zero_optax ({_version()}) reads version "
+            f"{where} has record format version {short(version)}; this zero_optax ({__version__}) reads version "
             f"{FORMAT_VERSION} only. "
             + ("Checkpoints of zero_optax 0.1 (version 1) cannot be read: save them again with zero_optax 0.1's "
                "restore and this release's save." if version == 1 else
@@ -169,7 +165,7 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, after checking its size, syntax, format and version (not its fields:
-    `zero_optax._schema.parse` does that)."""
+    `zero_optax.checkpoint._schema.parse` does that)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     try:
         if not path.parent.is_dir():

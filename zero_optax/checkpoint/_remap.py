@@ -1,7 +1,8 @@
 """Any region of a state's arrays at a new world size, computed from the arrays saved at the old one, exactly.
 
-The target and the saved state have the same leaves and entries (`zero_optax._match`); only the world size, the
-slots and the owners differ. Each target array is filled from the saved arrays without replaying or summing:
+The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); only the world
+size, the slots and the owners differ. Each target array is filled from the saved arrays without replaying or
+summing:
 
 * a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c` in both,
   so a target range inside one block is one contiguous read of the saved block, cut at the leaf's size (the new
@@ -97,7 +98,7 @@ class Remap:
 
     Args:
       saved: the saved state (its layout and array names).
-      target: the target's layout (checked compatible, `zero_optax._match.check(..., reshard=True)`).
+      target: the target's layout (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
       read: reads a region of a saved array.
       shared: the shared entries' values (`shared_values`).
     """

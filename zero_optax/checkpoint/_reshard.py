@@ -10,8 +10,8 @@ written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's
 written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
 Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
 does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
-destination and renamed into place (`zero_optax._install`); elsewhere (`gs://`) the record is written last, so an
-interrupted run leaves no readable checkpoint.
+destination and renamed into place (`zero_optax.checkpoint._install`); elsewhere (`gs://`) the record is
+written last, so an interrupted run leaves no readable checkpoint.
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 
 Order of work, so that a refusal reads no array data:
 
-1. the record (size, syntax, version, every field: `zero_optax._schema`);
-2. the target against the record (`zero_optax._match`): world size and owners too unless `reshard=True`, and
-   the pytree around the zero1 states;
-3. the stored arrays' metadata and chunk lists (`zero_optax._store.ItemArrays.check`);
+1. the record (size, syntax, version, every field: `zero_optax.checkpoint._schema`);
+2. the target against the record (`zero_optax.checkpoint._match`): world size and owners too unless `reshard=True`,
+   and the pytree around the zero1 states;
+3. the stored arrays' metadata and chunk lists (`zero_optax.checkpoint._store.ItemArrays.check`);
 4. the shared entries: every saved row must hold the same value (and the recorded clocks);
 5. the arrays. A checkpoint Orbax wrote, restored at its own layouts, is read by Orbax itself into the target's
-   shardings. Otherwise each target array is built device by device: every addressable device's region is
-   computed from the saved arrays (`zero_optax._remap`: one contiguous read per block per device for sliced
-   histories, the old owner's row for owned entries), placed on its device, and released before the next, so
-   host memory peaks near the restored state plus one device block
-   (`jax.make_array_from_single_device_arrays`).
+   shardings. Otherwise each target array is built device by device: every addressable device's region is computed
+   from the saved arrays (`zero_optax.checkpoint._remap`: one contiguous read per block per device for sliced
+   histories, the old owner's row for owned entries), placed on its device, and released before the next, so host
+   memory peaks near the restored state plus one device block (`jax.make_array_from_single_device_arrays`).
 """
 
 from __future__ import annotations

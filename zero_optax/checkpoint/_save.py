@@ -21,8 +21,8 @@ class SavePlan:
     """Everything a save writes.
 
     Attributes:
-      arrays: array name -> the state's global array (`zero_optax._arrays` names).
-      record: the JSON record (`zero_optax._record`).
+      arrays: array name -> the state's global array (`zero_optax.checkpoint._arrays` names).
+      record: the JSON record (`zero_optax.checkpoint._record`).
     """
 
     arrays: dict[str, jax.Array]

@@ -1,12 +1,12 @@
 """Checking a decoded record field by field, before any of it is used: types, ranges and consistency.
 
-`parse` turns a record (`zero_optax._record.decode`) into one `SavedState` per zero1 state: a `Layout` rebuilt
-from checked values, the arrays it stores and its clocks. Every problem is a `ZeroCheckpointError` naming the
-field (`states[0].leaves[2].slots`), never a `TypeError`, `KeyError` or `IndexError` later on: a negative leaf
-index, a slot count that does not match `ceil(size / group)`, an owner outside the world size, a dtype outside
-the allow-list, a duplicate path, a list of arrays or a packing other than the layout implies, or an unknown
-field all stop here. Array names are never read from the record; they are formatted from the checked layout and
-the record's list must equal them.
+`parse` turns a record (`zero_optax.checkpoint._record.decode`) into one `SavedState` per zero1 state: a `Layout`
+rebuilt from checked values, the arrays it stores and its clocks. Every problem is a `ZeroCheckpointError` naming
+the field (`states[0].leaves[2].slots`), never a `TypeError`, `KeyError` or `IndexError` later on: a negative leaf
+index, a slot count that does not match `ceil(size / group)`, an owner outside the world size, a dtype outside the
+allow-list, a duplicate path, a list of arrays or a packing other than the layout implies, or an unknown field all
+stop here. Array names are never read from the record; they are formatted from the checked layout and the record's
+list must equal them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class SavedState:
     Attributes:
       index: its position among the checkpoint's zero1 states.
       layout: its layout (no parameter treedef: offline tools need none).
-      arrays: the arrays it stores (`zero_optax._arrays.stored_arrays`).
+      arrays: the arrays it stores (`zero_optax.checkpoint._arrays.stored_arrays`).
       clocks: the recorded values of its shared scalar entries, by entry path.
     """
 

@@ -2,7 +2,7 @@
 
 `ZeroSave` and `ZeroRestore` accept a zero1 state on its own, nested in a larger optax state (a chain), or held
 in Flax `nnx.Variable`s the way `nnx.Optimizer(model, tx, wrt=nnx.Param).opt_state` holds it. The Variables are
-stripped first (`zero_optax._compat.pure`); every remaining leaf must belong to a zero1 state.
+stripped first (`zero_optax.core._compat.pure`); every remaining leaf must belong to a zero1 state.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Split:
 
     Attributes:
       states: `(path, state)` of every zero1 state, in tree order (`<root>` for a state that is the tree).
-      signature: the tree's structure with each zero1 state shown as `*` (`zero_optax._names.tree_signature`).
+      signature: the tree's structure with each zero1 state shown as `*` (`zero_optax.core._names.tree_signature`).
       treedef: the same structure, to put restored states back.
     """
 

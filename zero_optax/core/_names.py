@@ -61,7 +61,7 @@ def tree_signature(tree: Any, is_leaf=None) -> str:
 # that is then used to read or write, so no record can point outside its item directory.
 
 RECORD_FILE = "zero_record.json"
-"""The file, in an item directory, that holds the record (`zero_optax._record`)."""
+"""The file, in an item directory, that holds the record (`zero_optax.checkpoint._record`)."""
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
 

@@ -48,7 +48,7 @@ class ParamLeaf:
     """One trainable parameter leaf.
 
     Attributes:
-      path: the leaf's key path in the parameter tree (`zero_optax._names.key_path`).
+      path: the leaf's key path in the parameter tree (`zero_optax.core._names.key_path`).
       shape: the parameter's shape on one device (inside `shard_map`: its local block).
       dtype: the parameter dtype name.
       slots: sliced: coordinates each device of the group holds, `ceil(size / group)`; owned: `size`.
@@ -149,7 +149,7 @@ class Layout:
       entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
         copies (if any) in parameter order.
       treedef: the parameter tree structure.
-      state_tree: the inner optimizer's full state structure (`zero_optax._names.tree_signature`).
+      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
       state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
       master_dtype: the dtype name of the master copies, or None.
       axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 from zero_optax.core._errors import OwnersError
+from zero_optax.transform._layout import abstract, discover_entries
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
@@ -44,8 +45,6 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
 
 def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
     """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
-    from zero_optax.transform._layout import abstract, discover_entries  # pylint: disable=g-import-not-at-top
-
     structs, treedef = jax.tree.flatten(abstract(params))
     return entry_bytes(discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0],
                        len(structs))

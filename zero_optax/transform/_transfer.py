@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _specs
+from zero_optax.transform import _mesh, _specs
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState, is_state
+from zero_optax.transform._zero1 import Zero1
 
 
 def _require_global(state: ZeroState, what: str) -> Layout:
@@ -140,8 +141,6 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
       >>> zo.describe(state).world_size
       1
     """
-    from zero_optax.transform._zero1 import Zero1  # pylint: disable=g-import-not-at-top
-
     zero = getattr(getattr(tx, "init", None), "__self__", None)
     if not isinstance(zero, Zero1):
         raise ZeroError("zo.scatter_state expects the transformation returned by zo.zero1(...) itself (not a chain "
@@ -150,8 +149,6 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     if not zero._outside():  # pylint: disable=protected-access
         return zero.engine.build(params, inner_state)
     bound = zero.bound
-    from zero_optax.transform import _mesh  # pylint: disable=g-import-not-at-top
-
     specs = _mesh.param_specs(params, bound.mesh)
     out = _specs.tree_specs(_specs.traced_state(bound.zero_init, params, specs, bound.mesh))
     fn = jax.jit(jax.shard_map(zero.engine.build, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
