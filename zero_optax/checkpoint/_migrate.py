@@ -135,6 +135,14 @@ def _clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) 
 def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
     """The sources of migration `i` sorted by rank, after every check that concerns them."""
     where = f"migrations[{i}] (`{m.param}`)"
+    group = _source_group(where, m, records)
+    _check_sources_agree(where, m, group)
+    return sorted(group, key=lambda rec: rec.rank)
+
+
+def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
+    """The records `m.sources` names, after checking that they hold the parameter and are one record per rank of
+    one group (as many records as the world size they were saved with, each rank once)."""
     for s in m.sources:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
             raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
@@ -153,6 +161,12 @@ def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[Ra
             raise _Error(f"{where}: records[{seen[rec.rank]}] and records[{s}] both hold rank {rec.rank}: repeated "
                          "source ranks.")
         seen[rec.rank] = s
+    return group
+
+
+def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> None:
+    """Refuses sources of one parameter that differ in their clocks, in which optional buffers they hold, in the
+    parameter's shape, or in a buffer's dtype or shape (`ceil(size / len(group))` coordinates each)."""
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
@@ -174,7 +188,6 @@ def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[Ra
             if x.shape != (-(-size // len(group)),):
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
                              f"parameter of {size} elements on {len(group)} ranks has ({-(-size // len(group))},).")
-    return sorted(group, key=lambda rec: rec.rank)
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -77,6 +77,15 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
     return jax.make_array_from_single_device_arrays(array.shape, sharding, singles)
 
 
+class _Target(NamedTuple):
+    """One zero1 state of the target, checked against the saved one: what to load and where to put it."""
+
+    state: Any                                  # the target state (its layout, and structure to rebuild)
+    specs: list[_arrays.StoredArray]            # the arrays it stores
+    shardings: list[jax.sharding.Sharding]      # where each of them goes
+    same: bool                                  # the saved layout is its own: the arrays load as they are
+
+
 def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | None) -> Any:
     """The zero1 states saved in `directory`, in the structure, layouts and shardings of `target`.
 
@@ -92,24 +101,8 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
         raise ZeroCheckpointError(
             f"{where_dir} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
             f"tree {_record.short(saved.tree)}, target tree {_record.short(parts.signature)}).")
-    plans = []
-    for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states)):
-        where = _tree.where(k, state_path)
-        _match.check(old.layout, state.layout, k, where, reshard)
-        specs = _arrays.stored_arrays(state.layout, k)
-        values = _arrays.state_values(state)
-        shardings = []
-        for spec, value in zip(specs, values, strict=True):
-            if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
-                raise ZeroCheckpointError(
-                    f"{where}: the target's array {spec.name} is {list(value.shape)} {np.dtype(value.dtype).name} but "
-                    f"its layout says {list(spec.shape)} {spec.dtype}.")
-            shardings.append(concrete_sharding(getattr(value, "sharding", None),
-                                               f"{where}: the target's array {spec.name}"))
-        same = (old.layout.world_size == state.layout.world_size and
-                _match.first_difference(_record.state_record(old.layout, k), _record.state_record(state.layout, k),
-                                        where, _match.PLAIN_KEYS) is None)
-        plans.append((state, specs, shardings, same))
+    plans = [_check_target(k, state_path, state, old, reshard)
+             for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states))]
     if saved.tree != parts.signature:
         raise ZeroCheckpointError(
             f"{where_dir}: the saved pytree is {_record.short(saved.tree)} but the target is "
@@ -124,12 +117,37 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
         got = orbax_read(path, structs)
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
         return _tree.put_back(target, parts, restored)
-    restored = []
-    for (state, specs, shardings, same), old, values in zip(plans, saved.states, shared):
-        if same:
-            arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(specs, shardings)]
-        else:
-            remap = _remap.Remap(old, state.layout, store.read, values)
-            arrays = [build(a, s, remap.region) for a, s in zip(specs, shardings)]
-        restored.append(_arrays.rebuild(state, arrays))
+    restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]
     return _tree.put_back(target, parts, restored)
+
+
+def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, reshard: bool) -> _Target:
+    """Target state `k` checked against saved state `old` (`zero_optax.checkpoint._match`), and its arrays against
+    its own layout; with the shardings to load into."""
+    where = _tree.where(k, state_path)
+    _match.check(old.layout, state.layout, k, where, reshard)
+    specs = _arrays.stored_arrays(state.layout, k)
+    values = _arrays.state_values(state)
+    shardings = []
+    for spec, value in zip(specs, values, strict=True):
+        if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
+            raise ZeroCheckpointError(
+                f"{where}: the target's array {spec.name} is {list(value.shape)} {np.dtype(value.dtype).name} but "
+                f"its layout says {list(spec.shape)} {spec.dtype}.")
+        shardings.append(concrete_sharding(getattr(value, "sharding", None),
+                                           f"{where}: the target's array {spec.name}"))
+    same = (old.layout.world_size == state.layout.world_size and
+            _match.first_difference(_record.state_record(old.layout, k), _record.state_record(state.layout, k),
+                                    where, _match.PLAIN_KEYS) is None)
+    return _Target(state, specs, shardings, same)
+
+
+def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shared) -> Any:
+    """One target state built from the stored arrays, device by device: each device's region read as it is saved
+    (`plan.same`) or computed from the saved arrays at the target's world size (`zero_optax.checkpoint._remap`)."""
+    if plan.same:
+        arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(plan.specs, plan.shardings)]
+    else:
+        remap = _remap.Remap(old, plan.state.layout, store.read, shared)
+        arrays = [build(a, s, remap.region) for a, s in zip(plan.specs, plan.shardings)]
+    return _arrays.rebuild(plan.state, arrays)

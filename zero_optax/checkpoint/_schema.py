@@ -151,24 +151,9 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     partition = rec["partition"]
     if partition not in (FLAT, LEAF, AUTO):
         c.fail(f"{f}.partition", f"is {_record.short(partition)}, not \"flat\", \"leaf\" or \"auto\"")
-    axis_name = rec["axis_name"]
-    if isinstance(axis_name, str):
-        zero = (c.str(axis_name, f"{f}.axis_name"),)
-    else:
-        zero = c.names(axis_name, f"{f}.axis_name")
-        if not zero:
-            c.fail(f"{f}.axis_name", "is an empty list")
-        axis_name = zero
+    axis_name, zero = _axis_name(c, rec["axis_name"], f)
     n = c.int(rec["world_size"], f"{f}.world_size", 1, MAX_WORLD_SIZE)
-    mesh = {}
-    for i, pair in enumerate(c.list(rec["mesh_axes"], f"{f}.mesh_axes", 64)):
-        pair = c.list(pair, f"{f}.mesh_axes[{i}]", 2)
-        if len(pair) != 2:
-            c.fail(f"{f}.mesh_axes[{i}]", "is not a [name, size] pair")
-        name = c.str(pair[0], f"{f}.mesh_axes[{i}][0]")
-        if name in zero or name in mesh:
-            c.fail(f"{f}.mesh_axes[{i}][0]", f"repeats the axis `{name}`")
-        mesh[name] = c.int(pair[1], f"{f}.mesh_axes[{i}][1]", 1, MAX_WORLD_SIZE)
+    mesh = _mesh_axes(c, rec["mesh_axes"], f, zero)
     master_dtype = rec["master_dtype"]
     if master_dtype is not None:
         c.dtype(master_dtype, f"{f}.master_dtype")
@@ -181,7 +166,39 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     state_tree = c.str(rec["state_tree"], f"{f}.state_tree", _record.MAX_RECORD_BYTES)
     layout = Layout(partition, axis_name, n, leaves, entries, None, state_tree, None, master_dtype,
                     tuple(mesh.items()))
-    owners = None if all(x.sliced for x in leaves) else [x.owner for x in leaves]
+    arrays = _implied(c, rec, f, layout, k)
+    clocks = _clocks(c, rec["clocks"], f, layout)
+    return SavedState(k, layout, arrays, clocks)
+
+
+def _axis_name(c: _Checker, rec: Any, f: str) -> tuple[str | tuple[str, ...], tuple[str, ...]]:
+    """A state's `axis_name` (a name, or a non-empty list of distinct names) and its ZeRO axes as a tuple."""
+    if isinstance(rec, str):
+        return rec, (c.str(rec, f"{f}.axis_name"),)
+    zero = c.names(rec, f"{f}.axis_name")
+    if not zero:
+        c.fail(f"{f}.axis_name", "is an empty list")
+    return zero, zero
+
+
+def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...]) -> dict[str, int]:
+    """A state's `mesh_axes`: `[name, size]` pairs of axes other than the ZeRO axes, none repeated."""
+    mesh = {}
+    for i, pair in enumerate(c.list(rec, f"{f}.mesh_axes", 64)):
+        pair = c.list(pair, f"{f}.mesh_axes[{i}]", 2)
+        if len(pair) != 2:
+            c.fail(f"{f}.mesh_axes[{i}]", "is not a [name, size] pair")
+        name = c.str(pair[0], f"{f}.mesh_axes[{i}][0]")
+        if name in zero or name in mesh:
+            c.fail(f"{f}.mesh_axes[{i}][0]", f"repeats the axis `{name}`")
+        mesh[name] = c.int(pair[1], f"{f}.mesh_axes[{i}][1]", 1, MAX_WORLD_SIZE)
+    return mesh
+
+
+def _implied(c: _Checker, rec: dict, f: str, layout: Layout, k: int) -> tuple[_arrays.StoredArray, ...]:
+    """The arrays state `k` stores, after checking that its `owners`, `packing` and `arrays` are what its checked
+    leaves and entries imply."""
+    owners = None if all(x.sliced for x in layout.leaves) else [x.owner for x in layout.leaves]
     if rec["owners"] != owners:
         c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
     pack = layout.state_packing
@@ -190,12 +207,17 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     arrays = tuple(_arrays.stored_arrays(layout, k, pack))
     if rec["arrays"] != [_record.array_json(a) for a in arrays]:
         c.fail(f"{f}.arrays", "does not list the arrays its layout stores")
-    clocks = c.dict(rec["clocks"], f"{f}.clocks", {entries[j].path for j in _record.clock_entries(layout)})
+    return arrays
+
+
+def _clocks(c: _Checker, rec: Any, f: str, layout: Layout) -> dict[str, Any]:
+    """A state's `clocks`: a number for each of its shared scalar entries, and nothing else."""
+    clocks = c.dict(rec, f"{f}.clocks", {layout.entries[j].path for j in _record.clock_entries(layout)})
     for path, value in clocks.items():
         if not isinstance(value, (bool, int, float)) or isinstance(value, int) and not -2 ** 64 < value < 2 ** 64:
             c.fail(f"{f}.clocks[{_record.short(path)}]", f"is {_record.short(value)}, not a number a scalar entry "
                    "can hold")
-    return SavedState(k, layout, arrays, dict(clocks))
+    return dict(clocks)
 
 
 def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], mesh: dict[str, int],
@@ -217,26 +239,39 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
         c.fail(f"{f}", f"has blocks={blocks} and group={group}, which do not fit world size {n} and axes "
                f"{_record.short(list(axes))}")
     size = math.prod(shape)
-    owner = rec["owner"]
-    if owner is None:
-        if partition == LEAF:
-            c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
-        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-        if slots != -(-size // group):
-            c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
-                   f"{-(-size // group)}")
-        if blocks * group * slots > MAX_ELEMENTS:
-            c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
+    if rec["owner"] is None:
+        owner, slots = None, _sliced_slots(c, rec, f, partition, size, blocks, group)
     else:
-        owner = c.int(owner, f"{f}.owner", 0, n - 1)
-        if partition == FLAT:
-            c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
-        if axes or group != n:
-            c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
-        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-        if slots != size:
-            c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
+        owner, slots = _owned_slots(c, rec, f, partition, size, axes, group, n)
     return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group)
+
+
+def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blocks: int, group: int) -> int:
+    """The `slots` of a sliced leaf (`owner` null): `ceil(size / group)`, in a partition that slices leaves."""
+    if partition == LEAF:
+        c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
+    slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+    if slots != -(-size // group):
+        c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
+               f"{-(-size // group)}")
+    if blocks * group * slots > MAX_ELEMENTS:
+        c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
+    return slots
+
+
+def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, axes: tuple[str, ...], group: int,
+                 n: int) -> tuple[int, int]:
+    """The `owner` and `slots` of an owned leaf: a device of the world, in a partition with owners, holding the
+    whole (unsharded) leaf."""
+    owner = c.int(rec["owner"], f"{f}.owner", 0, n - 1)
+    if partition == FLAT:
+        c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
+    if axes or group != n:
+        c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
+    slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+    if slots != size:
+        c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
+    return owner, slots
 
 
 def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None

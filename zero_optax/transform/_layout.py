@@ -365,6 +365,22 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
             owner_of[path] = mark
         else:
             rest.append(path)
+    owner_of.update(_owned_entry_leaves(rest, owned, paths_of))
+    entries = []
+    for path, x in full:
+        leaf = owner_of.get(path)
+        shape = leaf_structs[leaf].shape if leaf in sliced else tuple(x.shape)
+        entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
+    return tuple(entries), marked_state
+
+
+def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> dict[str, int]:
+    """The owned leaf that each state path of `rest` belongs to, spelled bit by bit (`discover_entries`).
+
+    For every bit `b` of a position among the `owned` leaves, `paths_of` gives the state paths on the leaves whose
+    position has `b` set and on those where it is clear; a path of one leaf is in exactly one of the two, which
+    says its bit `b`.
+    """
     bits = {path: 0 for path in rest}
     for b in range(max(len(owned) - 1, 0).bit_length()):
         on = {i for k, i in enumerate(owned) if k >> b & 1}
@@ -381,15 +397,11 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
                     "belongs to one leaf or to none.")
             if path in with_on:
                 bits[path] |= 1 << b
+    out = {}
     for path in rest:
         if not owned or bits[path] >= len(owned):
             raise ZeroCouplingError(
                 f"The inner optimizer's state `{path}` is neither shared nor a per-coordinate history of a sliced "
                 "leaf (the flat partition slices every leaf into 1-D coordinates), so zero1 cannot shard it.")
-        owner_of[path] = owned[bits[path]]
-    entries = []
-    for path, x in full:
-        leaf = owner_of.get(path)
-        shape = leaf_structs[leaf].shape if leaf in sliced else tuple(x.shape)
-        entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
-    return tuple(entries), marked_state
+        out[path] = owned[bits[path]]
+    return out

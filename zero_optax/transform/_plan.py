@@ -176,14 +176,14 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, n_leaves: in
     except _coupling.CouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
-            f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws random "
-            f"numbers that devices holding different leaves would not draw as one device does.\n"
+            f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws "
+            f"random numbers that devices holding different leaves would not draw as one device does.\n"
             f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
     for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries_leaf):
         if leaf is None and taint:
             raise ZeroCouplingError(
-                f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it belongs "
-                f"to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
+                f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it "
+                f"belongs to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
                 f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
         return set(range(n_leaves))
@@ -262,23 +262,33 @@ def build_layout(cfg: Config, params) -> Layout:
                 f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
-    if cfg.owners is not None:
-        owners = list(_owners.check_owners(cfg.owners, len(values), n, paths))
-    else:
-        costs = list(entries)
-        if cfg.master_dtype is not None:
-            costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
-        owners = _owners.owners_for_entries(costs, owned, n)
+    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
-    if cfg.master_dtype is not None:
-        entries = entries + tuple(
-            StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else leaf.shape,
-                       np.dtype(cfg.master_dtype).name, MASTER) for i, leaf in enumerate(leaves))
+    entries = entries + _master_entries(cfg, leaves)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()))
+
+
+def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
+    """Every leaf's owner: `cfg.owners` (checked), or balanced over the state bytes each owned leaf brings (its
+    entries, and with `master_dtype` its master copy); None for sliced leaves when balanced."""
+    if cfg.owners is not None:
+        return list(_owners.check_owners(cfg.owners, len(real), n, paths))
+    costs = list(entries)
+    if cfg.master_dtype is not None:
+        costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
+    return _owners.owners_for_entries(costs, owned, n)
+
+
+def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...]) -> tuple[StateEntry, ...]:
+    """With `master_dtype`, one master-copy entry per leaf (a slice for sliced leaves), after the inner state's."""
+    if cfg.master_dtype is None:
+        return ()
+    return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else leaf.shape,
+                            np.dtype(cfg.master_dtype).name, MASTER) for i, leaf in enumerate(leaves))
 
 
 def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):

@@ -128,23 +128,10 @@ def zero1(
       >>> zo.describe(state).slots
       (6,)
     """
-    if partition not in PARTITIONS:
-        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {partition!r}.")
-    if owners is not None and partition != LEAF:
-        raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
-                        "devices and \"auto\" balances the leaves it gives an owner.")
+    _check_partition(partition, owners)
     if reduce not in _REDUCE_CHOICES or isinstance(reduce, int) and not isinstance(reduce, bool):
         raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) if isinstance(axis_name, Sequence) else ()
-    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-        raise ZeroError(f"`axis_name` must be the name of the data mesh axis or a tuple of distinct axis names, got "
-                        f"{axis_name!r}.")
-    if mesh is not None:
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
-            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+    axes = _data_axes(axis_name, mesh)
     if assume_elementwise and partition != "flat":
         raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
                         "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
@@ -166,6 +153,30 @@ def zero1(
     )
     z = Zero1(cfg, mesh)
     return optax.GradientTransformationExtraArgs(z.init, z.update)
+
+
+def _check_partition(partition, owners) -> None:
+    """Refuses an unknown `partition`, and `owners` for a partition that chooses its own."""
+    if partition not in PARTITIONS:
+        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {partition!r}.")
+    if owners is not None and partition != LEAF:
+        raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
+                        "devices and \"auto\" balances the leaves it gives an owner.")
+
+
+def _data_axes(axis_name, mesh) -> tuple[str, ...]:
+    """`axis_name` as a tuple of distinct axis names, after checking that `mesh` (if given) has them all."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) if isinstance(axis_name, Sequence) else ()
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ZeroError(f"`axis_name` must be the name of the data mesh axis or a tuple of distinct axis names, got "
+                        f"{axis_name!r}.")
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if missing:
+            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+    return axes
 
 
 def describe(state) -> Layout:
