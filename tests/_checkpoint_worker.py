@@ -19,7 +19,7 @@ import _zero_setup as zs
 import orbax.checkpoint as ocp
 
 import zero_optax as zo
-from zero_optax import _record
+from zero_optax.checkpoint import _record
 
 
 def main(directory: str, marker: str) -> None:

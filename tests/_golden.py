@@ -34,7 +34,7 @@ def main() -> None:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
     import zero_optax as zo  # pylint: disable=import-outside-toplevel
-    from zero_optax import _arrays  # pylint: disable=import-outside-toplevel
+    from zero_optax.checkpoint import _arrays  # pylint: disable=import-outside-toplevel
 
     shutil.rmtree(DIRECTORY, ignore_errors=True)
     os.makedirs(DIRECTORY)

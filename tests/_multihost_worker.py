@@ -31,7 +31,7 @@ def main(port: str, process_id: int, phase: str, directory: str) -> None:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
     import zero_optax as zo  # pylint: disable=g-import-not-at-top
-    from zero_optax import _arrays, _store  # pylint: disable=g-import-not-at-top
+    from zero_optax.checkpoint import _arrays, _store  # pylint: disable=g-import-not-at-top
 
     reads = []
     read = _store.ItemArrays.read
@@ -55,7 +55,7 @@ def main(port: str, process_id: int, phase: str, directory: str) -> None:
                 params=ocp.args.StandardRestore(p0),
                 opt_state=zo.ZeroRestore(tr.init(p0), reshard=phase == "reshard")))
             if phase == "reshard":  # what this process read, and the ranges its devices hold of each history
-                state = zo._state.find_states(restored.opt_state)[0]
+                state = zo.transform._state.find_states(restored.opt_state)[0]
                 ranges = {a.name: sorted(index[0].indices(a.shape[0])[:2] for index in
                                          v.sharding.addressable_devices_indices_map(a.shape).values())
                           for a, v in zip(_arrays.stored_arrays(state.layout, 0), _arrays.state_values(state))

@@ -18,7 +18,8 @@ import pytest
 import tensorstore as ts
 
 import zero_optax as zo
-from zero_optax import _names, _record, _store
+from zero_optax.checkpoint import _record, _store
+from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -64,7 +65,7 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
             restored = mngr.restore(2, args=_composite_restore(p0, target))
             r = restored.opt_state
             assert jax.tree.structure(r) == jax.tree.structure(target)
-            for state, t in zip(zo._state.find_states(r), zo._state.find_states(target)):
+            for state, t in zip(zo.transform._state.find_states(r), zo.transform._state.find_states(target)):
                 assert state.layout is t.layout
             for x, t in zip(jax.tree.leaves(r), jax.tree.leaves(target)):
                 assert x.sharding == t.sharding
@@ -151,7 +152,7 @@ def test_flax_optimizer_state_in_variables(tmp_path):
     for r in (restored, abstract):
         assert jax.tree.structure(r) == jax.tree.structure(opt_state)
         assert all(isinstance(v, OptArray) for v in jax.tree.leaves(r, is_leaf=lambda x: isinstance(x, OptArray)))
-        zs.assert_bit_equal(zo._compat.pure(r), s)
+        zs.assert_bit_equal(zo.core._compat.pure(r), s)
 
 
 def test_save_refuses_arrays_outside_zero_states(tmp_path):
@@ -268,7 +269,7 @@ def _target(kind, n=8, shapes=zs.SHAPES, **kwargs):
 def test_restore_reads_every_array_once_when_valid(saved, reads):
     restored = _restore(saved["adam"], _target("adam"))
     shared = ["0.entry0000"]  # the step count, read first to check that every row agrees
-    assert reads == shared + [a.name for a in zo._arrays.stored_arrays(restored.layout, 0)]
+    assert reads == shared + [a.name for a in zo.checkpoint._arrays.stored_arrays(restored.layout, 0)]
     assert len(jax.tree.leaves(restored)) == 9
 
 

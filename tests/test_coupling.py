@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from zero_optax._coupling import (
+from zero_optax.analysis._coupling import (
     CouplingError,
     analyze_leaves,
     find_coordinate_coupling,

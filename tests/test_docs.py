@@ -8,7 +8,7 @@ import pytest
 
 import zero_optax
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(zero_optax.__path__, "zero_optax.")
+MODULES = sorted(m.name for m in pkgutil.walk_packages(zero_optax.__path__, "zero_optax.")
                  if m.name not in ("zero_optax.demo", "zero_optax.reshard"))
 
 

@@ -16,7 +16,8 @@ import pytest
 from test_restore_reshard import assert_same_unsharded
 
 import zero_optax as zo
-from zero_optax import _arrays, _names, _save
+from zero_optax.checkpoint import _arrays, _save
+from zero_optax.core import _names
 
 ITEM = os.path.join(_golden.DIRECTORY, "item")
 

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import zero_optax as zo
-from zero_optax import _names
+from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

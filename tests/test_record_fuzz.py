@@ -20,7 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import zero_optax as zo
-from zero_optax import _names, _record, _store
+from zero_optax.checkpoint import _record, _store
+from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N, M = 4, 3

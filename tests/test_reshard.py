@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from zero_optax import _arrays, _install, _names, _record, _store
+from zero_optax.checkpoint import _arrays, _install, _record, _store
+from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"a": (5, 3), "b": (), "c": (7,), "m": (4, 6)}

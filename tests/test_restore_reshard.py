@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from zero_optax import _arrays, _store
+from zero_optax.checkpoint import _arrays, _store
 
 PAIRS = [(8, 3), (3, 8), (8, 1), (1, 5)]
 KINDS = [("adamw", True), ("muon", False)]  # flat behind reduce_gradients + clip; leaf
@@ -69,7 +69,7 @@ def restore(item, target, reshard):
 
 
 def states(tree):
-    return zo._state.find_states(tree)
+    return zo.transform._state.find_states(tree)
 
 
 @pytest.fixture(scope="module")

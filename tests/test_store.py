@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_optax import _paths, _schema, _store
-from zero_optax._arrays import StoredArray
-from zero_optax._errors import StoreError, ZeroCheckpointError
+from zero_optax.checkpoint import _paths, _schema, _store
+from zero_optax.checkpoint._arrays import StoredArray
+from zero_optax.core._errors import StoreError, ZeroCheckpointError
 
 
 def _random(shape, dtype, seed=0):

@@ -1,7 +1,19 @@
 """zero_optax: ZeRO stage 1 optimizer-state sharding for JAX, as an optax GradientTransformation."""
 
-from zero_optax._checkpoint import ZeroCheckpointHandler, ZeroRestore, ZeroSave
-from zero_optax._errors import (
+from zero_optax.checkpoint._handler import (
+    ZeroCheckpointHandler,
+    ZeroRestore,
+    ZeroSave,
+)
+from zero_optax.checkpoint._migrate import (
+    Migration,
+    ParamSlice,
+    RankRecord,
+    load_rank_records,
+    reshard_explicit,
+)
+from zero_optax.checkpoint._reshard import reshard
+from zero_optax.core._errors import (
     OwnersError,
     StoreError,
     WeightError,
@@ -12,23 +24,26 @@ from zero_optax._errors import (
     ZeroGradientError,
     ZeroStructureError,
 )
-from zero_optax._layout import Layout
-from zero_optax._migrate import (
-    Migration,
-    ParamSlice,
-    RankRecord,
-    load_rank_records,
-    reshard_explicit,
+from zero_optax.core._version import __version__ as __version__
+from zero_optax.transform._layout import Layout
+from zero_optax.transform._owners import balanced_owners
+from zero_optax.transform._reduce import reduce_gradients
+from zero_optax.transform._specs import state_specs
+from zero_optax.transform._state import (
+    ZeroFlatState,
+    ZeroLeafState,
+    ZeroState,
 )
-from zero_optax._owners import balanced_owners
-from zero_optax._reduce import reduce_gradients
-from zero_optax._reshard import reshard
-from zero_optax._specs import state_specs
-from zero_optax._state import ZeroFlatState, ZeroLeafState, ZeroState
-from zero_optax._transfer import gather_state, master_params, scatter_state
-from zero_optax._zero1 import as_local, describe, zero1
-
-__version__ = "0.2.0"
+from zero_optax.transform._transfer import (
+    gather_state,
+    master_params,
+    scatter_state,
+)
+from zero_optax.transform._zero1 import (
+    as_local,
+    describe,
+    zero1,
+)
 
 __all__ = (
     "Layout",

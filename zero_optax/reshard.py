@@ -7,7 +7,8 @@ order) for a checkpoint with one leaf-partition state, or one item (a list or nu
 exits with status 1 (2 for bad usage) and one line on stderr, and writes nothing.
 
 Importing this module keeps `zero_optax.reshard(...)` callable: the module object forwards calls to
-`zero_optax._reshard.reshard`, because importing a submodule replaces the package attribute of the same name.
+`zero_optax.checkpoint._reshard.reshard`, because importing a submodule replaces the package attribute of the same
+name.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from zero_optax._reshard import reshard as _reshard_fn
+from zero_optax.checkpoint._reshard import reshard as _reshard_fn
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30

@@ -1,0 +1,5 @@
+"""What a partition may do: proofs, from the inner transformation's jaxpr, that an update does not couple the
+values one device would update apart. Above `zero_optax.core`; it knows nothing of zero1's state.
+
+* `_coupling`: the dependency ("taint") analysis behind the flat, leaf and auto partitions' refusals.
+"""

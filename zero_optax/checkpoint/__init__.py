@@ -1,0 +1,17 @@
+"""Checkpoints of zero1 states: saving, restoring, and moving them between world sizes. The top layer.
+
+* `_handler`: the Orbax `ZeroCheckpointHandler` and its `ZeroSave` / `ZeroRestore` arguments.
+* `_tree`: the zero1 states inside a saved pytree: found, named, put back.
+* `_save`: what a save writes: the arrays and the record.
+* `_restore`: restoring into a target, everything checked before any array is read.
+* `_arrays`: which arrays a state stores: names, shapes, dtypes, shardings.
+* `_record`: the versioned JSON record beside the arrays.
+* `_schema`: the record checked field by field, into `SavedState`s.
+* `_match`: whether a saved state fits a target, and the first difference if not.
+* `_remap`: any region of a state at a new world size, from the arrays saved at the old one.
+* `_store`: stored arrays read and written with TensorStore.
+* `_paths`: checkpoint locations (local or `gs://`) as paths and TensorStore kvstores.
+* `_install`: putting a finished directory in place atomically (local file systems).
+* `_reshard`: offline resharding of an item directory (`zero_optax.reshard`).
+* `_migrate`: explicit per-parameter migration of rank-local records (`reshard_explicit`).
+"""

@@ -1,0 +1,109 @@
+"""Which arrays a zero1 state stores in a checkpoint: their names, global shapes, dtypes and shardings.
+
+A `ZeroState` holds three kinds of arrays (see `zero_optax.transform._state`), and a checkpoint stores each as
+one global array under a name from `zero_optax.core._names`:
+
+* `<k>.entry<j>` for every entry `j` that is not owned: a shared entry as `[N, *shape]` (one identical copy per
+  device, sharding `P(ZeRO axes)`), a sliced leaf's history or master slice as a 1-D array of
+  `blocks * group * slots` elements (sharding `P((*leaf axes, *ZeRO axes))`), in which block `b`'s padded
+  coordinates are the contiguous range `[b * group * slots, (b + 1) * group * slots)`;
+* `<k>.buffer_<dtype>` for every packed buffer of owned entries, `[N, size]` (sharding `P(ZeRO axes)`).
+
+The order of `stored_arrays` is the order of `state_values` (inner state, then master copies, then buffers), so
+a state can be taken apart for saving and rebuilt from restored arrays without naming its fields twice.
+
+Examples:
+  >>> import jax.numpy as jnp, optax, jax, zero_optax as zo
+  >>> from zero_optax.checkpoint import _arrays
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+  >>> state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("data")))(
+  ...     {"w": jnp.ones(3)})
+  >>> [(a.name, a.shape) for a in _arrays.stored_arrays(state.layout, 0)]
+  [('0.entry0000', (1,)), ('0.entry0001', (3,)), ('0.entry0002', (3,))]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zero_optax.core import _names
+from zero_optax.transform._layout import MASTER, Layout, Packing
+from zero_optax.transform._state import ZeroState
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredArray:
+    """One global array of a stored zero1 state.
+
+    Attributes:
+      name: its name in the checkpoint (`zero_optax.core._names`).
+      shape: its global shape.
+      dtype: its dtype name.
+      spec: the mesh axes each dimension is sharded over (the array's `PartitionSpec`, one tuple per dimension).
+      entry: the state entry it holds (shared or sliced), or None for a packed buffer.
+      buffer: the dtype of the packed buffer it is, or None for an entry.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[tuple[str, ...], ...]
+    entry: int | None = None
+    buffer: str | None = None
+
+    @property
+    def partition_spec(self) -> P:
+        return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in self.spec))
+
+
+def unowned_entries(layout: Layout) -> list[int]:
+    """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
+    entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
+    inner = list(layout.unpacked_entries)
+    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced"]
+    return inner + masters
+
+
+def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
+    """The arrays zero1 state number `k` of a checkpoint stores, in `state_values` order."""
+    zero = tuple(layout.axes)
+    out = []
+    for j in unowned_entries(layout):
+        e = layout.entries[j]
+        if e.leaf is None:
+            out.append(StoredArray(_names.entry_array(k, j), (layout.world_size, *e.shape), e.dtype,
+                                   (zero,) + ((),) * len(e.shape), entry=j))
+        else:
+            leaf = layout.leaves[e.leaf]
+            out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
+                                   (layout.history_axes(leaf),), entry=j))
+    pack = layout.state_packing if pack is None else pack
+    for d in sorted(pack.sizes):
+        out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
+                               buffer=d))
+    return out
+
+
+def state_values(state: ZeroState) -> list[Any]:
+    """The arrays of `state`, in `stored_arrays` order."""
+    values = list(jax.tree.leaves(state.inner_state))
+    if state.master is not None:
+        values += jax.tree.leaves(state.master)
+    return values + [state.buffers[d] for d in sorted(state.buffers)]
+
+
+def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
+    """A state with the structure and layout of `template` holding `values` (in `stored_arrays` order)."""
+    n_inner = len(jax.tree.leaves(template.inner_state))
+    n_master = 0 if template.master is None else len(jax.tree.leaves(template.master))
+    inner = jax.tree.unflatten(jax.tree.structure(template.inner_state), values[:n_inner])
+    master = None
+    if template.master is not None:
+        master = jax.tree.unflatten(jax.tree.structure(template.master), values[n_inner:n_inner + n_master])
+    buffers = dict(zip(sorted(template.buffers), values[n_inner + n_master:]))
+    return ZeroState(inner, buffers, master, template.layout)

@@ -1,0 +1,112 @@
+"""Putting a finished directory in place atomically, on a local file system (the offline `zero_optax.reshard`).
+
+The new directory is written as a hidden sibling of the destination, flushed to stable storage (every file and
+directory, children first), then renamed into place and the parent flushed, so a power loss never exposes a
+destination with missing or incomplete files. Replacing an existing destination swaps the two directories in
+one step with Linux's `renameat2(RENAME_EXCHANGE)` and deletes the old one afterwards; where that call is
+unavailable it falls back to moving the old destination aside first (a crash between the two renames then leaves
+no destination, never a partial one). This is the only module that calls `os` on checkpoint paths: atomic
+directory replacement has no `epath` or TensorStore equivalent, and it is only used on local paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+
+from zero_optax.core._errors import ZeroCheckpointError
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc if hasattr(libc, "renameat2") else None
+    except OSError:
+        return None
+
+
+def renameat2(src: str, dst: str, flags: int) -> bool:
+    """`renameat2(src, dst, flags)`; False where the system or the file system does not offer it."""
+    libc = _libc()
+    if libc is None:
+        return False
+    if libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), dst)
+
+
+def fsync_path(path: str) -> None:
+    """Flushes one file, or one directory's entries (creations, renames), to stable storage."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Flushes every file and directory under `path`, and `path` itself, children first (links not followed)."""
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            file = os.path.join(root, name)
+            if not os.path.islink(file):
+                fsync_path(file)
+        fsync_path(root)
+
+
+def temporary_sibling(dst: str, what: str) -> str:
+    """A fresh hidden directory next to `dst`, for writing what will replace it."""
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(dst)}.{what}-{os.getpid()}")
+    remove(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def install(tmp: str, dst: str, force: bool) -> None:
+    """Renames the finished directory `tmp` to `dst`; an existing `dst` is replaced only with `force`.
+
+    Raises:
+      ZeroCheckpointError: `dst` exists and `force` is False.
+    """
+    fsync_tree(tmp)
+    parent = os.path.dirname(dst)
+    if not os.path.lexists(dst):
+        if not renameat2(tmp, dst, _RENAME_NOREPLACE):
+            os.rename(tmp, dst)
+        fsync_path(parent)
+        return
+    if not force:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+    if renameat2(tmp, dst, _RENAME_EXCHANGE):  # tmp now holds the old destination
+        fsync_path(parent)
+        remove(tmp)
+        return
+    aside = os.path.join(parent, f".{os.path.basename(dst)}.replaced-{os.getpid()}")
+    os.rename(dst, aside)
+    try:
+        os.rename(tmp, dst)
+    except OSError:
+        os.rename(aside, dst)
+        raise
+    fsync_path(parent)
+    remove(aside)

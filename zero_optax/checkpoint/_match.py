@@ -1,0 +1,75 @@
+"""Whether a saved zero1 state can be restored into a target state, and the first difference if not.
+
+A plain restore (`reshard=False`) needs the target's layout to be the saved one: the same world size, owners,
+slots and packing. A restore at a new world size (`reshard=True`) needs only what resharding keeps: the same
+parameter leaves (paths, shapes, dtypes, mesh axes and number of blocks, and which are sliced or owned), the same
+partition, inner-state tree and entries (paths, leaves, dtypes, roles, and shapes where they do not depend on the
+world size), the same master dtype and the same model-parallel mesh axes. Owners and slots may change.
+
+Examples:
+  >>> from zero_optax.checkpoint import _match
+  >>> _match.first_difference({"world_size": 8, "owners": [0]}, {"world_size": 8, "owners": [1]}, "state 0",
+  ...                         ("owners",))
+  'state 0: owners[0] is 0 in the checkpoint but 1 in the target.'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zero_optax.checkpoint import _record
+from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.transform._layout import Layout
+
+PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
+              "packing")
+RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes")
+
+
+def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, keys) -> str | None:
+    """A sentence naming the first of `keys` whose value differs between two records, or None."""
+    for key in keys:
+        a, b = saved.get(key), target.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                return f"{where}: {key} has {len(a)} items in the checkpoint but {len(b)} in the target."
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    return (f"{where}: {key}[{i}] is {_record.short(x)} in the checkpoint but {_record.short(y)} in "
+                            "the target.")
+        return f"{where}: {key} is {_record.short(a)} in the checkpoint but {_record.short(b)} in the target."
+    return None
+
+
+def _invariant(rec: dict[str, Any], layout: Layout) -> dict[str, Any]:
+    """The parts of a state record that resharding keeps."""
+    sliced = [x.sliced for x in layout.leaves]
+    leaves = [{k: v for k, v in x.items() if k not in ("slots", "owner", "group")} | {"sliced": s}
+              for x, s in zip(rec["leaves"], sliced)]
+    entries = [dict(e, shape=None) if e["leaf"] is not None and sliced[e["leaf"]] else e for e in rec["entries"]]
+    return dict(rec, leaves=leaves, entries=entries)
+
+
+def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: bool) -> None:
+    """Raises `ZeroCheckpointError` naming the first way zero1 state `k` of a checkpoint cannot be restored into
+    a state with layout `target`."""
+    a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
+    if not reshard:
+        if saved_layout.world_size != target.world_size:
+            m = target.world_size
+            raise ZeroCheckpointError(
+                f"{where} was saved with world size {saved_layout.world_size}, but the target state has {m} devices. "
+                f"Restore it with zo.ZeroRestore(target, reshard=True), or convert the checkpoint first with "
+                f"zo.reshard(src, dst, world_size={m}) (`python -m zero_optax.reshard SRC DST --world-size {m}`; "
+                f"zero_optax.reshard).")
+        difference = first_difference(a, b, where, PLAIN_KEYS)
+    else:
+        a, b = _invariant(a, saved_layout), _invariant(b, target)
+        difference = first_difference(a, b, where, RESHARD_KEYS)
+        if difference is not None and "blocks" in difference:
+            difference += (" A different number of blocks means a model-parallel mesh axis changed size; "
+                           "zero_optax reshards between data-parallel sizes only.")
+    if difference is not None:
+        raise ZeroCheckpointError(difference)

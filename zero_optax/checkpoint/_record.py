@@ -1,0 +1,192 @@
+"""The record of a zero1 checkpoint: a versioned JSON document that describes every array the checkpoint holds.
+
+An item directory written by `ZeroCheckpointHandler` (or by `zero_optax.reshard`) holds the record, written once
+by the primary host, beside the arrays::
+
+    <item>/zero_record.json     this record
+    <item>/...                  the arrays, zarr3 over OCDBT: Orbax's own files (`"storage": "orbax"`), or
+                                TensorStore's alone (`"storage": "tensorstore"`, written offline by
+                                `zero_optax.reshard`); the array names are the same in both
+
+The record (format version 2)::
+
+    {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.2.0",
+     "storage": "orbax" | "tensorstore",
+     "tree": "<zero_optax.core._names.tree_signature of the saved pytree, each zero1 state shown as *>",
+     "states": [{                    # one per zero1 state of the saved pytree, in tree order
+        "partition": "flat" | "leaf" | "auto", "axis_name": "data" | ["replica", "data"], "world_size": 8,
+        "mesh_axes": [["model", 2]],  # the other mesh axes parameters are sharded over, with their sizes
+        "master_dtype": null | "float32",
+        "owners": null | [int or null per leaf],
+        "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"}],
+        "state_tree": "<tree_signature of the inner optimizer's state>",
+        "entries": [{"path", "leaf", "shape", "dtype", "role"}],
+        "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
+        "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax.checkpoint._arrays
+        "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
+
+Shapes are local blocks (`zero_optax.transform._layout`); `spec` lists, per array dimension, the mesh axes it is
+sharded over. Nothing is pickled and no name is taken from the record: `zero_optax.checkpoint._schema` checks every
+field before anything is read, and array names are formatted by `zero_optax.core._names` from checked values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from zero_optax.checkpoint import _arrays, _paths
+from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.core._version import __version__
+from zero_optax.transform._layout import Layout
+
+FORMAT = "zero_optax.record"
+FORMAT_VERSION = 2
+STORAGE_ORBAX = "orbax"
+STORAGE_TENSORSTORE = "tensorstore"
+MAX_RECORD_BYTES = 64 << 20
+"""Records larger than this are refused before they are read (a 1024-device, 1000-leaf record is about 1 MB)."""
+MAX_DEPTH = 16
+"""JSON nesting deeper than this is refused before parsing (the format nests 7 levels)."""
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
+    return {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "spec": [list(axes) for axes in a.spec],
+            "entry": a.entry, "buffer": a.buffer}
+
+
+def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
+    pack = layout.state_packing if pack is None else pack
+    if not pack.sizes:
+        return None
+    return {"sizes": dict(sorted(pack.sizes.items())),
+            "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]}
+
+
+def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
+    zero = set(layout.axes)
+    pack = layout.state_packing
+    return {
+        "partition": layout.partition,
+        "axis_name": layout.axis_name if isinstance(layout.axis_name, str) else list(layout.axis_name),
+        "world_size": layout.world_size,
+        "mesh_axes": [[a, s] for a, s in layout.axis_sizes if a not in zero],
+        "master_dtype": layout.master_dtype,
+        "owners": None if layout.owners is None else list(layout.owners),
+        "leaves": [{"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
+                    "axes": list(x.axes), "blocks": x.blocks, "group": x.group} for x in layout.leaves],
+        "state_tree": layout.state_tree,
+        "entries": [{"path": e.path, "leaf": e.leaf, "shape": list(e.shape), "dtype": e.dtype, "role": e.role}
+                    for e in layout.entries],
+        "clocks": dict(clocks or {}),
+        "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
+        "packing": packing_json(layout, pack),
+    }
+
+
+def new_record(tree: str, states: list[dict[str, Any]], storage: str) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "zero_optax_version": __version__,
+            "storage": storage, "tree": tree, "states": states}
+
+
+def clock_entries(layout: Layout) -> list[int]:
+    """The entries the record shows as clocks: shared real scalars (step counts, injected hyperparameters)."""
+    return [j for j, e in enumerate(layout.entries)
+            if e.leaf is None and e.size == 1 and np.dtype(e.dtype).kind in "biuf"]
+
+
+def read_clocks(state) -> dict[str, Any]:
+    """The values of a state's clocks (`clock_entries`), from this host's first device."""
+    layout = state.layout
+    values = dict(zip(_arrays.unowned_entries(layout), _arrays.state_values(state)))
+    clocks = {}
+    for j in clock_entries(layout):
+        shard = values[j].addressable_shards[0]
+        clocks[layout.entries[j].path] = np.asarray(shard.data).reshape(-1)[0].item()
+    return clocks
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, indent=1, sort_keys=True).encode()
+
+
+def write(directory: Any, record: dict[str, Any]) -> None:
+    """Writes the record into the item directory `directory` (any path Orbax accepts)."""
+    (_paths.as_path(directory) / _names.RECORD_FILE).write_bytes(encode(record))
+
+
+def _depth(data: bytes) -> int:
+    """The deepest nesting of `[`/`{` in JSON text, strings skipped, without parsing it."""
+    code = np.frombuffer(_STRINGS.sub(b'""', data), np.uint8)
+    step = np.isin(code, (ord("["), ord("{"))).astype(np.int64) - np.isin(code, (ord("]"), ord("}")))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def decode(data: bytes, where: str) -> dict[str, Any]:
+    """The record in `data` after checking its size, nesting, JSON syntax, format and version."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise ZeroCheckpointError(f"{where} is {len(data)} bytes, more than a zero_optax record may hold "
+                                  f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+    if _depth(data) > MAX_DEPTH:
+        raise ZeroCheckpointError(f"{where} nests JSON deeper than a zero_optax record does ({MAX_DEPTH} levels); "
+                                  "the checkpoint is damaged.")
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ZeroCheckpointError(f"{where} is not valid JSON ({type(e).__name__}: {e}); the checkpoint is "
+                                  "damaged.") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ZeroCheckpointError(f"{where} is not a zero_optax record (format is {short(found)}, expected "
+                                  f"{FORMAT!r}).")
+    version = record.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise ZeroCheckpointError(
+            f"{where} has record format version {short(version)}; this zero_optax ({__version__}) reads version "
+            f"{FORMAT_VERSION} only. "
+            + ("Checkpoints of zero_optax 0.1 (version 1) cannot be read: save them again with zero_optax 0.1's "
+               "restore and this release's save." if version == 1 else
+               "Upgrade zero_optax to read newer checkpoints." if isinstance(version, int) and version > 2 else
+               "The record is damaged."))
+    return record
+
+
+def read(directory: Any) -> dict[str, Any]:
+    """The record of an item directory, after checking its size, syntax, format and version (not its fields:
+    `zero_optax.checkpoint._schema.parse` does that)."""
+    path = _paths.as_path(directory) / _names.RECORD_FILE
+    try:
+        if not path.parent.is_dir():
+            raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
+        if not path.exists():
+            raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
+                                      "missing.")
+        size = path.stat().length
+        if size > MAX_RECORD_BYTES:
+            raise ZeroCheckpointError(f"{path} is {size} bytes, more than a zero_optax record may hold "
+                                      f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
+    return decode(data, str(path))
+
+
+def short(x: Any) -> str:
+    """A JSON value as a short text, for error messages."""
+    try:
+        s = json.dumps(x, sort_keys=True)
+    except (TypeError, ValueError):
+        s = repr(x)
+    return s if len(s) < 200 else s[:197] + "..."

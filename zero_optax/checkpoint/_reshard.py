@@ -1,0 +1,223 @@
+"""Offline resharding of a zero1 checkpoint to another world size, exactly, with TensorStore and numpy only.
+
+Sliced leaves are re-cut coordinate by coordinate (each block's padded history is contiguous, so a new device's
+coordinates are one read of the old block; new padding is zero); owned leaves move their complete state from the
+old owner's row to the new owner's; shared entries (step counts) are copied after checking that every old row
+agrees. Nothing is replayed or summed, so a run restored from the result continues exactly.
+
+The output is the same arrays under the same names as a checkpoint Orbax writes, zarr3 in an OCDBT database, but
+written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's own metadata files can only be
+written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
+Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
+does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
+destination and renamed into place (`zero_optax.checkpoint._install`); elsewhere (`gs://`) the record is
+written last, so an interrupted run leaves no readable checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from zero_optax.checkpoint import (
+    _arrays,
+    _install,
+    _paths,
+    _record,
+    _remap,
+    _schema,
+    _store,
+)
+from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.transform import _owners
+from zero_optax.transform._layout import LEAF, Layout
+
+Progress = Callable[[int, int], None]
+"""`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
+CHUNK_ELEMENTS = 1 << 22
+"""The most elements one chunk of the output holds."""
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ZeroCheckpointError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if world_size > _schema.MAX_WORLD_SIZE:
+        raise ZeroCheckpointError(f"`world_size` must be at most {_schema.MAX_WORLD_SIZE}, got {world_size}.")
+    return int(world_size)
+
+
+def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
+    """The checked record of `src`, its arrays (every one checked present and complete) and the shared entries'
+    values (checked to agree on every row)."""
+    path = _paths.as_path(src)
+    saved = _schema.parse(_record.read(path), str(path))
+    store = _store.ItemArrays(path)
+    store.check([a for s in saved.states for a in s.arrays])
+    return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
+
+
+def refuse_expert_leaves(saved: _schema.SavedState, where: str) -> None:
+    layout = saved.layout
+    for leaf in layout.leaves:
+        if set(leaf.axes) & set(layout.axes):
+            raise ZeroCheckpointError(
+                f"{where}: state {saved.index}'s leaf `{leaf.path}` is sharded over the ZeRO axis "
+                f"`{min(set(leaf.axes) & set(layout.axes))}` (an expert parameter), so a new world size "
+                "also changes its number of blocks. Migrate such leaves with zo.load_rank_records and "
+                "zo.reshard_explicit, naming each block's source group and target placement.")
+
+
+def new_layout(old: Layout, m: int, owners: Sequence[int] | None) -> Layout:
+    """`old` at world size `m`: sliced leaves re-cut, owned leaves given `owners` (default: balanced the way
+    `zero1` balances them at `init`)."""
+    owned = [not x.sliced for x in old.leaves]
+    if owners is None:
+        owners = _owners.owners_for_entries(old.entries, owned, m)
+    else:
+        owners = _owners.check_owners(owners, len(old.leaves), m, old.paths)
+    leaves = tuple(dataclasses.replace(x, group=m, slots=-(-x.size // m)) if x.sliced else
+                   dataclasses.replace(x, group=m, owner=o) for x, o in zip(old.leaves, owners))
+    entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
+                    if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
+    return dataclasses.replace(old, world_size=m, leaves=leaves, entries=entries)
+
+
+def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] | None]:
+    """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
+    leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
+    if owners is not None and not isinstance(owners, (list, tuple)):
+        raise ZeroCheckpointError(f"`owners` must be a list, got {type(owners).__name__}.")
+    if owners is not None and all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+        if len(leaf_states) != 1:
+            raise ZeroCheckpointError(
+                f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; give one "
+                "item (a list or None) per state.")
+        owners = [owners if k == leaf_states[0] else None for k in range(len(layouts))]
+    owners = [None] * len(layouts) if owners is None else list(owners)
+    if len(owners) != len(layouts):
+        raise ZeroCheckpointError(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 "
+                                  "states.")
+    for k, o in enumerate(owners):
+        if o is None:
+            continue
+        if layouts[k].partition != LEAF:
+            raise ZeroCheckpointError(f"`owners[{k}]` is given, but state {k} uses the {layouts[k].partition} "
+                                      "partition, which has no owners to choose.")
+        if not isinstance(o, (list, tuple)):
+            raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
+    return owners
+
+
+def _chunks(a: _arrays.StoredArray, layout: Layout) -> tuple[int, ...]:
+    """Chunks of an output array: one device's share where it fits in `CHUNK_ELEMENTS`, else balanced pieces."""
+    def fit(n: int) -> int:
+        return max(1, -(-n // -(-n // CHUNK_ELEMENTS))) if n else 1
+    if a.buffer is not None:
+        return 1, fit(a.shape[1])
+    e = layout.entries[a.entry]
+    if e.leaf is None:
+        return a.shape if math.prod(a.shape) <= CHUNK_ELEMENTS else (1, *e.shape)
+    return (fit(layout.leaves[e.leaf].slots),)
+
+
+def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    """The chunk-sized regions of an array, in order (leading dimensions one index at a time)."""
+    if any(d == 0 for d in shape):
+        return
+    if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
+        for lo in range(0, shape[0], chunks[0]):
+            yield ((lo, min(lo + chunks[0], shape[0])),) + tuple((0, d) for d in shape[1:])
+        return
+    for r in range(0, shape[0], chunks[0]):
+        for lo in range(0, shape[1], chunks[1]):
+            yield ((r, min(r + chunks[0], shape[0])), (lo, min(lo + chunks[1], shape[1]))) + tuple(
+                (0, d) for d in shape[2:])
+
+
+def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
+           layouts: list[Layout], progress: Progress | None) -> None:
+    outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
+    total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
+    done = 0
+    with _store.ItemWriter(dst) as writer:
+        plans = []
+        for old, lay, arrays, values in zip(saved.states, layouts, outputs, shared):
+            remap = _remap.Remap(old, lay, store.read, values)
+            for a in arrays:
+                chunks = _chunks(a, lay)
+                writer.create(a.name, a.shape, a.dtype, chunks)
+                plans.append((remap, a, chunks))
+        for remap, a, chunks in plans:
+            for region in _regions(a.shape, chunks):
+                data = remap.region(a, region)
+                writer.write(a.name, region, data)
+                done += data.nbytes
+                if progress is not None:
+                    progress(done, total)
+    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
+    _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
+
+
+def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
+            owners: Sequence[int] | Sequence[Sequence[int] | None] | None = None, force: bool = False,
+            progress: Progress | None = None) -> None:
+    """Converts a zero1 checkpoint item directory to another data-parallel world size, exactly.
+
+    Sliced leaves (the flat partition): every block's coordinate histories are cut again into
+    `ceil(size / world_size)` slots per device (zero padding); `slots` is updated in the record. Owned leaves (the
+    leaf partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes
+    the way `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied
+    after checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept. States
+    from a 2-D mesh reshard to another data size with the model axis unchanged; states with expert leaves
+    (sharded over a ZeRO axis) are refused: use `zo.reshard_explicit`.
+
+    Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
+    by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
+    appears complete or not at all, and `force` swaps it for an existing one in one step. Arrays are copied one
+    chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
+    new world size (and, with `reshard=True`, at any other).
+
+    Args:
+      src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
+      dst_dir: where to write the converted item directory.
+      world_size: the new number of devices along each state's ZeRO axes.
+      owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
+        (a list or None) per zero1 state. None balances.
+      force: replace an existing `dst_dir`.
+      progress: optional `progress(done_bytes, total_bytes)` callback.
+
+    Raises:
+      ZeroCheckpointError: `src_dir` is not a complete, valid zero1 checkpoint of this format version, its shared
+        entries differ between rows, `dst_dir` exists without `force`, or the arguments are invalid.
+
+    Examples:
+      >>> import zero_optax as zo
+      >>> zo.reshard("ckpt/100/opt_state", "ckpt3/100/opt_state", world_size=3)  # doctest: +SKIP
+    """
+    src, dst = _paths.as_path(src_dir), _paths.as_path(dst_dir)
+    m = check_world_size(world_size)
+    if dst.exists() and not force:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+    if not _paths.is_local(dst) and force:
+        raise ZeroCheckpointError(f"{dst}: replacing a checkpoint atomically needs a local file system; delete it "
+                                  "first.")
+    saved, store, shared = load(src)
+    for s in saved.states:
+        refuse_expert_leaves(s, str(src))
+    per_state = _owners_per_state(owners, [s.layout for s in saved.states])
+    layouts = [new_layout(s.layout, m, o) for s, o in zip(saved.states, per_state)]
+    if not _paths.is_local(dst):
+        _write(dst, saved, store, shared, layouts, progress)
+        return
+    tmp = _install.temporary_sibling(str(dst), "reshard")
+    try:
+        _write(tmp, saved, store, shared, layouts, progress)
+        _install.install(tmp, str(dst), force)
+    except FileExistsError:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.") from None
+    finally:
+        _install.remove(tmp)

@@ -1,0 +1,135 @@
+"""Restoring zero1 states into a target: everything checked first, then each host reads its devices' regions.
+
+Order of work, so that a refusal reads no array data:
+
+1. the record (size, syntax, version, every field: `zero_optax.checkpoint._schema`);
+2. the target against the record (`zero_optax.checkpoint._match`): world size and owners too unless `reshard=True`,
+   and the pytree around the zero1 states;
+3. the stored arrays' metadata and chunk lists (`zero_optax.checkpoint._store.ItemArrays.check`);
+4. the shared entries: every saved row must hold the same value (and the recorded clocks);
+5. the arrays. A checkpoint Orbax wrote, restored at its own layouts, is read by Orbax itself into the target's
+   shardings. Otherwise each target array is built device by device: every addressable device's region is computed
+   from the saved arrays (`zero_optax.checkpoint._remap`: one contiguous read per block per device for sliced
+   histories, the old owner's row for owned entries), placed on its device, and released before the next, so host
+   memory peaks near the restored state plus one device block (`jax.make_array_from_single_device_arrays`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_optax.checkpoint import (
+    _arrays,
+    _match,
+    _paths,
+    _record,
+    _remap,
+    _schema,
+    _store,
+    _tree,
+)
+from zero_optax.core._errors import ZeroCheckpointError
+
+OrbaxRead = Callable[[Any, dict[str, jax.ShapeDtypeStruct]], dict[str, jax.Array]]
+"""Reads named arrays of an Orbax-written item into the shardings of the given structs."""
+
+
+def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
+    """The sharding to load into; a NamedSharding over an AbstractMesh (what `jax.eval_shape` gives) is made
+    concrete with the mesh set by `jax.set_mesh`."""
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise ZeroCheckpointError(
+            f"{what} has no sharding; use the state from `tx.init` on the restoring mesh, or abstract leaves "
+            "jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding).")
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+        mesh = jax.sharding.get_mesh()
+        if mesh.empty or mesh.abstract_mesh != sharding.mesh:
+            raise ZeroCheckpointError(
+                f"{what} is sharded over an abstract mesh ({sharding.mesh}), which names no devices. Restore "
+                "inside `with jax.set_mesh(mesh):` with the concrete mesh, or give the target leaves "
+                "NamedSharding(mesh, spec).")
+        return jax.sharding.NamedSharding(mesh, sharding.spec)
+    return sharding
+
+
+def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
+          region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
+    """The global array `array` laid out by `sharding`, each addressable device's block computed by `region` and
+    kept in host memory only until it is on its device (devices sharing a block share one read)."""
+    index_map = sharding.addressable_devices_indices_map(array.shape)
+    regions = {device: tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))
+               for device, index in index_map.items()}
+    uses = Counter(regions.values())
+    blocks: dict[_store.Region, np.ndarray] = {}
+    singles = []
+    for device, key in regions.items():
+        if key not in blocks:
+            blocks[key] = region(array, key)
+        singles.append(jax.device_put(blocks[key], device))
+        uses[key] -= 1
+        if not uses[key]:
+            del blocks[key]
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, singles)
+
+
+def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | None) -> Any:
+    """The zero1 states saved in `directory`, in the structure, layouts and shardings of `target`.
+
+    Raises:
+      ZeroCheckpointError: naming the first difference between the checkpoint and the target, or the first
+        missing or damaged part of the checkpoint; nothing is loaded then.
+    """
+    path = _paths.as_path(directory)
+    where_dir = str(path)
+    parts = _tree.split(target, "The restore target")
+    saved = _schema.parse(_record.read(path), where_dir)
+    if len(saved.states) != len(parts.states):
+        raise ZeroCheckpointError(
+            f"{where_dir} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
+            f"tree {_record.short(saved.tree)}, target tree {_record.short(parts.signature)}).")
+    plans = []
+    for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states)):
+        where = _tree.where(k, state_path)
+        _match.check(old.layout, state.layout, k, where, reshard)
+        specs = _arrays.stored_arrays(state.layout, k)
+        values = _arrays.state_values(state)
+        shardings = []
+        for spec, value in zip(specs, values, strict=True):
+            if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
+                raise ZeroCheckpointError(
+                    f"{where}: the target's array {spec.name} is {list(value.shape)} {np.dtype(value.dtype).name} but "
+                    f"its layout says {list(spec.shape)} {spec.dtype}.")
+            shardings.append(concrete_sharding(getattr(value, "sharding", None),
+                                               f"{where}: the target's array {spec.name}"))
+        same = (old.layout.world_size == state.layout.world_size and
+                _match.first_difference(_record.state_record(old.layout, k), _record.state_record(state.layout, k),
+                                        where, _match.PLAIN_KEYS) is None)
+        plans.append((state, specs, shardings, same))
+    if saved.tree != parts.signature:
+        raise ZeroCheckpointError(
+            f"{where_dir}: the saved pytree is {_record.short(saved.tree)} but the target is "
+            f"{_record.short(parts.signature)} (zero1 states shown as *).")
+
+    store = _store.ItemArrays(path)
+    store.check([a for s in saved.states for a in s.arrays])
+    shared = [_remap.shared_values(old, store.read, where_dir) for old in saved.states]
+    if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:
+        structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
+                   for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
+        got = orbax_read(path, structs)
+        restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
+        return _tree.put_back(target, parts, restored)
+    restored = []
+    for (state, specs, shardings, same), old, values in zip(plans, saved.states, shared):
+        if same:
+            arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(specs, shardings)]
+        else:
+            remap = _remap.Remap(old, state.layout, store.read, values)
+            arrays = [build(a, s, remap.region) for a, s in zip(specs, shardings)]
+        restored.append(_arrays.rebuild(state, arrays))
+    return _tree.put_back(target, parts, restored)

@@ -1,0 +1,65 @@
+"""What a save writes: the state's arrays as one flat `{name: jax.Array}` dict for Orbax, and the record.
+
+The arrays keep their global shapes and shardings; Orbax's array serialization copies each host's shards to host
+memory and writes them, so every host writes only the shards it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_optax.checkpoint import _arrays, _record, _schema, _tree
+from zero_optax.core._errors import ZeroCheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """Everything a save writes.
+
+    Attributes:
+      arrays: array name -> the state's global array (`zero_optax.checkpoint._arrays` names).
+      record: the JSON record (`zero_optax.checkpoint._record`).
+    """
+
+    arrays: dict[str, jax.Array]
+    record: dict[str, Any]
+
+
+def plan(tree: Any) -> SavePlan:
+    """Checks the zero1 states of `tree` and lists what saving it writes.
+
+    Raises:
+      ZeroCheckpointError: `tree` holds no zero1 state or arrays outside one, or an array is not a live
+        `jax.Array` of the shape and dtype its layout describes.
+    """
+    parts = _tree.split(tree, "The saved state")
+    arrays, states = {}, []
+    for k, (path, state) in enumerate(parts.states):
+        where = _tree.where(k, path)
+        layout = state.layout
+        for d in {x.dtype for x in layout.leaves} | {e.dtype for e in layout.entries}:
+            if d not in _schema.DTYPES:
+                raise ZeroCheckpointError(f"{where} holds {d} arrays, which zero_optax checkpoints do not store "
+                                          f"(they store {', '.join(sorted(_schema.DTYPES))}).")
+        specs = _arrays.stored_arrays(layout, k)
+        values = _arrays.state_values(state)
+        if len(values) != len(specs):
+            raise ZeroCheckpointError(f"{where} has {len(values)} arrays but its layout describes {len(specs)}.")
+        for spec, value in zip(specs, values):
+            if not isinstance(value, jax.Array):
+                raise ZeroCheckpointError(f"{where}: array {spec.name} is a {type(value).__name__}, not a jax.Array; "
+                                          "save the state that zero1's init/update returned.")
+            if value.is_deleted():
+                raise ZeroCheckpointError(f"{where}: array {spec.name} was deleted (donated to a later step?); save "
+                                          "the state before passing it to a jitted function that donates it.")
+            if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
+                raise ZeroCheckpointError(f"{where}: array {spec.name} is {list(value.shape)} "
+                                          f"{np.dtype(value.dtype).name} but its layout says {list(spec.shape)} "
+                                          f"{spec.dtype}.")
+            arrays[spec.name] = value
+        states.append(_record.state_record(layout, k, _record.read_clocks(state)))
+    return SavePlan(arrays, _record.new_record(parts.signature, states, _record.STORAGE_ORBAX))

@@ -1,0 +1,273 @@
+"""Checking a decoded record field by field, before any of it is used: types, ranges and consistency.
+
+`parse` turns a record (`zero_optax.checkpoint._record.decode`) into one `SavedState` per zero1 state: a `Layout`
+rebuilt from checked values, the arrays it stores and its clocks. Every problem is a `ZeroCheckpointError` naming
+the field (`states[0].leaves[2].slots`), never a `TypeError`, `KeyError` or `IndexError` later on: a negative leaf
+index, a slot count that does not match `ceil(size / group)`, an owner outside the world size, a dtype outside the
+allow-list, a duplicate path, a list of arrays or a packing other than the layout implies, or an unknown field all
+stop here. Array names are never read from the record; they are formatted from the checked layout and the record's
+list must equal them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from zero_optax.checkpoint import _arrays, _record
+from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.transform._layout import (
+    AUTO,
+    FLAT,
+    LEAF,
+    MASTER,
+    MASTER_PREFIX,
+    STATE,
+    Layout,
+    ParamLeaf,
+    StateEntry,
+)
+
+DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                    "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
+"""The dtypes a zero1 checkpoint may store."""
+MAX_WORLD_SIZE = 1 << 20
+MAX_ITEMS = 1 << 22
+"""At most this many leaves, entries or arrays per state."""
+MAX_NDIM = 32
+MAX_ELEMENTS = 1 << 48
+MAX_NAME = 1 << 16
+"""The longest path or axis name, in characters."""
+_TOP = {"format", "format_version", "zero_optax_version", "storage", "tree", "states"}
+_STATE = {"partition", "axis_name", "world_size", "mesh_axes", "master_dtype", "owners", "leaves", "state_tree",
+          "entries", "clocks", "arrays", "packing"}
+_LEAF = {"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"}
+_ENTRY = {"path", "leaf", "shape", "dtype", "role"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """One zero1 state of a checkpoint, as its record describes it (all fields checked).
+
+    Attributes:
+      index: its position among the checkpoint's zero1 states.
+      layout: its layout (no parameter treedef: offline tools need none).
+      arrays: the arrays it stores (`zero_optax.checkpoint._arrays.stored_arrays`).
+      clocks: the recorded values of its shared scalar entries, by entry path.
+    """
+
+    index: int
+    layout: Layout
+    arrays: tuple[_arrays.StoredArray, ...]
+    clocks: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A checkpoint's record, checked: the saved pytree's signature, how its arrays are stored, its states."""
+
+    tree: str
+    storage: str
+    states: tuple[SavedState, ...]
+
+
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, problem: str):
+        raise ZeroCheckpointError(f"{self.where}: the record's `{field}` {problem}; the record is damaged.")
+
+    def dict(self, x, field: str, keys: set[str]) -> dict:
+        if not isinstance(x, dict):
+            self.fail(field, f"is a {type(x).__name__}, not an object")
+        missing, extra = sorted(keys - set(x)), sorted(set(x) - keys)
+        if missing:
+            self.fail(field, f"lacks {', '.join(map(repr, missing))}")
+        if extra:
+            self.fail(field, f"has unknown fields {', '.join(_record.short(k) for k in extra[:5])}")
+        return x
+
+    def list(self, x, field: str, max_len: int = MAX_ITEMS) -> list:
+        if not isinstance(x, list):
+            self.fail(field, f"is a {type(x).__name__}, not a list")
+        if len(x) > max_len:
+            self.fail(field, f"has {len(x)} items, more than {max_len}")
+        return x
+
+    def int(self, x, field: str, lo: int, hi: int) -> int:
+        if isinstance(x, bool) or not isinstance(x, int):
+            self.fail(field, f"is {_record.short(x)}, not an integer")
+        if not lo <= x <= hi:
+            self.fail(field, f"is {x}, outside [{lo}, {hi}]")
+        return x
+
+    def str(self, x, field: str, max_len: int = MAX_NAME, empty: bool = False) -> str:
+        if not isinstance(x, str):
+            self.fail(field, f"is {_record.short(x)}, not a string")
+        if len(x) > max_len or (not x and not empty):
+            self.fail(field, f"has {len(x)} characters, expected 1 to {max_len}")
+        return x
+
+    def dtype(self, x, field: str) -> str:
+        if not isinstance(x, str) or x not in DTYPES:
+            self.fail(field, f"is {_record.short(x)}, not one of the dtypes zero_optax stores "
+                      f"({', '.join(sorted(DTYPES))})")
+        return x
+
+    def shape(self, x, field: str) -> tuple[int, ...]:
+        shape = tuple(self.int(d, f"{field}[{i}]", 0, MAX_ELEMENTS)
+                      for i, d in enumerate(self.list(x, field, MAX_NDIM)))
+        if math.prod(shape) > MAX_ELEMENTS:
+            self.fail(field, f"has {math.prod(shape)} elements, more than {MAX_ELEMENTS}")
+        return shape
+
+    def names(self, x, field: str, max_len: int = 64) -> tuple[str, ...]:
+        names = tuple(self.str(a, f"{field}[{i}]") for i, a in enumerate(self.list(x, field, max_len)))
+        if len(set(names)) != len(names):
+            self.fail(field, f"repeats an axis name: {_record.short(list(names))}")
+        return names
+
+
+def parse(record: dict[str, Any], where: str) -> Saved:
+    """Checks every field of a decoded record; returns what it describes."""
+    c = _Checker(where)
+    c.dict(record, "<record>", _TOP)
+    c.str(record["zero_optax_version"], "zero_optax_version", 256)
+    storage = record["storage"]
+    if storage not in (_record.STORAGE_ORBAX, _record.STORAGE_TENSORSTORE):
+        c.fail("storage", f"is {_record.short(storage)}, not \"orbax\" or \"tensorstore\"")
+    tree = c.str(record["tree"], "tree", _record.MAX_RECORD_BYTES)
+    states = c.list(record["states"], "states", MAX_ITEMS)
+    if not states:
+        c.fail("states", "is empty: the checkpoint holds no zero1 state")
+    return Saved(tree, storage, tuple(_state(c, s, k) for k, s in enumerate(states)))
+
+
+def _state(c: _Checker, rec: Any, k: int) -> SavedState:
+    f = f"states[{k}]"
+    c.dict(rec, f, _STATE)
+    partition = rec["partition"]
+    if partition not in (FLAT, LEAF, AUTO):
+        c.fail(f"{f}.partition", f"is {_record.short(partition)}, not \"flat\", \"leaf\" or \"auto\"")
+    axis_name = rec["axis_name"]
+    if isinstance(axis_name, str):
+        zero = (c.str(axis_name, f"{f}.axis_name"),)
+    else:
+        zero = c.names(axis_name, f"{f}.axis_name")
+        if not zero:
+            c.fail(f"{f}.axis_name", "is an empty list")
+        axis_name = zero
+    n = c.int(rec["world_size"], f"{f}.world_size", 1, MAX_WORLD_SIZE)
+    mesh = {}
+    for i, pair in enumerate(c.list(rec["mesh_axes"], f"{f}.mesh_axes", 64)):
+        pair = c.list(pair, f"{f}.mesh_axes[{i}]", 2)
+        if len(pair) != 2:
+            c.fail(f"{f}.mesh_axes[{i}]", "is not a [name, size] pair")
+        name = c.str(pair[0], f"{f}.mesh_axes[{i}][0]")
+        if name in zero or name in mesh:
+            c.fail(f"{f}.mesh_axes[{i}][0]", f"repeats the axis `{name}`")
+        mesh[name] = c.int(pair[1], f"{f}.mesh_axes[{i}][1]", 1, MAX_WORLD_SIZE)
+    master_dtype = rec["master_dtype"]
+    if master_dtype is not None:
+        c.dtype(master_dtype, f"{f}.master_dtype")
+    leaves = tuple(_leaf(c, x, f"{f}.leaves[{i}]", partition, zero, mesh, n)
+                   for i, x in enumerate(c.list(rec["leaves"], f"{f}.leaves")))
+    paths = [x.path for x in leaves]
+    if len(set(paths)) != len(paths):
+        c.fail(f"{f}.leaves", "repeats a leaf path")
+    entries = _entries(c, rec["entries"], f, leaves, master_dtype)
+    state_tree = c.str(rec["state_tree"], f"{f}.state_tree", _record.MAX_RECORD_BYTES)
+    layout = Layout(partition, axis_name, n, leaves, entries, None, state_tree, None, master_dtype,
+                    tuple(mesh.items()))
+    owners = None if all(x.sliced for x in leaves) else [x.owner for x in leaves]
+    if rec["owners"] != owners:
+        c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
+    pack = layout.state_packing
+    if rec["packing"] != _record.packing_json(layout, pack):
+        c.fail(f"{f}.packing", "does not match the owners and entries")
+    arrays = tuple(_arrays.stored_arrays(layout, k, pack))
+    if rec["arrays"] != [_record.array_json(a) for a in arrays]:
+        c.fail(f"{f}.arrays", "does not list the arrays its layout stores")
+    clocks = c.dict(rec["clocks"], f"{f}.clocks", {entries[j].path for j in _record.clock_entries(layout)})
+    for path, value in clocks.items():
+        if not isinstance(value, (bool, int, float)) or isinstance(value, int) and not -2 ** 64 < value < 2 ** 64:
+            c.fail(f"{f}.clocks[{_record.short(path)}]", f"is {_record.short(value)}, not a number a scalar entry "
+                   "can hold")
+    return SavedState(k, layout, arrays, dict(clocks))
+
+
+def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], mesh: dict[str, int],
+          n: int) -> ParamLeaf:
+    c.dict(rec, f, _LEAF)
+    path = c.str(rec["path"], f"{f}.path", empty=True)
+    shape = c.shape(rec["shape"], f"{f}.shape")
+    dtype = c.dtype(rec["dtype"], f"{f}.dtype")
+    axes = c.names(rec["axes"], f"{f}.axes")
+    for a in axes:
+        if a not in zero and a not in mesh:
+            c.fail(f"{f}.axes", f"names `{a}`, which is neither a ZeRO axis nor one of `mesh_axes`")
+    blocks = c.int(rec["blocks"], f"{f}.blocks", 1, MAX_ELEMENTS)
+    group = c.int(rec["group"], f"{f}.group", 1, n)
+    model = math.prod(mesh[a] for a in axes if a not in zero)
+    if set(zero) <= set(axes):
+        c.fail(f"{f}.axes", "names every ZeRO axis")
+    if blocks % model or (blocks // model) * group != n:
+        c.fail(f"{f}", f"has blocks={blocks} and group={group}, which do not fit world size {n} and axes "
+               f"{_record.short(list(axes))}")
+    size = math.prod(shape)
+    owner = rec["owner"]
+    if owner is None:
+        if partition == LEAF:
+            c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
+        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+        if slots != -(-size // group):
+            c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
+                   f"{-(-size // group)}")
+        if blocks * group * slots > MAX_ELEMENTS:
+            c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
+    else:
+        owner = c.int(owner, f"{f}.owner", 0, n - 1)
+        if partition == FLAT:
+            c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
+        if axes or group != n:
+            c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
+        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+        if slots != size:
+            c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
+    return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group)
+
+
+def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None
+             ) -> tuple[StateEntry, ...]:
+    out = []
+    for j, e in enumerate(c.list(rec, f"{f}.entries")):
+        g = f"{f}.entries[{j}]"
+        c.dict(e, g, _ENTRY)
+        path = c.str(e["path"], f"{g}.path", empty=True)
+        leaf = e["leaf"]
+        if leaf is not None:
+            leaf = c.int(leaf, f"{g}.leaf", 0, len(leaves) - 1)
+        shape = c.shape(e["shape"], f"{g}.shape")
+        dtype = c.dtype(e["dtype"], f"{g}.dtype")
+        role = e["role"]
+        if role not in (STATE, MASTER):
+            c.fail(f"{g}.role", f"is {_record.short(role)}, not \"state\" or \"master\"")
+        if leaf is not None and leaves[leaf].sliced and shape != (leaves[leaf].slots,):
+            c.fail(f"{g}.shape", f"is {list(shape)}, but a history of leaf {leaf} holds [{leaves[leaf].slots}]")
+        out.append(StateEntry(path, leaf, shape, dtype, role))
+    if len({e.path for e in out}) != len(out):
+        c.fail(f"{f}.entries", "repeats an entry path")
+    states = [e for e in out if e.role == STATE]
+    masters = out[len(states):]
+    if out[:len(states)] != states:
+        c.fail(f"{f}.entries", "lists a master copy before an optimizer state entry")
+    want = [] if master_dtype is None else [
+        StateEntry(MASTER_PREFIX + x.path, i, (x.slots,) if x.sliced else x.shape, master_dtype, MASTER)
+        for i, x in enumerate(leaves)]
+    if masters != want:
+        c.fail(f"{f}.entries", f"holds {len(masters)} master copies, but master_dtype={_record.short(master_dtype)} "
+               f"and {len(leaves)} leaves need {len(want)} (one per leaf, in order)")
+    return tuple(out)
+

@@ -1,0 +1,232 @@
+"""The arrays of an item directory, read and written with TensorStore: zarr3 arrays in one OCDBT database.
+
+Orbax's `PyTreeCheckpointHandler` (with `use_zarr3=True`, OCDBT on by default) stores each array of a flat dict as
+a zarr3 array under its name inside an OCDBT database at the item directory: a handful of files per process,
+merged into one database when the checkpoint is finalized. TensorStore reads those arrays alone, without
+devices, region by region (`ItemArrays`); `ItemWriter` writes arrays of the same form offline (what
+`zero_optax.reshard` produces), one bounded transaction at a time.
+
+Reads never hold much more than the region asked for: a region larger than `PIECE_BYTES` is read in pieces
+aligned to the stored chunks, one after another, so TensorStore decodes a few chunks at a time.
+
+Examples:
+  >>> import numpy as np, tempfile
+  >>> from zero_optax.checkpoint import _store, _paths
+  >>> path = _paths.as_path(tempfile.mkdtemp())
+  >>> with _store.ItemWriter(path) as w:
+  ...     w.create("0.entry0000", (10,), "float32", (4,))
+  ...     w.write("0.entry0000", ((0, 10),), np.arange(10, dtype=np.float32))
+  >>> _store.ItemArrays(path).read("0.entry0000", ((3, 6),)).tolist()
+  [3.0, 4.0, 5.0]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any, Self
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+from zero_optax.checkpoint import _paths
+from zero_optax.core._errors import StoreError
+
+PIECE_BYTES = 16 << 20
+"""Reads larger than this are split into sequential pieces aligned to the stored chunks."""
+BATCH_BYTES = 64 << 20
+"""`ItemWriter` commits a transaction (one new OCDBT data file) whenever this many bytes are staged."""
+Region = tuple[tuple[int, int], ...]
+"""A region of an array: `(start, stop)` per dimension."""
+
+
+def _kvstore(directory: epath.Path) -> dict[str, Any]:
+    return {"driver": "ocdbt", "base": _paths.kvstore(directory)}
+
+
+def _spec(directory: epath.Path, name: str) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": {**_kvstore(directory), "path": name + "/"}}
+
+
+def aligned_empty(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: `jax.device_put` then places it on a CPU
+    device without copying, so a block read for a device is never held twice."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
+    out = aligned_empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
+def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[str]:
+    """The keys of every chunk of a zarr3 array of `shape` stored in `chunks` (default key encoding)."""
+    if any(d == 0 for d in shape):
+        return set()
+    grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
+    return {f"{name}/c/" + "/".join(map(str, cell)) for cell in itertools.product(*grid)}
+
+
+class ItemArrays:
+    """The arrays of one item directory, opened once each, read region by region.
+
+    Args:
+      directory: the item directory.
+      context: a TensorStore context to share (one is created by default).
+    """
+
+    def __init__(self, directory: Any, context: ts.Context | None = None):
+        self.directory = _paths.as_path(directory)
+        self.context = ts.Context() if context is None else context
+        self._open: dict[str, ts.TensorStore] = {}
+
+    def _fail(self, name: str, problem: str) -> StoreError:
+        return StoreError(f"{self.directory} is incomplete or damaged: array {name}: {problem}. Nothing was loaded.")
+
+    def open(self, name: str) -> ts.TensorStore:
+        if name not in self._open:
+            spec = dict(_spec(self.directory, name), fill_missing_data_reads=False)
+            try:
+                self._open[name] = ts.open(spec, open=True, read=True, context=self.context).result()
+            except ValueError as e:
+                raise self._fail(name, f"cannot open it ({_first_line(e)})") from None
+        return self._open[name]
+
+    def stored_keys(self) -> set[str]:
+        """Every key of the item's OCDBT database (array metadata and chunks)."""
+        try:
+            kv = ts.KvStore.open(_kvstore(self.directory), context=self.context).result()
+            return {k.decode() for k in kv.list().result()}
+        except ValueError as e:
+            raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
+
+    def check(self, arrays: Sequence[Any]) -> None:
+        """Checks that every array of `arrays` (`StoredArray`s) is stored with its shape, its dtype and all of its
+        chunks, reading metadata only.
+
+        Raises:
+          StoreError: naming the first missing, mismatching or incomplete array.
+        """
+        keys = self.stored_keys()
+        for a in arrays:
+            store = self.open(a.name)
+            shape, dtype = tuple(store.domain.shape), store.dtype.numpy_dtype
+            if shape != tuple(a.shape) or np.dtype(dtype).name != a.dtype:
+                raise self._fail(a.name, f"it is {list(shape)} {np.dtype(dtype).name}, expected {list(a.shape)} "
+                                         f"{a.dtype}")
+            missing = chunk_keys(a.name, shape, store.chunk_layout.write_chunk.shape) - keys
+            if missing:
+                raise self._fail(a.name, f"{len(missing)} chunks are missing (first: {min(missing)})")
+
+    def read(self, name: str, region: Region) -> np.ndarray:
+        """The values of `region` of array `name`, read in pieces of about `PIECE_BYTES` at most."""
+        store = self.open(name)
+        shape = tuple(hi - lo for lo, hi in region)
+        out = aligned_empty(shape, store.dtype.numpy_dtype)
+        if out.size == 0:
+            return out
+        chunk = store.chunk_layout.read_chunk.shape[-1]
+        row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
+        step = max(1, PIECE_BYTES // max(row_bytes * chunk, 1)) * chunk
+        lo, hi = region[-1]
+        start = lo
+        try:
+            while start < hi:
+                stop = min(hi, (start // chunk) * chunk + step)
+                index = tuple(slice(a, b) for a, b in region[:-1]) + (slice(start, stop),)
+                out[..., start - lo:stop - lo] = store[index].read().result()
+                start = stop
+        except ValueError as e:
+            raise self._fail(name, f"reading {list(region)} failed ({_first_line(e)})") from None
+        return out
+
+
+class ItemWriter:
+    """Writes zarr3 arrays into an OCDBT database at an item directory: their metadata in one transaction, then
+    their data in transactions of about `batch_bytes` (one new data file each).
+
+    Use as a context manager: `create` every array first, then `write` regions; what is staged is committed
+    when the context exits without an error.
+    """
+
+    def __init__(self, directory: Any, batch_bytes: int = BATCH_BYTES):
+        self.directory = _paths.as_path(directory)
+        self.context = ts.Context()
+        self.batch_bytes = batch_bytes
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[str, ts.TensorStore] = {}
+        self._txn: ts.Transaction | None = None
+        self._staged = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self._create_pending()
+            self.commit()
+        elif self._txn is not None:
+            self._txn.abort()
+
+    def create(self, name: str, shape: Sequence[int], dtype: str, chunks: Sequence[int]) -> None:
+        """Declares array `name` of `shape` and `dtype`, stored in chunks of `chunks` (zstd-compressed); the
+        metadata of every declared array is written together, before the first `write`."""
+        self._pending[name] = {
+            "shape": list(shape), "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunks]}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "zstd", "configuration": {"level": 3}}]}
+
+    def _create_pending(self) -> None:
+        if not self._pending:
+            return
+        txn = ts.Transaction()
+        try:
+            for name, metadata in self._pending.items():
+                ts.open(_spec(self.directory, name) | {"metadata": metadata}, create=True, context=self.context,
+                        transaction=txn).result()
+            txn.commit_async().result()
+            for name in self._pending:
+                # Chunks of zeros are stored too, so that a missing chunk is damage (as in Orbax's arrays).
+                self._arrays[name] = ts.open(_spec(self.directory, name) | {"store_data_equal_to_fill_value": True},
+                                             open=True, write=True, context=self.context).result()
+        except ValueError as e:
+            raise StoreError(f"cannot create arrays in {self.directory}: {_first_line(e)}") from None
+        self._pending = {}
+
+    def write(self, name: str, region: Region, data: np.ndarray) -> None:
+        """Stages `data` as `region` of array `name`; commits once `batch_bytes` are staged."""
+        self._create_pending()
+        if self._txn is None:
+            self._txn = ts.Transaction()
+        index = tuple(slice(lo, hi) for lo, hi in region)
+        try:
+            self._arrays[name].with_transaction(self._txn)[index].write(data).result()
+        except ValueError as e:
+            raise StoreError(f"cannot write array {name} in {self.directory}: {_first_line(e)}") from None
+        self._staged += data.nbytes
+        if self._staged >= self.batch_bytes:
+            self.commit()
+
+    def commit(self) -> None:
+        """Commits what is staged."""
+        if self._txn is not None:
+            txn, self._txn, self._staged = self._txn, None, 0
+            try:
+                txn.commit_async().result()
+            except ValueError as e:
+                raise StoreError(f"cannot write arrays to {self.directory}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).split(" [tensorstore_spec=")[0]
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,7 @@
+"""The bottom layer, shared by every other folder; it imports nothing else of zero_optax.
+
+* `_errors`: every exception zero_optax raises.
+* `_compat`: the JAX primitives whose name or home moved between releases, each behind one function.
+* `_names`: how zero_optax names leaf paths, tree structures and stored arrays, whatever the JAX release.
+* `_version`: the release number (`zero_optax.__version__`, and what a checkpoint record says wrote it).
+"""

@@ -1,0 +1,189 @@
+"""Every difference between the JAX releases zero_optax supports (0.10 to 0.12), each behind one function.
+
+Public APIs only: the oldest supported release has every primitive used here under its public name. A
+difference that a release makes is handled here and nowhere else, and is tested on the oldest and the newest
+release (`.ci/run`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zero_optax.core._errors import ZeroAxisError
+
+Axes = str | tuple[str, ...]
+
+SHARD_MAP_PATTERN = """\
+zero1 runs inside jax.shard_map over the data axis, for example:
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
+    step = jax.jit(jax.shard_map(step_fn, mesh=mesh,
+                                 in_specs=(P(), P("data"), P("data")),
+                                 out_specs=(P(), P("data"))))
+
+or, bound to a mesh, under plain jax.jit: zo.zero1(inner, axis_name="data", mesh=mesh)."""
+
+
+def as_tuple(axes: Axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def is_bound(axes: Axes) -> bool:
+    """Whether every axis in `axes` is bound by an enclosing `shard_map` (or `vmap`/`pmap`)."""
+    try:
+        for a in as_tuple(axes):
+            lax.axis_size(a)
+    except NameError:
+        return False
+    return True
+
+
+def axis_size(axes: Axes, what: str = "zero1") -> int:
+    """The static size of a bound mesh axis (or the product over a tuple of axes), or a `ZeroAxisError`."""
+    sizes = []
+    for a in as_tuple(axes):
+        try:
+            sizes.append(int(lax.axis_size(a)))
+        except NameError:
+            raise ZeroAxisError(
+                f"{what} needs the mesh axis `{a}`, but no enclosing jax.shard_map binds it. Call it inside "
+                f"jax.shard_map over a mesh with an axis named `{a}`, or pass the axis name your mesh uses.\n\n"
+                f"{SHARD_MAP_PATTERN}") from None
+    return math.prod(sizes)
+
+
+def axis_index(axes: Axes) -> jax.Array:
+    """This device's linear index along `axes` (row-major over a tuple); 0 for an empty tuple."""
+    axes = as_tuple(axes)
+    if not axes:
+        return jnp.int32(0)
+    return lax.axis_index(axes if len(axes) > 1 else axes[0])
+
+
+def manual_axes() -> dict[str, int]:
+    """The mesh axes an enclosing `shard_map` makes manual, with their sizes (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", True):
+        return {}
+    manual = getattr(mesh, "manual_axes", mesh.axis_names)
+    return {a: int(mesh.shape[a]) for a in mesh.axis_names if a in manual}
+
+
+def _varying_axes(x) -> frozenset:
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def vma_enabled(axes: Axes) -> bool:
+    """Whether values carry varying-manual-axes types (shard_map's `check_vma=True`, the default)."""
+    return all(a in _varying_axes(lax.axis_index(a)) for a in as_tuple(axes))
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes `x` is typed as varying across (empty when `check_vma=False`)."""
+    return _varying_axes(x)
+
+
+def pvary(x, axes: Axes):
+    """Marks a pytree of values as varying across `axes` (a no-op for axes they already vary across)."""
+    axes = as_tuple(axes)
+    if not axes or not vma_enabled(axes):
+        return x
+
+    def one(v):
+        missing = tuple(a for a in axes if a not in _varying_axes(v))
+        return lax.pcast(v, missing, to="varying") if missing else v
+    return jax.tree.map(one, x)
+
+
+def _axis_arg(axes: Sequence[str]):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def psum_scatter(x: jax.Array, axes: Axes) -> jax.Array:
+    """Reduce-scatters `x` along its leading dimension over `axes` (tiled: this device keeps its block)."""
+    return lax.psum_scatter(x, _axis_arg(as_tuple(axes)), scatter_dimension=0, tiled=True)
+
+
+def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> jax.Array:
+    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant
+    across `axes`.
+
+    A plain `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects;
+    `to="invarying"` (public since JAX 0.10, the oldest release zero_optax supports) compiles to the same single
+    all-gather. There is deliberately no masked-psum fallback: it would move one and a half times the bytes
+    (`tests/test_bench_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
+    """
+    axes = as_tuple(axes)
+    if not vma_enabled(axes):
+        return lax.all_gather(x, _axis_arg(axes), tiled=tiled)
+    return lax.all_gather(pvary(x, axes), _axis_arg(axes), tiled=tiled, to="invarying")
+
+
+def _spec_axes(spec: jax.sharding.PartitionSpec) -> set[str]:
+    names = set()
+    for entry in spec:
+        names.update((entry,) if isinstance(entry, str) else (entry or ()))
+    return names
+
+
+def _explicit_only(sharding) -> bool:
+    """Whether every mesh axis `sharding`'s spec names is `Explicit` (what `jax.reshard` accepts)."""
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in _spec_axes(sharding.spec))
+
+
+def reshard(x, sharding):
+    """`x` moved to `sharding`, inside or outside `jax.jit`, on meshes with `Explicit` axes, `Auto` axes or both.
+
+    `jax.reshard` moves values whose type carries their sharding (`Explicit` axes) and refuses `Auto` axes; those are
+    placed with a sharding constraint under a trace and with `jax.device_put` outside one.
+    """
+    if _explicit_only(sharding):
+        return jax.reshard(x, sharding)
+    if isinstance(x, jax.core.Tracer):
+        return lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
+
+
+def pure(tree):
+    """`tree` with Flax `nnx.Variable` wrappers replaced by their values, as `nnx.Optimizer` passes them to
+    `update` (its `init` receives the Variables themselves)."""
+    nnx = sys.modules.get("flax.nnx")
+    if tree is None or nnx is None:
+        return tree
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    if not any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
+        return tree
+    return jax.tree.map(lambda x: pure(x.get_value()) if is_var(x) else x, tree, is_leaf=is_var)
+
+
+def replicate(x: jax.Array) -> jax.Array:
+    """`x` replicated over its mesh, so that it can be sliced and reshaped freely (explicit-sharding meshes refuse
+    indexing that would need collectives); unchanged if it carries no mesh sharding."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001  (older releases: no sharding in types)
+        sharding = None
+    if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(sharding.mesh, "empty", False):
+        sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or all(s is None for s in sharding.spec):
+        return x
+    return reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+
+
+def scan_counts(eqn) -> tuple[int, int]:
+    """How many of a `scan` equation's operands are constants and carries: JAX 0.10 names both counts in the
+    equation's params; JAX >= 0.11 groups the operands into a flat tree (`ft_in`) of (consts, carry, xs)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))

@@ -1,0 +1,90 @@
+"""How zero_optax names things, in its own version-independent terms: leaf paths and tree signatures.
+
+Records and error messages must not depend on how a JAX release prints a `PyTreeDef` or a key path, so that a
+checkpoint written today still validates after an upgrade. `key_path` spells a path the way
+`jax.tree_util.keystr` does today (`.mu['w']`, `[0]`), but from the key objects themselves; `tree_signature`
+describes a tree's nodes by type name and keys, which tells apart optimizer states whose leaf paths coincide
+(Adam's and AdaBelief's, say).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def _key(k: Any) -> str:
+    if isinstance(k, jax.tree_util.DictKey):
+        return f"[{k.key!r}]"
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return f".{k.name}"
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return f"[{k.idx}]"
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return f"[{k.key}]"
+    return f"[{k!s}]"
+
+
+def key_path(path: tuple) -> str:
+    """A key path (from `jax.tree_util.tree_flatten_with_path`) as text, e.g. `.mu['w']` or `[0].count`."""
+    return "".join(_key(k) for k in path)
+
+
+def leaf_paths(tree: Any, is_leaf=None) -> list[str]:
+    """The `key_path` of every leaf of `tree`, in flatten order."""
+    return [key_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+
+def tree_signature(tree: Any, is_leaf=None) -> str:
+    """A description of `tree`'s structure that does not depend on the JAX release.
+
+    Leaves are `*`; every inner node is its type's name followed by its children, each with its key, for example
+    `tuple([0]=ScaleByAdamState(.count=*,.mu=dict(['w']=*),.nu=dict(['w']=*)),[1]=EmptyState())`. `None` and
+    other empty nodes show as their type with no children.
+    """
+    def walk(node: Any) -> str:
+        if is_leaf is not None and is_leaf(node):
+            return "*"
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        if len(children) == 1 and children[0][0] == () and children[0][1] is node:
+            return "*"  # a leaf
+        inner = ",".join(f"{key_path(path)}={walk(child)}" for path, child in children)
+        return f"{type(node).__name__}({inner})"
+
+    return walk(tree)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint names
+#
+# Every name a checkpoint stores is formatted here, from validated values only: a record never supplies a name
+# that is then used to read or write, so no record can point outside its item directory.
+
+RECORD_FILE = "zero_record.json"
+"""The file, in an item directory, that holds the record (`zero_optax.checkpoint._record`)."""
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
+
+
+def _checked(name: str) -> str:
+    if not name or not set(name) <= _NAME_CHARS or ".." in name or name[0] == ".":
+        raise ValueError(f"not a valid zero_optax array name: {name!r}")  # only reachable through a bug
+    return name
+
+
+def entry_array(state: int, entry: int) -> str:
+    """The name of the array holding state entry `entry` of zero1 state `state` (its shared copies, or a sliced
+    leaf's 1-D history or master slice), e.g. `0.entry0003`."""
+    return _checked(f"{int(state)}.entry{int(entry):04d}")
+
+
+def buffer_array(state: int, dtype: str) -> str:
+    """The name of the packed `[N, size]` buffer of dtype `dtype` of zero1 state `state`, e.g.
+    `0.buffer_float32` (`dtype` comes from the record's allow-list)."""
+    return _checked(f"{int(state)}.buffer_{dtype}")
+
+
+def block_key(path: str, block: int, blocks: int) -> str:
+    """The key of one block of a parameter in `zero_optax.RankRecord.params`: its path when the parameter has
+    one block, else `path#block<b>` (block `b` in `[0, blocks)`, row-major over the parameter's mesh axes)."""
+    return path if blocks == 1 else f"{path}#block{int(block)}"

@@ -1,0 +1,15 @@
+"""The transformation: `zero1` and everything its `init` and `update` run. Above `zero_optax.analysis`.
+
+* `_zero1`: `zero1` itself, the optax transformation, and `describe`.
+* `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`).
+* `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing.
+* `_state`: the `ZeroState` pytree.
+* `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
+* `_sliced`: sliced leaves: coordinate slices, reduce-scatter and all-gather in buckets.
+* `_owned`: owned leaves: whole tensors, packed per owner, one `lax.switch`.
+* `_owners`: which device owns which leaf (`balanced_owners`).
+* `_reduce`: gradient reduction across the ZeRO axes, mean or weighted.
+* `_mesh`: zero1 bound to a mesh, on global arrays under plain `jax.jit`.
+* `_specs`: the `PartitionSpec`s of a state (`state_specs`).
+* `_transfer`: state in and out of zero1: `gather_state`, `scatter_state`, `master_params`.
+"""

@@ -1,0 +1,425 @@
+"""`init` and `update` of zero1 inside `shard_map`, for sliced and owned leaves alike.
+
+A step runs the inner transformation twice, on two `optax.masked`-style views of the parameter tree:
+
+* the *sliced view*: every sliced leaf as this device's 1-D slice, owned leaves masked. Every device runs it;
+  it also advances the shared entries (step counts).
+* the *owned view* of device `r`: the leaves `r` owns, whole; everything else masked. One `lax.switch` on the
+  device index runs each device's own view; its shared entries are discarded (the sliced view computed them).
+
+The coupling analysis at `init` proves that this is exact: no computation mixes two leaves, and the shared entries
+do not depend on any leaf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import WeightError, ZeroStructureError
+from zero_optax.core._names import tree_signature
+from zero_optax.transform import _layout, _owned, _plan, _reduce, _sliced
+from zero_optax.transform._layout import MASTER, Layout
+from zero_optax.transform._state import ZeroState
+
+
+def _tree(layout: Layout, values: list) -> Any:
+    return jax.tree_util.tree_unflatten(layout.treedef, values)
+
+
+def _masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
+    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
+    return _tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
+
+
+def check_layout(state, axis_name) -> Layout:
+    """The state's layout, after checking its type, its axis and the world size of the enclosing mesh."""
+    if not isinstance(state, ZeroState):
+        raise ZeroStructureError(
+            f"zero1 update expected the ZeroState returned by this transformation's init, got "
+            f"{type(state).__name__}. Pass the opt_state returned by tx.init.")
+    layout = state.layout
+    n = _compat.axis_size(axis_name)
+    if layout.axis_name != axis_name or layout.world_size != n:
+        raise ZeroStructureError(
+            f"This state was initialised for axis `{layout.axis_name}` with {layout.world_size} devices, but "
+            f"update runs over axis `{axis_name}` with {n}. Re-initialise, restore with "
+            "zo.ZeroRestore(target, reshard=True), or reshard the checkpoint with zero_optax.reshard.")
+    return layout
+
+
+def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
+    """The leaves of `tree` after checking structure and shapes against the parameters of `layout`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != layout.treedef:
+        raise ZeroStructureError(
+            f"The {what} do not have the structure of the parameters this state was initialised with.\n"
+            f"  {what}: {tree_signature(tree)}\n"
+            f"  parameters: {tree_signature(_tree(layout, [0] * len(layout.leaves)))}")
+    for x, leaf in zip(leaves, layout.leaves):
+        if tuple(np.shape(x)) != leaf.shape:
+            raise ZeroStructureError(
+                f"The {what} leaf `{leaf.path}` has shape {tuple(np.shape(x))}, but the parameter has shape "
+                f"{leaf.shape}.")
+    return leaves
+
+
+def _check_extra(extra: dict, axes) -> None:
+    for name, value in extra.items():
+        for x in jax.tree.leaves(value):
+            if isinstance(x, jax.Array) and _compat.vma_enabled(axes) and set(axes) & _compat.varying_axes(x):
+                raise ZeroStructureError(
+                    f"The extra argument `{name}` differs between the devices of `{axes}`, but every device must "
+                    f"run the inner update with the same value. Pass its global value (for a loss, "
+                    f"lax.pmean(loss, {axes!r})).")
+
+
+def _check_returned(updates, new_state, g_tree, old_state, what: str) -> None:
+    if jax.tree.structure(updates) != jax.tree.structure(g_tree):
+        raise ZeroStructureError(
+            f"The inner update returned updates structured as {tree_signature(updates)} for the {what}, but the "
+            f"gradients it was given are {tree_signature(g_tree)}.")
+    if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+        raise ZeroStructureError(
+            f"The inner update returned a state structured as {tree_signature(new_state)} for the {what}, but "
+            f"its state was {tree_signature(old_state)}: zero1 stores the state in the layout init found.")
+
+
+class Engine:
+    """zero1's `init`, `update` and `scatter` for one `Config`, inside `shard_map` over its axes."""
+
+    def __init__(self, cfg: _plan.Config):
+        self.cfg = cfg
+        self._views: dict = {}
+        self._udtypes: dict = {}
+        self._invariant: dict = {}
+
+    # ------------------------------------------------------------------ views and bookkeeping
+
+    def _owned_entries(self, layout: Layout, r: int) -> list[int]:
+        return [j for j in layout.inner_entries
+                if layout.entries[j].leaf is None or layout.leaves[layout.entries[j].leaf].owner == r]
+
+    def _view(self, layout: Layout, r: int | None):
+        """The inner state treedef of the sliced view (`r` None) or of device `r`'s owned view (cached)."""
+        key = (layout, r)
+        if key not in self._views:
+            if r is None:
+                present = {i for i, leaf in enumerate(layout.leaves) if leaf.sliced}
+                self._views[key] = _plan.view_treedef(self.cfg, layout, present, list(layout.unpacked_entries),
+                                                      "on the sliced leaves")
+            else:
+                present = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+                self._views[key] = _plan.view_treedef(self.cfg, layout, present, self._owned_entries(layout, r),
+                                                      f"on device {r}")
+        return self._views[key]
+
+    @staticmethod
+    def _ranks(layout: Layout) -> dict:
+        groups = {layout.zero_axes(leaf) for leaf in layout.leaves} | {layout.axes}
+        return {axes: _compat.axis_index(axes) for axes in groups}
+
+    def _update_dtypes(self, layout: Layout, extra: dict) -> dict[int, str]:
+        """The dtype of the inner transformation's update for each leaf (one abstract trace, cached)."""
+        key = (layout, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
+                                                         for x in jax.tree.leaves(extra)))
+        if key not in self._udtypes:
+            dt = self.cfg.inner_dtype
+            structs = _tree(layout, [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, dt(leaf.dtype))
+                                     for leaf in layout.leaves])
+            state = jax.eval_shape(self.cfg.inner.init, structs)
+            updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), structs, state,
+                                        structs, extra)
+            self._udtypes[key] = {i: np.dtype(u.dtype).name for i, u in enumerate(jax.tree.leaves(updates))}
+        return self._udtypes[key]
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, params) -> ZeroState:
+        return self.build(params, None)
+
+    def build(self, params, full_state) -> ZeroState:
+        """The state for `params`: fresh from the inner `init`, or sliced from a plain optax `full_state`."""
+        cfg = self.cfg
+        layout = _plan.build_layout(cfg, params)
+        values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
+        ranks = self._ranks(layout)
+        rank = ranks[layout.axes]
+        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
+        slices = {i: _sliced.own_slice(values[i], layout.leaves[i], ranks[layout.zero_axes(layout.leaves[i])])
+                  for i in sliced}
+        full = None
+        if full_state is not None:
+            full, treedef = jax.tree.flatten(full_state)
+            if treedef != layout.state_treedef:
+                raise ZeroStructureError(
+                    f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
+                    f"transformation's init gives {layout.state_tree}.")
+
+        a_entries = list(layout.unpacked_entries)
+        if full is None:
+            state_a = cfg.inner.init(_masked_tree(layout, slices))
+            a_values = jax.tree.leaves(state_a)
+        else:
+            a_values = []
+            for j in a_entries:
+                e = layout.entries[j]
+                x = jnp.asarray(full[j], e.dtype)
+                a_values.append(x if e.leaf is None else
+                                _sliced.own_slice(x, layout.leaves[e.leaf], ranks[layout.zero_axes(layout.leaves[e.leaf])]))
+        inner_state = jax.tree_util.tree_unflatten(self._view(layout, None), self._to_storage(layout, a_entries,
+                                                                                               a_values, ranks))
+        buffers = {}
+        packing = layout.state_packing
+        if packing.sizes:
+            def branch(r):
+                def run(values, full):
+                    owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+                    if full is None:
+                        b_entries = self._owned_entries(layout, r)
+                        self._view(layout, r)  # checks the entry order this device packs
+                        state = cfg.inner.init(_tree(layout, _layout.masked_view(values, owned)))
+                        got = dict(zip(b_entries, jax.tree.leaves(state)))
+                    else:
+                        got = {j: full[j] for j in layout.rank_entries(r) if layout.entries[j].role != MASTER}
+                    for j in layout.rank_entries(r):
+                        if layout.entries[j].role == MASTER:
+                            got[j] = values[layout.entries[j].leaf]
+                    items = {j: got[j] for j in layout.rank_entries(r)}
+                    return _compat.pvary(_owned.pack(items, packing.offsets[r], packing.sizes), layout.axes)
+                return run
+
+            buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
+            buffers = {d: b[None] for d, b in buffers.items()}
+        master = None
+        if cfg.master_dtype is not None:
+            master = _masked_tree(layout, slices)
+        return ZeroState(inner_state, buffers, master, layout)
+
+    @staticmethod
+    def _to_storage(layout: Layout, entries: list[int], values: list, ranks) -> list:
+        """Inner-state values -> stored blocks: sliced histories keep their `(slots,)` (padding zeroed), shared
+        entries gain a leading device axis."""
+        out = []
+        for j, x in zip(entries, values):
+            e = layout.entries[j]
+            if e.leaf is None:
+                out.append(x[None])
+            else:
+                leaf = layout.leaves[e.leaf]
+                out.append(_sliced.zero_padding(x, leaf, ranks[layout.zero_axes(leaf)]))
+        return out
+
+    @staticmethod
+    def _from_storage(layout: Layout, entries: list[int], values: list, invariant: bool) -> list:
+        """Stored blocks -> inner-state values.
+
+        Shared entries are identical on every device but stored one copy per device, so they come back typed
+        varying. With `invariant`, they are made invariant again, as the inner transformation had them, by one tiny
+        all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need that, which `update`
+        learns the first time their trace fails without it.
+        """
+        out = [x[0] if layout.entries[j].leaf is None else x for j, x in zip(entries, values)]
+        shared = [k for k, j in enumerate(entries) if layout.entries[j].leaf is None]
+        if not invariant or not shared or not _compat.vma_enabled(layout.axes):
+            return out
+        by_dtype: dict = {}
+        for k in shared:
+            by_dtype.setdefault(np.dtype(out[k].dtype).name, []).append(k)
+        for ks in by_dtype.values():
+            flat = jnp.concatenate([out[k].reshape(-1) for k in ks])
+            first = _compat.all_gather_invariant(flat, layout.axes)[0]
+            cuts = np.cumsum([out[k].size for k in ks])[:-1]
+            for k, piece in zip(ks, jnp.split(first, cuts)):
+                out[k] = piece.reshape(out[k].shape)
+        return out
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, grads, state, params=None, *, weight=None, **extra):
+        cfg = self.cfg
+        layout = check_layout(state, cfg.axis_name)
+        n = layout.world_size
+        g_leaves = check_tree(grads, layout, "gradients")
+        p_leaves = None if params is None else check_tree(params, layout, "parameters")
+        if cfg.master_dtype is not None and p_leaves is None:
+            raise ZeroStructureError(
+                "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
+                "the returned updates move them onto the master copy.")
+        reducing = cfg.reduce is not None
+        _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
+                                reducing)
+        if weight is not None and not reducing:
+            raise WeightError(
+                "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
+                "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
+                "reduce=True.")
+        _check_extra(extra, layout.axes)
+        ranks = self._ranks(layout)
+        rank = ranks[layout.axes]
+        denom = _reduce.denominator(weight, layout.axes, n)
+        inner_dt = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
+        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
+        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
+        owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
+        master = cfg.master_dtype is not None
+        ok = denom.ok
+
+        # Sliced view: every device, its own coordinates.
+        g_sl = self._reduce_sliced(layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks)
+        m_sl = {}
+        if master:
+            m_sl = dict(zip(sliced, jax.tree.leaves(state.master)))
+        p_sl = None
+        if p_leaves is not None:
+            p_sl = m_sl if master else {i: _sliced.own_slice(p_leaves[i], layout.leaves[i],
+                                                              ranks[layout.zero_axes(layout.leaves[i])])
+                                        for i in sliced}
+        a_entries = list(layout.unpacked_entries)
+        g_view = _masked_tree(layout, g_sl)
+        stored = jax.tree.leaves(state.inner_state)
+        p_view = None if p_sl is None else _masked_tree(layout, p_sl)
+        invariant = self._invariant.get(layout, False)
+        a_old = self._from_storage(layout, a_entries, stored, invariant)
+        old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
+        try:
+            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+        except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
+            if invariant or "manual axis types" not in str(e):
+                raise
+            self._invariant[layout] = True
+            a_old = self._from_storage(layout, a_entries, stored, invariant=True)
+            old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
+            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+        _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
+        new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
+        u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
+        new_inner = jax.tree_util.tree_unflatten(
+            self._view(layout, None), _reduce.skip_if_empty(ok, new_a_values, jax.tree.leaves(state.inner_state)))
+
+        # Owned views: one switch branch per device.
+        new_buffers, u_owned = dict(state.buffers), {}
+        if owned:
+            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, a_entries, a_old,
+                                                      denom, inner_dt, sum_dt, extra, rank)
+
+        # New parameters (master copies) or updates, gathered to every device.
+        updates = {}
+        new_master = state.master
+        if sliced:
+            if master:
+                m_new = {i: _sliced.zero_padding((m_sl[i] + u_a[i]).astype(m_sl[i].dtype), layout.leaves[i],
+                                                 ranks[layout.zero_axes(layout.leaves[i])]) for i in sliced}
+                m_new = _reduce.skip_if_empty(ok, m_new, m_sl)
+                new_master = jax.tree.unflatten(jax.tree.structure(state.master), [m_new[i] for i in sliced])
+                rounded = {i: m_new[i].astype(p_leaves[i].dtype) for i in sliced}
+                buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(p_leaves[i].dtype).name for i in sliced],
+                                               cfg.bucket_bytes)
+                updates.update(_sliced.gather(rounded, layout, buckets))
+            else:
+                u_a = _reduce.skip_if_empty(ok, u_a, jax.tree.map(jnp.zeros_like, u_a))
+                buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(u_a[i].dtype).name for i in sliced],
+                                               cfg.bucket_bytes)
+                updates.update(_sliced.gather(u_a, layout, buckets))
+        updates.update(u_owned)
+        if master:  # every device moves its parameters onto the gathered, rounded master copy
+            md = cfg.master_dtype
+            updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
+            if ok is not None:
+                updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
+        new_state = ZeroState(new_inner, new_buffers, new_master, layout)
+        return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
+
+    def _reduce_sliced(self, layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks) -> dict[int, jax.Array]:
+        """Each device's `(slots,)` block of every sliced leaf's reduced gradient, in the inner's dtype."""
+        if not sliced:
+            return {}
+        cfg = self.cfg
+        grads = {i: g_leaves[i] for i in sliced}
+        if cfg.reduce is None:  # already the global mean
+            return {i: _sliced.own_slice(g.astype(inner_dt[i]), layout.leaves[i],
+                                         ranks[layout.zero_axes(layout.leaves[i])]) for i, g in grads.items()}
+        buckets = _sliced.plan_buckets(layout, sliced, [sum_dt[i] for i in sliced], cfg.bucket_bytes)
+        if cfg.reduce == "psum":
+            return _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
+        return _sliced.reduce_scatter(grads, layout, buckets, denom, inner_dt)
+
+    def _update_owned(self, layout, owned, g_leaves, p_leaves, state, a_entries, a_old, denom, inner_dt, sum_dt,
+                      extra, rank):
+        cfg = self.cfg
+        n = layout.world_size
+        master = cfg.master_dtype is not None
+        plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
+        nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
+        mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
+        axes = layout.axes
+        if mode == "psum_scatter":
+            rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
+            grad_input = {d: _compat.psum_scatter(b, axes) for d, b in rows.items()}
+        elif mode == "psum":
+            grad_input = {i: _reduce.divide(jax.lax.psum(g_leaves[i].astype(sum_dt[i]), axes), denom, inner_dt[i])
+                          for i in owned}
+        else:
+            grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
+        u_dtypes = ({i: np.dtype(p_leaves[i].dtype).name for i in owned} if master else
+                    {i: d for i, d in self._update_dtypes(layout, extra).items() if i in owned})
+        plan_u = _owned.leaf_plan(layout, u_dtypes)
+        packing = layout.state_packing
+        shapes = {i: layout.leaves[i].shape for i in owned}
+        shared_old = {j: x for j, x in zip(a_entries, a_old) if layout.entries[j].leaf is None}
+        old_buffers = {d: b[0] for d, b in state.buffers.items()}
+
+        def branch(r):
+            mine = [i for i in owned if layout.leaves[i].owner == r]
+
+            def run(grad_input, buffers, p_leaves):
+                if mode == "psum_scatter":
+                    got = _owned.unpack(grad_input, plan_g.offsets[r], shapes)
+                    g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
+                else:
+                    g = {i: grad_input[i] for i in mine}
+                entries = layout.rank_entries(r)
+                stored = _owned.unpack(buffers, packing.offsets[r], {j: layout.entries[j].shape for j in entries})
+                b_entries = self._owned_entries(layout, r)
+                old = jax.tree_util.tree_unflatten(self._view(layout, r), [shared_old[j] if j in shared_old
+                                                                            else stored[j] for j in b_entries])
+                masters = {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER}
+                if p_leaves is None:
+                    p_view = None
+                else:
+                    p = masters if master else {i: p_leaves[i] for i in mine}
+                    p_view = _masked_tree(layout, p)
+                g_view = _masked_tree(layout, g)
+                u, new = cfg.inner.update(g_view, old, p_view, **extra)
+                _check_returned(u, new, g_view, old, f"leaves device {r} owns")
+                u = dict(zip(mine, jax.tree.leaves(u)))
+                values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
+                if master:
+                    for j in entries:
+                        if layout.entries[j].role == MASTER:
+                            i = layout.entries[j].leaf
+                            values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
+                    u = {i: values[j].astype(p_leaves[i].dtype) for j in entries
+                         if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
+                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                if n == 1:
+                    return new_buffers, u
+                u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
+                return _compat.pvary((new_buffers, u_buffers), axes)
+            return run
+
+        new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+        new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
+        new_buffers = {d: b[None] for d, b in new.items()}
+        if n == 1:
+            u = {i: jax.lax.psum(x, axes) for i, x in u_out.items()}  # retypes as replicated; XLA drops it
+        else:
+            gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
+            u = _owned.gathered_leaves(gathered, plan_u, layout)
+        if not master:
+            u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
+        return new_buffers, u

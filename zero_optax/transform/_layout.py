@@ -1,0 +1,395 @@
+"""The static layout of a ZeRO state: which parameter leaves exist, how each is sharded, and where its state lives.
+
+A `Layout` is hashable and travels as static pytree metadata inside the state, so `update`, `describe`, the
+checkpoint code and the offline tools all read the same description that `init` computed.
+
+Every parameter leaf is either *sliced* or *owned*:
+
+* sliced (`owner is None`): each device of the leaf's ZeRO group holds `slots = ceil(size / group)` consecutive
+  coordinates of the flattened leaf (device `r` holds `[r*slots, (r+1)*slots)`, the tail zero-padded). The
+  leaf's histories are stored as 1-D arrays of `blocks * group * slots` elements: block-major (one block per
+  tensor-parallel shard of the parameter), then device-major, so the padded coordinates of a block are
+  contiguous.
+* owned (`owner` is a device index): one device holds the leaf's complete state, packed with the other leaves it
+  owns into per-dtype buffers `[world_size, size]`.
+
+State entries that belong to no leaf (step counts, schedules, injected hyperparameters) are *shared*: every device
+keeps one copy, stored as `[world_size, *shape]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCouplingError
+
+FLAT = "flat"
+LEAF = "leaf"
+AUTO = "auto"
+PARTITIONS = (FLAT, LEAF, AUTO)
+
+STATE = "state"
+MASTER = "master"
+MASTER_PREFIX = "<master>"
+"""Master-copy entries are named `<master>` followed by the parameter leaf's path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLeaf:
+    """One trainable parameter leaf.
+
+    Attributes:
+      path: the leaf's key path in the parameter tree (`zero_optax.core._names.key_path`).
+      shape: the parameter's shape on one device (inside `shard_map`: its local block).
+      dtype: the parameter dtype name.
+      slots: sliced: coordinates each device of the group holds, `ceil(size / group)`; owned: `size`.
+      owner: owned: the device index (along the ZeRO axes) that updates this leaf; sliced: None.
+      axes: mesh axes the parameter is sharded over (tensor or expert parallel), in mesh order; its blocks differ
+        along them and each block's state is sharded separately.
+      blocks: the number of distinct blocks, the product of the sizes of `axes`.
+      group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    slots: int
+    owner: int | None = None
+    axes: tuple[str, ...] = ()
+    blocks: int = 1
+    group: int = 1
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def sliced(self) -> bool:
+        return self.owner is None
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One array the state stores: a leaf of the inner optimizer's state, or a master copy of a parameter.
+
+    Attributes:
+      path: key path inside the full inner state tree; master copies are `<master>` + the parameter's path.
+      leaf: index of the parameter leaf whose history this is; None for state shared by all leaves (step counts,
+        schedules, injected hyperparameters), which every device keeps a copy of.
+      shape: shape on one device: `(slots,)` for a sliced leaf's history, the full shape for an owned leaf's and
+        for shared entries.
+      dtype: dtype name.
+      role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
+    """
+
+    path: str
+    leaf: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    role: str = STATE
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where rank-local arrays live inside per-dtype packed buffers (owned leaves).
+
+    Attributes:
+      offsets: per rank, a mapping from item index to its (dtype, offset) in that rank's buffers.
+      sizes: the buffer length per dtype, the same on every rank (the largest rank's share).
+      used: per rank, the elements it really uses per dtype (the rest is padding).
+    """
+
+    offsets: tuple[dict[int, tuple[str, int]], ...]
+    sizes: dict[str, int]
+    used: tuple[dict[str, int], ...]
+
+
+def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
+    """Lays out each rank's `(item, size, dtype)` list, in order, into per-dtype buffers of one common size."""
+    offsets, used = [], []
+    for items in groups:
+        cursor: dict[str, int] = {}
+        where = {}
+        for item, size, dtype in items:
+            where[item] = (dtype, cursor.get(dtype, 0))
+            cursor[dtype] = cursor.get(dtype, 0) + size
+        offsets.append(where)
+        used.append(cursor)
+    dtypes = sorted({d for u in used for d in u})
+    sizes = {d: max(u.get(d, 0) for u in used) for d in dtypes}
+    return Packing(tuple(offsets), sizes, tuple(used))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
+
+    Attributes:
+      partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
+      axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
+      world_size: the number of devices along those axes.
+      leaves: the trainable parameter leaves, in tree-flatten order.
+      entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
+        copies (if any) in parameter order.
+      treedef: the parameter tree structure.
+      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
+      state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
+      master_dtype: the dtype name of the master copies, or None.
+      axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    treedef: Any = dataclasses.field(repr=False)
+    state_tree: str = dataclasses.field(default="", repr=False)
+    state_treedef: Any = dataclasses.field(default=None, repr=False)
+    master_dtype: str | None = None
+    axis_sizes: tuple[tuple[str, int], ...] = ()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
+                     self.state_tree, self.master_dtype, self.axis_sizes))
+
+    # Views that users read.
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """`axis_name` as a tuple."""
+        return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(leaf.path for leaf in self.leaves)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(leaf.shape for leaf in self.leaves)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(leaf.slots for leaf in self.leaves)
+
+    @property
+    def owners(self) -> tuple[int | None, ...] | None:
+        """One owner per leaf (None for sliced leaves); None altogether when every leaf is sliced."""
+        if all(leaf.sliced for leaf in self.leaves):
+            return None
+        return tuple(leaf.owner for leaf in self.leaves)
+
+    @property
+    def sharding(self) -> tuple[str, ...]:
+        """Per leaf, how its state is sharded: `"sliced"` or `"owned"` (what `partition="auto"` decided)."""
+        return tuple("sliced" if leaf.sliced else "owned" for leaf in self.leaves)
+
+    @property
+    def inner_entries(self) -> tuple[int, ...]:
+        """Indices of the inner optimizer's entries (not master copies), in full-state order."""
+        return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
+
+    def zero_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""
+        return tuple(a for a in self.axes if a not in leaf.axes)
+
+    def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
+        return tuple(leaf.axes) + self.zero_axes(leaf)
+
+    @functools.cached_property
+    def unpacked_entries(self) -> tuple[int, ...]:
+        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
+        `ZeroState.inner_state`."""
+        return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
+
+    def kind(self, entry: StateEntry) -> str:
+        """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
+        if entry.leaf is None:
+            return "shared"
+        return "sliced" if self.leaves[entry.leaf].sliced else "owned"
+
+    @functools.cached_property
+    def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i, e in enumerate(self.entries):
+            if e.leaf is not None and not self.leaves[e.leaf].sliced:
+                per_rank[self.leaves[e.leaf].owner].append(i)
+        return tuple(tuple(r) for r in per_rank)
+
+    def rank_entries(self, rank: int) -> tuple[int, ...]:
+        """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
+        return self._owned_by_rank[rank]
+
+    @functools.cached_property
+    def state_packing(self) -> Packing:
+        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
+        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
+                          for owned in self._owned_by_rank])
+
+    @property
+    def owned_leaves_per_device(self) -> tuple[int, ...]:
+        """How many leaves each device updates (every device updates a slice of every sliced leaf)."""
+        sliced = sum(leaf.sliced for leaf in self.leaves)
+        return tuple(sliced + sum(leaf.owner == r for leaf in self.leaves) for r in range(self.world_size))
+
+    def _bytes(self, rank: int, role: str | None) -> int:
+        total = 0
+        for e in self.entries:
+            if role is not None and e.role != role:
+                continue
+            if e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank:
+                total += e.nbytes
+        return total
+
+    @property
+    def state_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for the inner optimizer's state, without padding to the largest share."""
+        return tuple(self._bytes(r, STATE) for r in range(self.world_size))
+
+    @property
+    def master_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for master copies (zero without `master_dtype`)."""
+        return tuple(self._bytes(r, MASTER) for r in range(self.world_size))
+
+    @property
+    def stored_bytes_per_device(self) -> int:
+        """Bytes each device actually stores, master copies included (owned entries padded to one shape)."""
+        unpacked = sum(e.nbytes for e in self.entries if e.leaf is None or self.leaves[e.leaf].sliced)
+        packed = sum(size * np.dtype(d).itemsize for d, size in self.state_packing.sizes.items())
+        return unpacked + packed
+
+    def summary(self) -> str:
+        """A short human-readable table of the layout."""
+        lines = [f"zero1 partition={self.partition!r} axis={self.axis_name!r} world_size={self.world_size}"
+                 + (f" master_dtype={self.master_dtype}" if self.master_dtype else ""),
+                 f"{'leaf':<40} {'shape':<16} {'dtype':<9} {'sharding':<8} {'slots':>10} {'owner':>5}"]
+        for leaf in self.leaves:
+            owner = "-" if leaf.owner is None else str(leaf.owner)
+            how = "sliced" if leaf.sliced else "owned"
+            lines.append(f"{leaf.path:<40} {leaf.shape!s:<16} {leaf.dtype:<9} {how:<8} {leaf.slots:>10} {owner:>5}")
+        lines.append(f"state bytes per device: {list(self.state_bytes_per_device)}; "
+                     + (f"master bytes per device: {list(self.master_bytes_per_device)}; " if self.master_dtype
+                        else "")
+                     + f"stored per device: {self.stored_bytes_per_device}")
+        return "\n".join(lines)
+
+
+def abstract(tree):
+    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape and dtype."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def masked_view(values: Sequence[Any], present) -> list[Any]:
+    """`values` with every item whose index is not in `present` replaced by `optax.MaskedNode()`."""
+    return [v if i in present else optax.MaskedNode() for i, v in enumerate(values)]
+
+
+def check_dtypes(state) -> None:
+    """Refuses state leaves zero1 cannot shard or checkpoint (typed PRNG keys)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            raise ZeroCouplingError(
+                f"The inner optimizer's state `{_names.key_path(path)}` holds a typed PRNG key ({x.dtype}); "
+                "zero1 cannot shard, reduce or checkpoint typed keys. Use a transformation that keeps a raw "
+                "uint32 key (`jax.random.PRNGKey`), or keep it outside zero1.")
+
+
+_MARKER = 1_000_000_007
+"""Sliced leaves are traced with the distinct, implausible lengths `_MARKER + i`, so their histories name them."""
+
+
+def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct], sliced: Sequence[int] = ()
+                     ) -> tuple[tuple[StateEntry, ...], Any]:
+    """Finds which inner-state leaves belong to which parameter leaf, from `init_fn` on partial trees.
+
+    Returns the entries in the full state's flatten order and the full (abstract) state.
+
+    The inner optimizer is initialised (abstractly) on the whole tree and on a tree with every leaf replaced by
+    `optax.MaskedNode()`: state present without any leaf is shared. Leaves in `sliced` (1-D slices, whose state
+    must be per-coordinate histories) are traced with distinct marker lengths, so a history of leaf `i` has
+    length `_MARKER + i`. The other (owned) leaves' state is found on trees holding the owned leaves whose
+    position has bit `b` set or clear, for every bit of their count: any such state appears in exactly one of
+    each bit's two views, which spells the leaf it belongs to. This is the mechanism `optax.masked` relies on, so
+    it works for any transformation that composes with `optax.masked`. In all, `2 + 2 * ceil(log2(owned))`
+    traces, each linear in the tree.
+    """
+    n = len(leaf_structs)
+    sliced = set(sliced)
+    owned = [i for i in range(n) if i not in sliced]
+
+    def state_of(values):
+        try:
+            return jax.eval_shape(init_fn, jax.tree_util.tree_unflatten(treedef, values))
+        except Exception as e:
+            raise ZeroCouplingError(
+                "zero1 could not tell which optimizer state belongs to which parameter: the inner "
+                "transformation's init failed on a tree whose other leaves are optax.MaskedNode() "
+                f"(the way optax.masked calls it): {type(e).__name__}: {e}") from e
+
+    def paths_of(present) -> set[str]:
+        return set(_names.leaf_paths(state_of(masked_view(leaf_structs, present))))
+
+    marked = [jax.ShapeDtypeStruct((_MARKER + i,), x.dtype) if i in sliced else x for i, x in enumerate(leaf_structs)]
+    marked_state = state_of(marked)
+    check_dtypes(marked_state)
+    full = list(zip(_names.leaf_paths(marked_state), jax.tree.leaves(marked_state)))
+    shared = paths_of(())
+    owner_of: dict[str, int] = {}
+    rest = []
+    for path, x in full:
+        if path in shared:
+            continue
+        mark = x.shape[0] - _MARKER if len(x.shape) == 1 else -1
+        if mark in sliced:
+            owner_of[path] = mark
+        else:
+            rest.append(path)
+    bits = {path: 0 for path in rest}
+    for b in range(max(len(owned) - 1, 0).bit_length()):
+        on = {i for k, i in enumerate(owned) if k >> b & 1}
+        with_on, with_off = paths_of(on), paths_of(set(owned) - on)
+        for path in rest:
+            if path in with_on and path in with_off:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` appears for two disjoint sets of parameter leaves; zero1 "
+                    "can only shard state that belongs to one leaf or to none.")
+            if path not in with_on and path not in with_off:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` depends on several parameter leaves at once, or is "
+                    "neither shared nor a per-coordinate history of a sliced leaf; zero1 can only shard state that "
+                    "belongs to one leaf or to none.")
+            if path in with_on:
+                bits[path] |= 1 << b
+    for path in rest:
+        if not owned or bits[path] >= len(owned):
+            raise ZeroCouplingError(
+                f"The inner optimizer's state `{path}` is neither shared nor a per-coordinate history of a sliced "
+                "leaf (the flat partition slices every leaf into 1-D coordinates), so zero1 cannot shard it.")
+        owner_of[path] = owned[bits[path]]
+    entries = []
+    for path, x in full:
+        leaf = owner_of.get(path)
+        shape = leaf_structs[leaf].shape if leaf in sliced else tuple(x.shape)
+        entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
+    return tuple(entries), marked_state

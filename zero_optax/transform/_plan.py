@@ -1,0 +1,297 @@
+"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives.
+
+The result is a `Layout`. Deciding it traces the inner transformation a fixed number of times, each linear in the
+number of leaves: its `init` on the real (local) shapes and on the sliced shapes, the coupling analysis and the
+program comparison of its `update`, and the `2 + 2 log2(L)` masked views that attribute state to leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from zero_optax.analysis import _coupling
+from zero_optax.core import _compat, _names
+from zero_optax.core._errors import ZeroAxisError, ZeroCouplingError, ZeroStructureError
+from zero_optax.transform import _layout, _owners
+from zero_optax.transform._layout import (
+    AUTO,
+    FLAT,
+    LEAF,
+    MASTER,
+    MASTER_PREFIX,
+    Layout,
+    ParamLeaf,
+    StateEntry,
+)
+
+FLAT_HELP = """\
+Flat slices are exact only for transformations that act coordinate by coordinate. Either
+  * use partition="leaf" (every parameter updated as a whole tensor on one owner device: Muon, Adafactor, LAMB,
+    Shampoo) or partition="auto" (whole tensors only for the leaves that need them), or
+  * move the global operation before zero1, on the reduced gradient:
+        optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                    zo.zero1(inner, axis_name="{axis}", reduce=False))
+If you know the operation is elementwise (a custom kernel, say), zero1(..., assume_elementwise=True) skips this
+check; the result is then your responsibility."""
+
+LEAF_HELP = """\
+Each leaf is updated on its owner device, so the inner transformation may not combine different leaves.
+Move global operations before zero1, on the reduced gradient:
+    optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                zo.zero1(inner, axis_name="{axis}", partition="{partition}", reduce=False))"""
+
+SHAPE_HELP = """\
+The inner transformation does something different on the 1-D coordinate slices that zero1 gives it than on the
+full parameters, so its result would be silently wrong. Usually a mask or label function reads the parameter
+shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
+parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
+partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
+
+TENSOR_PARALLEL_HELP = """\
+zero1 updates `{path}` as a whole tensor on one owner device (it is {why}), but the parameter is sharded over
+mesh axis `{axis}`, so no device holds the whole tensor: updating its blocks separately would be silently wrong
+for an optimizer that needs the whole matrix (Muon's orthogonalisation, Adafactor's factored moments). Keep such
+leaves replicated over `{axis}` (in_specs P() for them), or give them an elementwise optimizer so that they can
+be sliced (partition="flat", or "auto" decides per leaf)."""
+
+_MISSING_KWARGS = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The arguments of `zero1`, validated."""
+
+    inner: optax.GradientTransformationExtraArgs
+    axis_name: str | tuple[str, ...]
+    partition: str
+    owners: tuple[int, ...] | None
+    reduce: str | None          # "default", "psum", "psum_scatter", or None: the gradients are the global mean
+    reduce_dtype: Any
+    master_dtype: Any
+    assume_elementwise: bool
+    bucket_bytes: int
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return _compat.as_tuple(self.axis_name)
+
+    def inner_dtype(self, dtype) -> np.dtype:
+        """The dtype the inner optimizer sees a leaf's gradients, parameters and state in."""
+        return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
+
+
+def _update_fn(inner):
+    return lambda g, s, p, e: inner.update(g, s, p, **e)
+
+
+def trace_update(inner, grads, state, params) -> tuple[_coupling.Traced, dict[str, jax.ShapeDtypeStruct]]:
+    """Traces the inner update once on the real shapes, for every analysis of it.
+
+    Checks that its updates and new state are structured like its inputs, and finds scalar stand-ins for the
+    keyword-only arguments it requires (`value=` of `optax.contrib.reduce_on_plateau`, say) by tracing it without
+    them. Returns the trace (of `update(g, s, p, extra)`) and the stand-ins.
+    """
+    extra: dict[str, jax.ShapeDtypeStruct] = {}
+    for _ in range(16):
+        try:
+            traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
+        except TypeError as err:
+            found = _MISSING_KWARGS.search(str(err))
+            if found is None:
+                raise ZeroCouplingError(
+                    f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
+                    f"{type(err).__name__}: {err}") from err
+            for name in re.findall(r"'(\w+)'", found.group(1)):
+                extra[name] = jax.ShapeDtypeStruct((), np.float32)
+            continue
+        updates, new_state = traced.out_shape
+        for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
+            if jax.tree.structure(got) != jax.tree.structure(want):
+                raise ZeroStructureError(
+                    f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
+                    f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
+                    "inputs.")
+        return traced, extra
+    raise ZeroCouplingError("zero1 could not find the extra arguments the inner transformation's update needs.")
+
+
+def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str, ...], int, int]], dict]:
+    """Per leaf: (mesh axes its blocks differ along, number of blocks, ZeRO group size); and the axis sizes."""
+    sizes = {a: _compat.axis_size(a) for a in cfg.axes}
+    manual = _compat.manual_axes()
+    for a in cfg.axes:
+        manual.setdefault(a, sizes[a])
+    vma = _compat.vma_enabled(cfg.axes)
+    others = [a for a, s in manual.items() if a not in cfg.axes and s > 1]
+    if not vma and others:
+        raise ZeroAxisError(
+            f"zero1 runs in a shard_map with check_vma=False over a mesh that also has axes {others}: it cannot "
+            "tell which parameters are sharded over them. Run the shard_map with check_vma=True (the default).")
+    out = []
+    for x, path in zip(params_leaves, paths):
+        varying = _compat.varying_axes(x) if vma else frozenset()
+        axes = tuple(a for a in manual if a in varying)
+        if set(cfg.axes) <= set(axes) or (len(cfg.axes) == 1 and cfg.axes[0] in axes):
+            raise ZeroStructureError(
+                f"The parameter `{path}` differs between the devices of `{cfg.axis_name}` (it is typed varying "
+                "there), but zero1 shards optimizer state over data-parallel axes, whose devices hold identical "
+                "parameters. Pass the parameters replicated over that axis (in_specs P() for them), not "
+                "zo.as_local(params) or per-device values.")
+        blocks = math.prod(manual[a] for a in axes)
+        group = math.prod(sizes[a] for a in cfg.axes if a not in axes)
+        out.append((axes, blocks, group))
+    axis_sizes = tuple((a, manual[a]) for a in manual if a in cfg.axes or any(a in p[0] for p in out))
+    return out, dict(axis_sizes)
+
+
+def _labels(treedef, n: int):
+    return jax.tree_util.tree_unflatten(treedef, list(range(n)))
+
+
+def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, n_leaves: int, state, entries_leaf) -> set[int]:
+    """Leaves whose coordinates the inner update mixes (they need whole tensors); raises where it mixes two leaves,
+    draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
+    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    if cfg.partition == FLAT:
+        if cfg.assume_elementwise:
+            return set()
+        where = _coupling.find_coordinate_coupling(traced)
+        if where is not None:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
+                f"{where}.\n{FLAT_HELP.format(axis=axis)}")
+        return set()
+    labels = _labels(treedef, n_leaves)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), list(entries_leaf))
+    try:
+        found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
+                                         out_sources=(labels, state_labels))
+    except _coupling.CouplingError as e:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
+            f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws random "
+            f"numbers that devices holding different leaves would not draw as one device does.\n"
+            f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
+    for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries_leaf):
+        if leaf is None and taint:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it belongs "
+                f"to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
+                f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
+    if cfg.partition == LEAF:
+        return set(range(n_leaves))
+    return set(found.coupled)
+
+
+def _check_slices(cfg: Config, traced: _coupling.Traced, real_state, mixed_tree, mixed_state, extra) -> None:
+    """Refuses inner transformations that behave differently on slices than on the real parameter shapes."""
+    if jax.tree.structure(real_state) != jax.tree.structure(mixed_state):
+        raise ZeroCouplingError(
+            f"zero1: the inner state on coordinate slices has the structure "
+            f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
+            f"{SHAPE_HELP}")
+    full = _coupling.program_signature(traced)
+    part = _coupling.program_signature(_update_fn(cfg.inner), mixed_tree, mixed_state, mixed_tree, extra)
+    if full != part:
+        i = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
+        raise ZeroCouplingError(
+            f"zero1: the inner update applies {len(full)} operations to the parameters but {len(part)} to "
+            f"coordinate slices (first difference at operation {i}: {full[i] if i < len(full) else 'none'} vs "
+            f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
+
+
+def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
+    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too.
+
+    A sliced leaf puts 1/N of its state on every device, the busiest owner included; a small leaf owned instead
+    lands on a device with room (owners are balanced largest first), usually in the padding of the packed buffers,
+    so biases and norms cost nothing next to the matrices Muon owns. The rule depends on the leaves alone, not on
+    the world size, so a checkpoint restores at any world size with the same split.
+    """
+    if cfg.partition != AUTO or not coupled:
+        return set()
+    smallest = min(math.prod(real[i].shape) for i in coupled)
+    return {i for i, x in enumerate(real)
+            if i not in coupled and not placement[i][0] and math.prod(x.shape) < smallest}
+
+
+def build_layout(cfg: Config, params) -> Layout:
+    """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [_names.key_path(p) for p, _ in flat]
+    values = [x for _, x in flat]
+    placement, axis_sizes = _placement(values, paths, cfg)
+    n = _compat.axis_size(cfg.axes)
+    real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
+    real_tree = jax.tree_util.tree_unflatten(treedef, real)
+    if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
+        real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
+        _layout.check_dtypes(real_state)
+    else:
+        real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
+    traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
+    coupled = _coupled_leaves(cfg, traced, treedef, len(real), real_state, [e.leaf for e in real_entries])
+
+    for i in coupled:
+        if placement[i][0]:
+            why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
+            raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
+    owned = [i in coupled or i in _small_elementwise(cfg, real, coupled, placement) for i in range(len(values))]
+    slots = [math.prod(x.shape) if owned[i] else -(-math.prod(np.shape(x)) // placement[i][2])
+             for i, x in enumerate(real)]
+    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
+    if not all(owned):
+        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+                                                   sliced=[i for i in range(len(real)) if not owned[i]])
+        mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
+                                         [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+        _check_slices(cfg, traced, real_state, jax.tree_util.tree_unflatten(treedef, mixed), mixed_state, extra)
+    else:
+        entries = real_entries
+    for e in entries:
+        if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
+            raise ZeroCouplingError(
+                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
+                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
+                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
+
+    if cfg.owners is not None:
+        owners = list(_owners.check_owners(cfg.owners, len(values), n, paths))
+    else:
+        costs = list(entries)
+        if cfg.master_dtype is not None:
+            costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
+        owners = _owners.owners_for_entries(costs, owned, n)
+    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
+                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
+    if cfg.master_dtype is not None:
+        entries = entries + tuple(
+            StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else leaf.shape,
+                       np.dtype(cfg.master_dtype).name, MASTER) for i, leaf in enumerate(leaves))
+    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
+                  jax.tree.structure(real_state),
+                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
+                  tuple(axis_sizes.items()))
+
+
+def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
+    """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
+    leaves are exactly the entries `expected`, in order."""
+    structs = [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, cfg.inner_dtype(leaf.dtype))
+               for leaf in layout.leaves]
+    tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
+    state = jax.eval_shape(cfg.inner.init, tree)
+    paths = _names.leaf_paths(state)
+    want = [layout.entries[j].path for j in expected]
+    if paths != want:
+        raise ZeroStructureError(
+            f"The inner optimizer's state {what} has leaves {paths}, but the layout expects {want}: its state order "
+            "changes when leaves are masked, which zero1 cannot pack.")
+    return jax.tree.structure(state)

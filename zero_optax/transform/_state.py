@@ -1,0 +1,54 @@
+"""The state pytree zero1 returns. Every array leaf is sharded along its leading axis over the ZeRO axes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from zero_optax.transform._layout import Layout
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner_state", "buffers", "master"],
+                   meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class ZeroState:
+    """State of `zero1(...)`, for every partition.
+
+    Attributes:
+      inner_state: the inner optimizer's state over the *sliced* leaves, the owned leaves replaced by
+        `optax.MaskedNode()` (the way `optax.masked` sees them). A sliced leaf's history is a 1-D array of
+        `blocks * group * slots` elements (device `r` of the group holds its `slots` coordinates; sharding
+        `P((*leaf axes, *ZeRO axes))`); a shared entry such as a step count is `[N, *shape]`, one identical copy
+        per device (sharding `P(ZeRO axes)`).
+      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the complete state (and
+        master copies) of the leaves device `r` owns, padded with zeros to the largest device's share. Empty when
+        no leaf is owned. Sharding `P(ZeRO axes)`.
+      master: None without `master_dtype`; otherwise a tree like the parameters holding each sliced leaf's master
+        slice (laid out like its histories) and `optax.MaskedNode()` for owned leaves, whose masters are packed in
+        `buffers`.
+      layout: static description of the partition (see `zero_optax.describe`).
+    """
+
+    inner_state: Any
+    buffers: dict[str, jax.Array]
+    master: Any
+    layout: Layout
+
+
+ZeroFlatState = ZeroState
+"""Alias kept from zero_optax 0.1 (the flat partition's state is a `ZeroState`)."""
+
+ZeroLeafState = ZeroState
+"""Alias kept from zero_optax 0.1 (the leaf partition's state is a `ZeroState`)."""
+
+
+def is_state(x: Any) -> bool:
+    return isinstance(x, ZeroState)
+
+
+def find_states(tree: Any) -> list[ZeroState]:
+    """Every zero1 state inside `tree`, in tree order."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]

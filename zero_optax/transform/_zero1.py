@@ -1,0 +1,208 @@
+"""`zero1`: ZeRO stage 1 as an optax transformation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroError
+from zero_optax.transform import _engine, _mesh, _plan, _sliced
+from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
+from zero_optax.transform._state import ZeroState, find_states
+
+_REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
+
+
+class Zero1:
+    """The object behind a zero1 transformation: `tx.init` and `tx.update` are its bound methods.
+
+    Functions that need zero1's own view of a transformation (`zero_optax.scatter_state`, `zero_optax.state_specs`)
+    find it as `tx.init.__self__`.
+    """
+
+    def __init__(self, cfg: _plan.Config, mesh: jax.sharding.Mesh | None):
+        self.cfg = cfg
+        self.engine = _engine.Engine(cfg)
+        self.mesh = mesh
+        self.bound = None if mesh is None else _mesh.Bound(self, mesh)
+
+    def _outside(self) -> bool:
+        """Whether a mesh-bound transformation runs outside a `shard_map` binding its axes."""
+        return self.bound is not None and not _compat.is_bound(self.cfg.axes)
+
+    def init(self, params) -> ZeroState:
+        params = _compat.pure(params)
+        return self.bound.init(params) if self._outside() else self.engine.init(params)
+
+    def update(self, grads, state, params=None, *, weight=None, **extra_args):
+        grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
+        if self._outside():
+            return self.bound.update(grads, state, params, weight=weight, **extra_args)
+        return self.engine.update(grads, state, params, weight=weight, **extra_args)
+
+
+def zero1(
+    inner: optax.GradientTransformation,
+    *,
+    axis_name: str | Sequence[str],
+    partition: str = "flat",
+    owners: Sequence[int] | None = None,
+    reduce: bool | str = True,
+    reduce_dtype=None,
+    master_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    assume_elementwise: bool = False,
+    bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
+) -> optax.GradientTransformationExtraArgs:
+    """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
+
+    `init` and `update` run inside `jax.shard_map` over `axis_name` (or, with `mesh=`, anywhere: see below).
+    `update` reduces each device's local gradients, updates only the state this device owns, and all-gathers the
+    result, so every device receives the same replicated updates (`P()`) that `inner` would compute on one device
+    from the reduced gradient. On a 1-D mesh every leaf of the state is sharded along its leading axis, so
+    `P(axis_name)` is the spec of the whole state; on any mesh `zero_optax.state_specs` gives the specs.
+
+    Partitions:
+      * `"flat"`: every device owns `ceil(count / N)` consecutive coordinates of every flattened leaf. Exact
+        for elementwise optimizers (Adam, AdamW, Lion, SGD, RMSProp, Adagrad, AdaBelief, schedules,
+        `inject_hyperparams`, `MultiSteps`); transformations that couple coordinates are refused.
+      * `"leaf"`: every leaf has one owner that keeps its state and updates it as a whole tensor (Muon,
+        Adafactor, LAMB, Shampoo). Per-device state is at least the largest leaf's state.
+      * `"auto"`: per leaf, from the inner transformation itself: leaves it updates elementwise are sliced, the
+        others get one owner (Muon's matrices owned, the embedding and vectors of its AdamW branch sliced).
+
+    Gradients. Inside `shard_map`, zero1 tells per-device gradients (typed varying: differentiate with respect to
+    `zero_optax.as_local(params, axis_name)`) from gradients that are the same on every device (typed
+    invariant), and never guesses what an invariant gradient means (a sum, or already the mean): with a reducing
+    `reduce` it refuses them, with `reduce=False` it takes them as the global mean. `update(grads, state,
+    params=None, *, weight=None, **extra_args)`: without `weight` the reduced gradient is the mean over devices;
+    with `weight` (this device's sample or token count, its gradient being a loss sum) it is
+    `psum(grads) / psum(weight)`, divided in float32. A step whose global weight is zero is skipped: the updates
+    are zero and the state, step counts included, is returned unchanged. Extra arguments (`value=` for
+    `optax.contrib.reduce_on_plateau`) must be the same on every device.
+
+    Args:
+      inner: the optax transformation to shard.
+      axis_name: the data-parallel mesh axis, or a tuple of axes (`("replica", "data")`) the state is sharded
+        over jointly. Parameters sharded over other mesh axes (tensor or expert parallel) keep those shardings;
+        each device's block is sharded over the data axes.
+      partition: `"flat"` (default), `"leaf"` or `"auto"`.
+      owners: leaf partition only: one device index per leaf in tree-flatten order; None balances the
+        optimizer-state bytes (`zero_optax.balanced_owners`).
+      reduce: `True` reduces per-device gradients with the default collective: a reduce-scatter for sliced
+        leaves; for owned leaves a reduce-scatter of owner-packed buffers unless padding to the largest owner's
+        share would move more bytes than an all-reduce. `"psum"` all-reduces, `"psum_scatter"` reduce-scatters;
+        `False` takes gradients that already are the global mean, for example from `zero_optax.reduce_gradients`
+        followed by a global operation.
+      reduce_dtype: sum the gradients in this dtype (for example `jnp.float32` for bf16 gradients); without
+        `master_dtype` the inner optimizer still sees each gradient in its own dtype.
+      master_dtype: keep a sharded master copy of the parameters in this dtype (for example `jnp.float32` for
+        bf16 parameters). Gradients are then reduced in `master_dtype` (unless `reduce_dtype` says otherwise),
+        the inner optimizer runs on the master values, devices all-gather the new parameters in the parameter
+        dtype, and the updates move `params` onto the master copy rounded to their dtype. `update` then needs
+        `params`.
+      mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map`, on
+        global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer` and `TrainState`). There the gradients
+        are the global mean, as `jax.grad` of a global loss gives them. Inside a `shard_map` that binds
+        `axis_name` it behaves like the unbound form.
+      assume_elementwise: skip the proof that the inner update is elementwise (sliced leaves). For custom kernels
+        the analysis cannot see into; a wrong answer is then your responsibility.
+      bucket_bytes: sliced leaves travel in buckets of at least this many bytes (one reduce-scatter and one
+        all-gather per bucket); `0` sends every leaf on its own.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+      >>> params = {"w": jnp.ones((3, 2))}
+      >>> state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))(params)
+      >>> zo.describe(state).slots
+      (6,)
+    """
+    if partition not in PARTITIONS:
+        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {partition!r}.")
+    if owners is not None and partition != LEAF:
+        raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
+                        "devices and \"auto\" balances the leaves it gives an owner.")
+    if reduce not in _REDUCE_CHOICES or isinstance(reduce, int) and not isinstance(reduce, bool):
+        raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) if isinstance(axis_name, Sequence) else ()
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ZeroError(f"`axis_name` must be the name of the data mesh axis or a tuple of distinct axis names, got "
+                        f"{axis_name!r}.")
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if missing:
+            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+    if assume_elementwise and partition != "flat":
+        raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
+                        "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
+        raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
+    for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
+    cfg = _plan.Config(
+        inner=optax.with_extra_args_support(inner),
+        axis_name=axis_name if isinstance(axis_name, str) else axes,
+        partition=partition,
+        owners=None if owners is None else tuple(owners),
+        reduce="default" if reduce is True else None if reduce is False else reduce,
+        reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+        master_dtype=None if master_dtype is None else jnp.dtype(master_dtype),
+        assume_elementwise=bool(assume_elementwise),
+        bucket_bytes=int(bucket_bytes),
+    )
+    z = Zero1(cfg, mesh)
+    return optax.GradientTransformationExtraArgs(z.init, z.update)
+
+
+def describe(state) -> Layout:
+    """The read-only layout of a zero1 state: world size, axis, partition, leaves, slots, owners, bytes.
+
+    Works on concrete states, on `jax.eval_shape` results, and on a zero1 state nested in a larger optax state
+    (the first one found).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = zo.zero1(optax.adam(1e-2), axis_name="data", partition="leaf")
+      >>> state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))({"w": jnp.ones(3)})
+      >>> zo.describe(state).owners
+      (0,)
+    """
+    found = find_states(state)
+    if not found:
+        raise ZeroError(f"describe expects a state returned by a zero1 transformation's init, got "
+                        f"{type(state).__name__} with no zero1 state inside.")
+    return found[0].layout
+
+
+def as_local(params, axis_name: str | Sequence[str]):
+    """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
+
+    Inside `jax.shard_map` (with `check_vma=True`, the default), the gradient with respect to a replicated
+    parameter is already summed over the axis by autodiff, an all-reduce that costs 2x the gradient bytes on the
+    wire, and the result no longer says whether it is a sum or a mean. Differentiating with respect to
+    `as_local(params)` instead leaves each device its own gradient, which zero1 then reduce-scatters (1x), so a
+    ZeRO-1 step moves no more bytes than plain data parallelism.
+
+    Examples:
+      >>> # inside the shard_map'ed step:
+      >>> # grads = jax.grad(loss_fn)(zo.as_local(params, "data"), batch)
+      >>> # updates, opt_state = tx.update(grads, opt_state, params)
+    """
+    _compat.axis_size(axis_name, "as_local")
+    return _compat.pvary(params, axis_name)
