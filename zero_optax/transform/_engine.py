@@ -22,7 +22,7 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _owned, _plan, _reduce, _sliced
+from zero_optax.transform import _accumulate, _layout, _owned, _plan, _reduce, _sliced
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState
 
@@ -198,7 +198,10 @@ class Engine:
         master = None
         if cfg.master_dtype is not None:
             master = _masked_tree(layout, slices)
-        return ZeroState(inner_state, buffers, master, layout)
+        local = None
+        if layout.accumulate == _accumulate.LOCAL:
+            local = _accumulate.init_local(layout, params, layout.axes)
+        return ZeroState(inner_state, buffers, master, layout, local)
 
     @staticmethod
     def _to_storage(layout: Layout, entries: list[int], values: list, ranks) -> list:
@@ -240,8 +243,14 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, grads, state, params=None, *, weight=None, **extra):
+    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
+        """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
+        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
         cfg = self.cfg
+        if cfg.accumulating is not None and hooks is None:
+            return _accumulate.update(self, grads, state, params, weight, extra)
+        inner = cfg.inner if hooks is None else hooks.inner
+        stepping = hooks is None or hooks.step
         layout = check_layout(state, cfg.axis_name)
         n = layout.world_size
         g_leaves = check_tree(grads, layout, "gradients")
@@ -251,8 +260,9 @@ class Engine:
                 "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
                 "the returned updates move them onto the master copy.")
         reducing = cfg.reduce is not None
-        _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
-                                reducing)
+        if hooks is None or hooks.checked:
+            _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
+                                    reducing)
         if weight is not None and not reducing:
             raise WeightError(
                 "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
@@ -261,8 +271,9 @@ class Engine:
         _check_extra(extra, layout.axes)
         ranks = self._ranks(layout)
         rank = ranks[layout.axes]
-        denom = _reduce.denominator(weight, layout.axes, n)
-        inner_dt = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
+        denom = _reduce.denominator(weight, layout.axes, n) if hooks is None else hooks.denom
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
+                    else hooks.grad_dtypes)
         sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
         sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
@@ -287,14 +298,14 @@ class Engine:
         a_old = self._from_storage(layout, a_entries, stored, invariant)
         old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
         try:
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
         except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
             if invariant or "manual axis types" not in str(e):
                 raise
             self._invariant[layout] = True
             a_old = self._from_storage(layout, a_entries, stored, invariant=True)
             old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
         _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
         new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
         u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
@@ -305,7 +316,9 @@ class Engine:
         new_buffers, u_owned = dict(state.buffers), {}
         if owned:
             new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, a_entries, a_old,
-                                                      denom, inner_dt, sum_dt, extra, rank)
+                                                      denom, inner_dt, sum_dt, extra, rank, inner, stepping)
+        if not stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
+            return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
         updates = {}
@@ -331,7 +344,7 @@ class Engine:
             updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
             if ok is not None:
                 updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        new_state = ZeroState(new_inner, new_buffers, new_master, layout)
+        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
         return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
     def _reduce_sliced(self, layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks) -> dict[int, jax.Array]:
@@ -349,7 +362,7 @@ class Engine:
         return _sliced.reduce_scatter(grads, layout, buckets, denom, inner_dt)
 
     def _update_owned(self, layout, owned, g_leaves, p_leaves, state, a_entries, a_old, denom, inner_dt, sum_dt,
-                      extra, rank):
+                      extra, rank, inner, stepping=True):
         cfg = self.cfg
         n = layout.world_size
         master = cfg.master_dtype is not None
@@ -394,11 +407,11 @@ class Engine:
                     p = masters if master else {i: p_leaves[i] for i in mine}
                     p_view = _masked_tree(layout, p)
                 g_view = _masked_tree(layout, g)
-                u, new = cfg.inner.update(g_view, old, p_view, **extra)
+                u, new = inner.update(g_view, old, p_view, **extra)
                 _check_returned(u, new, g_view, old, f"leaves device {r} owns")
                 u = dict(zip(mine, jax.tree.leaves(u)))
                 values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
-                if master:
+                if master and stepping:
                     for j in entries:
                         if layout.entries[j].role == MASTER:
                             i = layout.entries[j].leaf
@@ -406,12 +419,17 @@ class Engine:
                     u = {i: values[j].astype(p_leaves[i].dtype) for j in entries
                          if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
                 new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                if not stepping:
+                    return _compat.pvary(new_buffers, axes) if n > 1 else new_buffers
                 if n == 1:
                     return new_buffers, u
                 u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
                 return _compat.pvary((new_buffers, u_buffers), axes)
             return run
 
+        if not stepping:
+            new = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+            return {d: b[None] for d, b in new.items()}, {}
         new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
         new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
