@@ -175,12 +175,9 @@ def local_shape(layout, leaf) -> tuple[int, ...]:
 
 def update(engine, grads, state, params, weight, extra):
     """One accumulating `update` call of `engine` (inside `shard_map`)."""
-    from zero_optax.transform._engine import check_layout, check_tree  # the engine imports this module
-
     cfg = engine.cfg
     acc: Accumulating = cfg.accumulating
-    layout = check_layout(state, cfg.axis_name)
-    g_leaves = check_tree(grads, layout, "gradients")
+    layout, g_leaves = engine.checked(state, grads)
     axes = layout.axes
     reducing = cfg.reduce is not None
     if weight is not None and not reducing:

@@ -243,6 +243,11 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
+    def checked(self, state, grads) -> tuple[Layout, list[jax.Array]]:
+        """The state's layout and the gradient leaves, after `check_layout` and `check_tree`."""
+        layout = check_layout(state, self.cfg.axis_name)
+        return layout, check_tree(grads, layout, "gradients")
+
     def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
         """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
         calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
