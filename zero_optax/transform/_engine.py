@@ -22,7 +22,7 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _owned, _plan, _reduce, _sliced
+from zero_optax.transform import _accumulate, _layout, _owned, _plan, _reduce, _sliced
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState
 
@@ -168,7 +168,10 @@ class Engine:
         master = None
         if cfg.master_dtype is not None:
             master = _masked_tree(layout, slices)
-        return ZeroState(inner_state, buffers, master, layout)
+        local = None
+        if layout.accumulate == _accumulate.LOCAL:
+            local = _accumulate.init_local(layout, params, layout.axes)
+        return ZeroState(inner_state, buffers, master, layout, local)
 
     def _build_sliced(self, layout: Layout, slices: dict[int, jax.Array], full: list | None, ranks) -> Any:
         """The stored inner state of the sliced view: the inner `init` on this device's slices, or the entries of
@@ -257,13 +260,26 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, grads, state, params=None, *, weight=None, **extra):
+    def checked(self, state, grads) -> tuple[Layout, list[jax.Array]]:
+        """The state's layout and the gradient leaves, after `check_layout` and `check_tree`."""
+        layout = check_layout(state, self.cfg.axis_name)
+        return layout, check_tree(grads, layout, "gradients")
+
+    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
+        """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
+        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
         cfg = self.cfg
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
+        if cfg.accumulating is not None and hooks is None:
+            return _accumulate.update(self, grads, state, params, weight, extra)
+        inner = cfg.inner if hooks is None else hooks.inner
+        stepping = hooks is None or hooks.step
+        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra,
+                                                      hooks is None or hooks.checked)
         ranks = self._ranks(layout)
         rank = ranks[layout.axes]
-        denom = _reduce.denominator(weight, layout.axes, layout.world_size)
-        inner_dt = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
+        denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
+                    else hooks.grad_dtypes)
         sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
         sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
@@ -271,13 +287,16 @@ class Engine:
         # Sliced view: every device, its own coordinates.
         g_sl = self._reduce_sliced(layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks)
         m_sl, p_sl = self._sliced_params(layout, sliced, p_leaves, state, ranks)
-        u_a, new_inner, shared_old = self._update_sliced(layout, sliced, g_sl, p_sl, state, denom.ok, ranks, extra)
+        u_a, new_inner, shared_old = self._update_sliced(layout, sliced, g_sl, p_sl, state, denom.ok, ranks, extra,
+                                                         inner)
 
         # Owned views: one switch branch per device.
         new_buffers, u_owned = dict(state.buffers), {}
         if owned:
             new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
-                                                      inner_dt, sum_dt, extra, rank)
+                                                      inner_dt, sum_dt, extra, rank, inner, stepping)
+        if not stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
+            return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
         updates, new_master = self._gather_sliced(layout, sliced, u_a, m_sl, p_leaves, state, denom.ok, ranks)
@@ -287,11 +306,13 @@ class Engine:
             updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
             if denom.ok is not None:
                 updates = {i: jnp.where(denom.ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        new_state = ZeroState(new_inner, new_buffers, new_master, layout)
+        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
         return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
-    def _check_step(self, grads, state, params, weight, extra) -> tuple[Layout, list, list | None]:
-        """The state's layout and the leaves of `grads` and `params`, after checking every argument of `update`."""
+    def _check_step(self, grads, state, params, weight, extra, semantics: bool = True
+                    ) -> tuple[Layout, list, list | None]:
+        """The state's layout and the leaves of `grads` and `params`, after checking every argument of `update`
+        (with `semantics`, also whether the gradients are per-device as the reduction expects)."""
         cfg = self.cfg
         layout = check_layout(state, cfg.axis_name)
         g_leaves = check_tree(grads, layout, "gradients")
@@ -301,8 +322,9 @@ class Engine:
                 "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
                 "the returned updates move them onto the master copy.")
         reducing = cfg.reduce is not None
-        _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
-                                reducing)
+        if semantics:
+            _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
+                                    reducing)
         if weight is not None and not reducing:
             raise WeightError(
                 "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
@@ -326,8 +348,8 @@ class Engine:
                                         for i in sliced}
         return m_sl, p_sl
 
-    def _update_sliced(self, layout: Layout, sliced: list[int], g_sl, p_sl, state: ZeroState, ok, ranks, extra
-                       ) -> tuple[dict[int, jax.Array], Any, dict[int, jax.Array]]:
+    def _update_sliced(self, layout: Layout, sliced: list[int], g_sl, p_sl, state: ZeroState, ok, ranks, extra,
+                       inner) -> tuple[dict[int, jax.Array], Any, dict[int, jax.Array]]:
         """The inner update on the sliced view, which every device runs on its own coordinates.
 
         Returns the updates of the sliced leaves (this device's slices), the new stored inner state (the old one
@@ -337,7 +359,7 @@ class Engine:
         g_view = _masked_tree(layout, g_sl)
         stored = jax.tree.leaves(state.inner_state)
         p_view = None if p_sl is None else _masked_tree(layout, p_sl)
-        a_old, old_a, u_a, new_a = self._run_sliced_view(layout, a_entries, stored, g_view, p_view, extra)
+        a_old, old_a, u_a, new_a = self._run_sliced_view(layout, a_entries, stored, g_view, p_view, extra, inner)
         _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
         new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
         u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
@@ -346,7 +368,7 @@ class Engine:
         shared_old = {j: x for j, x in zip(a_entries, a_old) if layout.entries[j].leaf is None}
         return u_a, new_inner, shared_old
 
-    def _run_sliced_view(self, layout: Layout, a_entries: list[int], stored: list, g_view, p_view, extra):
+    def _run_sliced_view(self, layout: Layout, a_entries: list[int], stored: list, g_view, p_view, extra, inner):
         """Runs the inner update on the sliced view's stored state; returns the old state's values, the old state,
         the updates and the new state.
 
@@ -354,19 +376,18 @@ class Engine:
         `lax.cond`'s branches must agree on their types: `reduce_on_plateau`); the first such failure switches this
         layout to invariant shared entries for good, and the update is traced again.
         """
-        cfg = self.cfg
         invariant = self._invariant.get(layout, False)
         a_old = self._from_storage(layout, a_entries, stored, invariant)
         old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
         try:
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
         except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
             if invariant or "manual axis types" not in str(e):
                 raise
             self._invariant[layout] = True
             a_old = self._from_storage(layout, a_entries, stored, invariant=True)
             old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
         return a_old, old_a, u_a, new_a
 
     def _gather_sliced(self, layout: Layout, sliced: list[int], u_a: dict, m_sl: dict, p_leaves: list | None,
@@ -413,7 +434,7 @@ class Engine:
         return _sliced.reduce_scatter(grads, layout, buckets, denom, inner_dt)
 
     def _update_owned(self, layout, owned, g_leaves, p_leaves, state, shared_old, denom, inner_dt, sum_dt, extra,
-                      rank):
+                      rank, inner, stepping=True):
         """The inner update on every device's owned view, in one `lax.switch` on the device index.
 
         Gradients reach the owners (`_owned_gradients`), each device updates the state packed in its row of the
@@ -440,14 +461,20 @@ class Engine:
                     g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
                 else:
                     g = {i: grad_input[i] for i in mine}
-                values, u = self._owned_view_update(layout, r, mine, g, buffers, p_leaves, shared_old, extra)
+                values, u = self._owned_view_update(layout, r, mine, g, buffers, p_leaves, shared_old, extra, inner,
+                                                    stepping)
                 new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                if not stepping:
+                    return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
                 if n == 1:
                     return new_buffers, u
                 u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
                 return _compat.pvary((new_buffers, u_buffers), layout.axes)
             return run
 
+        if not stepping:
+            new = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+            return {d: b[None] for d, b in new.items()}, {}
         new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
         new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
@@ -457,7 +484,7 @@ class Engine:
         return new_buffers, u
 
     def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array], buffers,
-                           p_leaves: list | None, shared_old: dict[int, jax.Array], extra):
+                           p_leaves: list | None, shared_old: dict[int, jax.Array], extra, inner, stepping=True):
         """Inside device `r`'s branch: the inner update of its owned view, the leaves `mine` with gradients `g`.
 
         The old state is the entries stored in `r`'s row of `buffers` and the shared entries' old values. Returns
@@ -478,11 +505,11 @@ class Engine:
             p = masters if master else {i: p_leaves[i] for i in mine}
             p_view = _masked_tree(layout, p)
         g_view = _masked_tree(layout, g)
-        u, new = cfg.inner.update(g_view, old, p_view, **extra)
+        u, new = inner.update(g_view, old, p_view, **extra)
         _check_returned(u, new, g_view, old, f"leaves device {r} owns")
         u = dict(zip(mine, jax.tree.leaves(u)))
         values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
-        if master:
+        if master and stepping:
             u = _step_masters(layout, entries, masters, u, values, p_leaves)
         return values, u
 
