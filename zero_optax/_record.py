@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax import _arrays, _names, _paths
+from zero_optax import _arrays, _commit, _names, _paths
 from zero_optax._errors import ZeroCheckpointError
 from zero_optax._layout import Layout
 
@@ -168,11 +168,13 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, after checking its size, syntax, format and version (not its fields:
-    `zero_optax._schema.parse` does that)."""
+    `zero_optax._schema.parse` does that); on object stores also that the directory was marked finished
+    (`zero_optax._commit`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     try:
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
+        _commit.check(path.parent)
         if not path.exists():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
                                       "missing.")
