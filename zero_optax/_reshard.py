@@ -33,6 +33,7 @@ from zero_optax import (
     _record,
     _remap,
     _schema,
+    _shapes,
     _store,
 )
 from zero_optax._errors import ZeroCheckpointError
@@ -58,6 +59,7 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
     path = _paths.as_path(src)
     saved = _schema.parse(_record.read(path), str(path))
     store = _store.ItemArrays(path)
+    _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
     return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
 
@@ -149,9 +151,9 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
         plans = []
         for old, lay, arrays, values in zip(saved.states, layouts, outputs, shared):
             remap = _remap.Remap(old, lay, store.read, values)
-            for a in arrays:
+            for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks)
+                writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _regions(a.shape, chunks):
