@@ -230,3 +230,81 @@ def test_command_line_answers_hostile_records_in_one_line(items, tmp_path):
         assert proc.returncode == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith("python -m zero_optax.reshard: error: ") and not (tmp_path / f"out{i}").exists()
     assert refused >= 1
+
+
+def _edited(src, tmp_path, edit) -> str:
+    bad = tmp_path / "edited"
+    shutil.copytree(src, bad)
+    record = json.loads((bad / _names.RECORD_FILE).read_text())
+    edit(record["states"][0])
+    (bad / _names.RECORD_FILE).write_text(json.dumps(record))
+    return bad
+
+
+def _refused_everywhere(bad, tmp_path, targets, match) -> None:
+    """The offline tools refuse `bad` with `match` (they have no target to compare with), both restores refuse it
+    (the target may already differ), and nothing is written."""
+    for attempt in (lambda: zo.reshard(bad, tmp_path / "out", world_size=M), lambda: zo.load_rank_records(bad)):
+        with pytest.raises(zo.ZeroCheckpointError, match=match):
+            attempt()
+    for reshard, target in targets.items():
+        with pytest.raises(zo.ZeroCheckpointError):
+            _restore(bad, target, reshard)
+    assert not (tmp_path / "out").exists()
+
+
+def _unpinned_owned_entry(record_state, delta: int) -> tuple[int, list[int], list[int]] | None:
+    """An owned entry whose first dimension the packing does not pin, and its shape changed by `delta` rows: the
+    last entry of a device whose share is not the largest (the buffers' size is the largest share), changed so
+    that it still fits. Returns the entry's index, its shape and the changed shape (None if there is none)."""
+    entries, packing = record_state["entries"], record_state["packing"]
+    for offsets in packing["offsets"]:
+        if not offsets:
+            continue
+        j, dtype, offset = offsets[-1]
+        shape = entries[j]["shape"]
+        changed = [shape[0] + delta] + shape[1:] if shape else None
+        size = packing["sizes"][dtype]
+        if changed and changed[0] >= 0 and offset + int(np.prod(shape)) < size and \
+                offset + int(np.prod(changed)) <= size:
+            return j, shape, changed
+    return None
+
+
+@pytest.mark.parametrize("storage", ["orbax", "tensorstore"])
+def test_owned_entry_shape_changed_to_another_size_is_refused(items, tmp_path, storage):
+    """The packing and the arrays' shapes stay valid; the shapes kept with the arrays' metadata disagree."""
+    item, _, targets, _, _ = items["muon"]
+    src = item if storage == "orbax" else item.parent / "muon-resharded"
+    state = json.loads((src / _names.RECORD_FILE).read_text())["states"][0]
+    targets = targets if storage == "orbax" else {True: targets[True], False: targets[True]}
+    cases = [_unpinned_owned_entry(state, delta) for delta in (-1, 1)]
+    assert any(cases)
+    for j, shape, changed in filter(None, cases):
+        bad = _edited(src, tmp_path, lambda s, j=j, changed=changed: s["entries"][j].update(shape=changed))
+        _refused_everywhere(bad, tmp_path, targets, rf"the record's `states\[0\]\.entries\[{j}\]\.shape` is "
+                            rf"{re.escape(str(changed))}, but the stored arrays' metadata says {re.escape(str(shape))}")
+        shutil.rmtree(bad)
+
+
+@pytest.mark.parametrize("storage", ["orbax", "tensorstore"])
+@pytest.mark.parametrize("kind", [k for k, _ in KINDS])
+def test_scalar_leaf_shape_changed_to_one_is_refused(items, tmp_path, kind, storage):
+    """A scalar leaf and a [1] leaf store the same history (flat) or the same packed elements (leaf)."""
+    item, record, targets, _, _ = items[kind]
+    src = item if storage == "orbax" else item.parent / f"{kind}-resharded"
+    i = next(i for i, x in enumerate(record["states"][0]["leaves"]) if x["shape"] == [])
+    bad = _edited(src, tmp_path, lambda s: s["leaves"][i].update(shape=[1]))
+    targets = targets if storage == "orbax" else {True: targets[True], False: targets[True]}
+    _refused_everywhere(bad, tmp_path, targets, rf"the record's `states\[0\]\.leaves\[{i}\]\.shape` is \[1\], but "
+                        r"the stored arrays' metadata says \[\]")
+
+
+def test_missing_orbax_metadata_is_refused(items, tmp_path):
+    item, _, targets, _, _ = items["adamw"]
+    bad = tmp_path / "item"
+    shutil.copytree(item, bad)
+    (bad / "_METADATA").unlink()
+    with pytest.raises(zo.ZeroCheckpointError, match="Orbax's _METADATA is missing"):
+        zo.reshard(bad, tmp_path / "out", world_size=M)
+    assert not (tmp_path / "out").exists()

@@ -117,10 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         bar.close()
-        print(f"{PROG}: interrupted; nothing was written to {os.path.abspath(args.dst)}.", file=sys.stderr)
+        print(f"{PROG}: interrupted; {_interrupted(args.dst)}", file=sys.stderr)
         return 130
     bar.close()
     return 0
+
+
+def _interrupted(dst: str) -> str:
+    """What an interrupted run leaves at `dst`, for its last message."""
+    if "://" not in dst:
+        return f"nothing was written to {os.path.abspath(dst)}."
+    return (f"{dst} holds no finished checkpoint (no reader takes it for one); run again with --force to replace "
+            "what was written.")
 
 
 class _CallableModule(types.ModuleType):

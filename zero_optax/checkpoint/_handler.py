@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _paths, _record, _restore, _save, _schema, _tree
+from zero_optax.checkpoint import _paths, _record, _restore, _save, _schema, _shapes, _tree
 from zero_optax.core._errors import ZeroCheckpointError
 
 TYPESTR = "zero_optax._checkpoint.ZeroCheckpointHandler"
@@ -139,7 +139,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         path = _paths.as_path(directory)
         _paths.check_writable(path)
         plan = _save.plan(args.item)
-        futures = list(await self._impl.async_save(path, args=ocp.args.PyTreeSave(plan.arrays)) or [])
+        futures = list(await self._impl.async_save(path, args=_shapes.pytree_save(plan.arrays, plan.record)) or [])
         if ocp.utils.is_primary_host(self._primary_host):
             async def write_record():
                 _record.write(path, plan.record)

@@ -39,8 +39,8 @@ def as_path(directory: Any) -> epath.Path:
     if scheme is not None:
         if scheme.group(1) != "gs":
             raise ZeroCheckpointError(
-                f"`{text}`: zero_optax checkpoints live where Orbax stores arrays, on a local file system or at "
-                f"gs://bucket/...; the scheme `{scheme.group(1)}://` is not supported.")
+                f"`{text}`: the scheme `{scheme.group(1)}://` is not supported. zero_optax checkpoints live where "
+                "Orbax stores arrays: on a local file system (a path such as /data/ckpt) or at gs://bucket/path.")
         bucket = text[len("gs://"):].split("/", 1)[0]
         if not _BUCKET.match(bucket):
             raise ZeroCheckpointError(f"`{text}` does not name a valid Google Cloud Storage bucket.")

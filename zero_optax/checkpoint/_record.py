@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays, _paths
+from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
@@ -171,11 +171,13 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, after checking its size, syntax, format and version (not its fields:
-    `zero_optax.checkpoint._schema.parse` does that)."""
+    `zero_optax.checkpoint._schema.parse` does that); on object stores also that the directory was marked finished
+    (`zero_optax.checkpoint._commit`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     try:
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
+        _commit.check(path.parent)
         if not path.exists():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
                                       "missing.")

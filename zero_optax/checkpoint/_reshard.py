@@ -10,8 +10,9 @@ written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's
 written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
 Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
 does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
-destination and renamed into place (`zero_optax.checkpoint._install`); elsewhere (`gs://`) the record is
-written last, so an interrupted run leaves no readable checkpoint.
+destination and renamed into place (`zero_optax.checkpoint._install`). On object stores (`gs://`), which cannot rename, it
+is finished the way Orbax finishes checkpoints there (`zero_optax.checkpoint._commit`): arrays, then the record, then
+Orbax's commit file, which every reader requires, so an interrupted run leaves no readable checkpoint.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import numpy as np
 
 from zero_optax.checkpoint import (
     _arrays,
+    _commit,
     _install,
     _paths,
     _record,
     _remap,
     _schema,
+    _shapes,
     _store,
 )
 from zero_optax.core._errors import ZeroCheckpointError
@@ -56,6 +59,7 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
     path = _paths.as_path(src)
     saved = _schema.parse(_record.read(path), str(path))
     store = _store.ItemArrays(path)
+    _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
     return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
 
@@ -147,9 +151,9 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
         plans = []
         for old, lay, arrays, values in zip(saved.states, layouts, outputs, shared):
             remap = _remap.Remap(old, lay, store.read, values)
-            for a in arrays:
+            for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks)
+                writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _regions(a.shape, chunks):
@@ -160,6 +164,7 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                     progress(done, total)
     states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
+    _commit.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
 
 
 def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
@@ -177,7 +182,10 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
 
     Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
     by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
-    appears complete or not at all, and `force` swaps it for an existing one in one step. Arrays are copied one
+    appears complete or not at all, and `force` swaps it for an existing one in one step. On `gs://` the output
+    is written in place and marked finished last with Orbax's `commit_success.txt`, without which neither Orbax
+    nor `ZeroRestore` reads it; `force` there first deletes the existing destination (its commit file first),
+    so an interrupted replacement leaves no checkpoint, neither the old nor the new. Arrays are copied one
     chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
     new world size (and, with `reshard=True`, at any other).
 
@@ -192,7 +200,9 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
 
     Raises:
       ZeroCheckpointError: `src_dir` is not a complete, valid zero1 checkpoint of this format version, its shared
-        entries differ between rows, `dst_dir` exists without `force`, or the arguments are invalid.
+        entries differ between rows, `dst_dir` exists without `force`, `force` would delete the source of a
+        `gs://` destination, a path has a scheme other than a local path or `gs://`, or the arguments are
+        invalid.
 
     Examples:
       >>> import zero_optax as zo
@@ -202,15 +212,18 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
     m = check_world_size(world_size)
     if dst.exists() and not force:
         raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
-    if not _paths.is_local(dst) and force:
-        raise ZeroCheckpointError(f"{dst}: replacing a checkpoint atomically needs a local file system; delete it "
-                                  "first.")
+    if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
+        raise ZeroCheckpointError(
+            f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
+            f"destination must not be {src} or lie inside or around it; write to another directory.")
     saved, store, shared = load(src)
     for s in saved.states:
         refuse_expert_leaves(s, str(src))
     per_state = _owners_per_state(owners, [s.layout for s in saved.states])
     layouts = [new_layout(s.layout, m, o) for s, o in zip(saved.states, per_state)]
     if not _paths.is_local(dst):
+        if force and dst.exists():
+            _commit.retract(dst)
         _write(dst, saved, store, shared, layouts, progress)
         return
     tmp = _install.temporary_sibling(str(dst), "reshard")

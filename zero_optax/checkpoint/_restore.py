@@ -30,6 +30,7 @@ from zero_optax.checkpoint import (
     _record,
     _remap,
     _schema,
+    _shapes,
     _store,
     _tree,
 )
@@ -109,6 +110,7 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
             f"{_record.short(parts.signature)} (zero1 states shown as *).")
 
     store = _store.ItemArrays(path)
+    _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
     shared = [_remap.shared_values(old, store.read, where_dir) for old in saved.states]
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:

@@ -109,6 +109,15 @@ class ItemArrays:
         except ValueError as e:
             raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
 
+    def read_key(self, key: str) -> bytes | None:
+        """The value of one key of the item's OCDBT database (`name/zarr.json`: an array's metadata), or None."""
+        try:
+            kv = ts.KvStore.open(_kvstore(self.directory), context=self.context).result()
+            result = kv.read(key).result()
+        except ValueError as e:
+            raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
+        return result.value if result.state == "value" else None
+
     def check(self, arrays: Sequence[Any]) -> None:
         """Checks that every array of `arrays` (`StoredArray`s) is stored with its shape, its dtype and all of its
         chunks, reading metadata only.
@@ -177,10 +186,12 @@ class ItemWriter:
         elif self._txn is not None:
             self._txn.abort()
 
-    def create(self, name: str, shape: Sequence[int], dtype: str, chunks: Sequence[int]) -> None:
-        """Declares array `name` of `shape` and `dtype`, stored in chunks of `chunks` (zstd-compressed); the
-        metadata of every declared array is written together, before the first `write`."""
-        self._pending[name] = {
+    def create(self, name: str, shape: Sequence[int], dtype: str, chunks: Sequence[int],
+               attributes: dict[str, Any] | None = None) -> None:
+        """Declares array `name` of `shape` and `dtype`, stored in chunks of `chunks` (zstd-compressed), with
+        optional zarr3 `attributes`; the metadata of every declared array is written together, before the
+        first `write`."""
+        self._pending[name] = ({"attributes": attributes} if attributes else {}) | {
             "shape": list(shape), "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunks]}},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},

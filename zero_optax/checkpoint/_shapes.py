@@ -1,0 +1,132 @@
+"""A second copy of the record's leaf and entry shapes, kept in the stored arrays' own metadata, and the check
+that the record agrees with it.
+
+Most shape, size and count fields of a record are pinned by others or by the stored arrays (slots by the leaf
+sizes, packing by the entries, array shapes by TensorStore's metadata). Two are not: a leaf's shape where only
+its size reaches the arrays (a scalar leaf and a `[1]` leaf store the same history; so do `[5, 3]` and `[15]`),
+and the shape of an owned entry that ends its device's packed buffer on a device whose share is not the largest
+(the buffer's size, the largest share, does not move). A record edited there would be accepted by the offline
+tool and written on. So every checkpoint also stores, per zero1 state, the shape of every leaf and of every
+entry with its arrays' metadata, where editing the record alone does not reach:
+
+* checkpoints Orbax writes: Orbax's `_METADATA` (its `custom_metadata`, from `PyTreeSaveArgs`);
+* checkpoints `zero_optax.reshard` writes: the zarr3 `attributes` of each state's first array.
+
+`check` compares the record with that copy before any array data is read and refuses a difference with
+`ZeroCheckpointError`. Checkpoints written by zero_optax 0.2.0 (format 2 without the copy) are checked as before.
+
+Examples:
+  >>> from zero_optax.checkpoint import _shapes
+  >>> _shapes.table({"states": [{"leaves": [{"shape": [5, 3]}, {"shape": []}], "entries": [{"shape": [2]}]}]})
+  [{'leaves': [[5, 3], []], 'entries': [[2]]}]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from zero_optax.checkpoint import _record, _store
+from zero_optax.core._errors import ZeroCheckpointError
+
+KEY = "zero_optax_shapes"
+"""The key of the copy in Orbax's `custom_metadata` and in a zarr3 array's `attributes`."""
+ORBAX_METADATA = "_METADATA"
+"""Orbax's metadata file of a PyTree item (`tree_metadata`, `custom_metadata`, ...)."""
+
+
+def table(record: dict[str, Any]) -> list[dict[str, list]]:
+    """Per state of a record (JSON): the shapes of its leaves and of its entries."""
+    return [{"leaves": [list(x["shape"]) for x in s["leaves"]], "entries": [list(e["shape"]) for e in s["entries"]]}
+            for s in record["states"]]
+
+
+def describe(layout) -> dict[str, list]:
+    """The shapes of a layout's leaves and entries, as the copy holds them (the items of `table`)."""
+    return {"leaves": [list(x.shape) for x in layout.leaves], "entries": [list(e.shape) for e in layout.entries]}
+
+
+def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTreeSave:
+    """Orbax's save arguments for the arrays of `record`, the copy in `custom_metadata` (where Orbax offers it)."""
+    if "custom_metadata" not in {f.name for f in dataclasses.fields(ocp.args.PyTreeSave)}:
+        return ocp.args.PyTreeSave(arrays)
+    return ocp.args.PyTreeSave(arrays, custom_metadata={KEY: table(record)})
+
+
+def zarr_attributes(layout) -> dict[str, Any]:
+    """The zarr3 `attributes` of a state's first array in a checkpoint `zero_optax.reshard` writes."""
+    return {KEY: describe(layout)}
+
+
+def _json(data: bytes, where: str) -> Any:
+    if len(data) > _record.MAX_RECORD_BYTES:
+        raise ZeroCheckpointError(f"{where} is {len(data)} bytes, more than zero_optax reads "
+                                  f"({_record.MAX_RECORD_BYTES}); the checkpoint is damaged.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ZeroCheckpointError(f"{where} is not valid JSON ({type(e).__name__}); the checkpoint is damaged.") \
+            from None
+
+
+def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
+    """The copy of every state's shapes kept with the arrays (None for a state, or all, where there is none)."""
+    if saved.storage == _record.STORAGE_ORBAX:
+        path = directory / ORBAX_METADATA
+        try:
+            data = path.read_bytes() if path.exists() else None
+        except OSError as e:
+            raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
+        if data is None:
+            raise ZeroCheckpointError(f"{directory} is incomplete or damaged: Orbax's {ORBAX_METADATA} is missing. "
+                                      "Nothing was loaded.")
+        meta = _json(data, str(path))
+        custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+        copy = custom.get(KEY) if isinstance(custom, dict) else None
+        if copy is None:  # written by zero_optax 0.2.0
+            return [None] * len(saved.states)
+        if not isinstance(copy, list) or len(copy) != len(saved.states):
+            raise ZeroCheckpointError(f"{path}: its `custom_metadata.{KEY}` does not describe the record's "
+                                      f"{len(saved.states)} zero1 states; the checkpoint is damaged.")
+        return copy
+    out = []
+    for s in saved.states:
+        if not s.arrays:
+            out.append(None)
+            continue
+        where = f"{directory}: array {s.arrays[0].name}'s zarr.json"
+        value = store.read_key(f"{s.arrays[0].name}/zarr.json")
+        meta = _json(value, where) if value is not None else None
+        attributes = meta.get("attributes") if isinstance(meta, dict) else None
+        out.append(attributes.get(KEY) if isinstance(attributes, dict) else None)
+    return out
+
+
+def check(directory, saved, store: _store.ItemArrays) -> None:
+    """Refuses a record whose leaf or entry shapes differ from the copy kept with the arrays.
+
+    Raises:
+      ZeroCheckpointError: naming the first field that differs.
+    """
+    for s, copy in zip(saved.states, stored(directory, saved, store)):
+        if copy is None:
+            continue
+        want = describe(s.layout)
+        if copy == want:
+            continue
+        for field in ("leaves", "entries"):
+            got = copy.get(field) if isinstance(copy, dict) else None
+            if not isinstance(got, list) or len(got) != len(want[field]):
+                raise ZeroCheckpointError(
+                    f"{directory}: the record's `states[{s.index}].{field}` has {len(want[field])} items, but the "
+                    f"stored arrays' metadata lists "
+                    f"{len(got) if isinstance(got, list) else _record.short(got)} shapes; the record is damaged.")
+            for i, (a, b) in enumerate(zip(want[field], got)):
+                if a != b:
+                    raise ZeroCheckpointError(
+                        f"{directory}: the record's `states[{s.index}].{field}[{i}].shape` is {a}, but the stored "
+                        f"arrays' metadata says {_record.short(b)}; the record is damaged.")
+        raise ZeroCheckpointError(f"{directory}: the stored arrays' metadata of state {s.index} is damaged.")
