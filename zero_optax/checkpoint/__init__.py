@@ -12,6 +12,8 @@
 * `_store`: stored arrays read and written with TensorStore.
 * `_paths`: checkpoint locations (local or `gs://`) as paths and TensorStore kvstores.
 * `_install`: putting a finished directory in place atomically (local file systems).
+* `_commit`: finished checkpoints on object stores: Orbax's commit file, written last, required by every reader.
+* `_shapes`: a copy of every leaf and entry shape kept with the arrays' own metadata, checked against the record.
 * `_reshard`: offline resharding of an item directory (`zero_optax.reshard`).
 * `_migrate`: explicit per-parameter migration of rank-local records (`reshard_explicit`).
 """

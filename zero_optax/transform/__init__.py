@@ -9,6 +9,7 @@
 * `_owned`: owned leaves: whole tensors, packed per owner, one `lax.switch`.
 * `_owners`: which device owns which leaf (`balanced_owners`).
 * `_reduce`: gradient reduction across the ZeRO axes, mean or weighted.
+* `_accumulate`: gradient accumulation over micro-batches (`accumulate_steps`), sharded or local accumulators.
 * `_mesh`: zero1 bound to a mesh, on global arrays under plain `jax.jit`.
 * `_specs`: the `PartitionSpec`s of a state (`state_specs`).
 * `_transfer`: state in and out of zero1: `gather_state`, `scatter_state`, `master_params`.
