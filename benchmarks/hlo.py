@@ -319,3 +319,68 @@ def wire_volume(bytes_by_kind: dict[str, int], param_bytes: int) -> float:
     """
     total = sum(WIRE_WEIGHTS[k] * b for k, b in bytes_by_kind.items() if k in WIRE_WEIGHTS)
     return float(total) / float(param_bytes)
+
+
+def _call_graph(hlo_text: str) -> tuple[dict[str, set[str]], list[tuple[str, list[str]]]]:
+    """Computation -> the computations it calls; and every conditional as (its computation, its branches)."""
+    calls: dict[str, set[str]] = {}
+    conds: list[tuple[str, list[str]]] = []
+    current = "<module>"
+    for line in hlo_text.splitlines():
+        cm = _COMP_RE.match(line)
+        if cm:
+            current = cm.group(2)
+            continue
+        parsed = _parse_instruction(line)
+        if parsed is None:
+            continue
+        callees = [c for _, c in _CALLEE_RE.findall(line)]
+        bm = _BRANCHES_RE.search(line)
+        branches = [c.strip().lstrip("%") for c in bm.group(1).split(",")] if bm else []
+        if parsed[2] == "conditional":
+            tf = dict(_CALLEE_RE.findall(line))
+            branches = branches or [tf[k] for k in ("true_computation", "false_computation") if k in tf]
+            conds.append((current, branches))
+        calls.setdefault(current, set()).update(callees + branches)
+    return calls, conds
+
+
+def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
+    """Wire bytes per execution path of a module whose collectives sit in `conditional` branches.
+
+    `collective_bytes` counts every branch of a conditional (an upper bound); a step that branches on its
+    position in an accumulation cycle executes one branch. Returns ``{"outside": bytes, "branches": [[bytes per
+    branch] per conditional with collectives in a branch], "kinds": [[{kind: count} per branch] ...]}``, bytes
+    weighted by `weights` (default `WIRE_WEIGHTS`); ``outside`` counts the collectives in no branch. Nested
+    conditionals are attributed to the outermost branch that reaches them.
+    """
+    weights = WIRE_WEIGHTS if weights is None else weights
+    calls, conds = _call_graph(hlo_text)
+
+    def reach(start: str) -> set[str]:
+        seen, stack = {start}, [start]
+        while stack:
+            for c in calls.get(stack.pop(), ()):
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        return seen
+
+    ops = collective_ops(hlo_text)
+    branch_sets = [[reach(b) for b in branches] for _, branches in conds]
+    in_branch = set().union(*[s for sets in branch_sets for s in sets]) if branch_sets else set()
+    outside = sum(op["bytes"] * op["multiplier"] * weights[op["kind"]] for op in ops
+                  if op["computation"] not in in_branch)
+    result: dict[str, Any] = {"outside": outside, "branches": [], "kinds": []}
+    for (comp, _), sets in zip(conds, branch_sets):
+        if comp in in_branch:
+            continue  # nested: counted within the outer branch
+        per, kinds = [], []
+        for s in sets:
+            mine = [op for op in ops if op["computation"] in s]
+            per.append(sum(op["bytes"] * weights[op["kind"]] for op in mine))
+            kinds.append({k: sum(op["kind"] == k for op in mine) for k in KINDS if any(op["kind"] == k for op in mine)})
+        if any(per):
+            result["branches"].append(per)
+            result["kinds"].append(kinds)
+    return result

@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _names
@@ -47,6 +48,7 @@ class StoredArray:
       spec: the mesh axes each dimension is sharded over (the array's `PartitionSpec`, one tuple per dimension).
       entry: the state entry it holds (shared or sliced), or None for a packed buffer.
       buffer: the dtype of the packed buffer it is, or None for an entry.
+      local: `accumulate="local"`: the parameter leaf whose per-device gradient sums it holds, `[devices, *shape]`.
     """
 
     name: str
@@ -55,6 +57,7 @@ class StoredArray:
     spec: tuple[tuple[str, ...], ...]
     entry: int | None = None
     buffer: str | None = None
+    local: int | None = None
 
     @property
     def partition_spec(self) -> P:
@@ -86,6 +89,11 @@ def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[S
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
                                buffer=d))
+    if layout.accumulate == "local":
+        for i, leaf in enumerate(layout.leaves):
+            out.append(StoredArray(_names.local_array(k, i), (leaf.blocks * leaf.group, *leaf.shape),
+                                   np.dtype(np.promote_types(leaf.dtype, np.float32)).name,
+                                   (layout.history_axes(leaf),) + ((),) * len(leaf.shape), local=i))
     return out
 
 
@@ -94,7 +102,8 @@ def state_values(state: ZeroState) -> list[Any]:
     values = list(jax.tree.leaves(state.inner_state))
     if state.master is not None:
         values += jax.tree.leaves(state.master)
-    return values + [state.buffers[d] for d in sorted(state.buffers)]
+    values += [state.buffers[d] for d in sorted(state.buffers)]
+    return values + ([] if state.local is None else jax.tree.leaves(state.local))
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
@@ -105,5 +114,9 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     master = None
     if template.master is not None:
         master = jax.tree.unflatten(jax.tree.structure(template.master), values[n_inner:n_inner + n_master])
-    buffers = dict(zip(sorted(template.buffers), values[n_inner + n_master:]))
-    return ZeroState(inner, buffers, master, template.layout)
+    n_buffers = len(template.buffers)
+    buffers = dict(zip(sorted(template.buffers), values[n_inner + n_master:n_inner + n_master + n_buffers]))
+    local = None
+    if template.local is not None:
+        local = jax.tree.unflatten(jax.tree.structure(template.local), values[n_inner + n_master + n_buffers:])
+    return ZeroState(inner, buffers, master, template.layout, local)

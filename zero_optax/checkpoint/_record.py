@@ -59,8 +59,11 @@ _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
-    return {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "spec": [list(axes) for axes in a.spec],
-            "entry": a.entry, "buffer": a.buffer}
+    out = {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "spec": [list(axes) for axes in a.spec],
+           "entry": a.entry, "buffer": a.buffer}
+    if a.local is not None:  # only local accumulators: format-2 records without them stay byte-identical
+        out["local"] = a.local
+    return out
 
 
 def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
@@ -75,7 +78,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
     pack = layout.state_packing
-    return {
+    out = {
         "partition": layout.partition,
         "axis_name": layout.axis_name if isinstance(layout.axis_name, str) else list(layout.axis_name),
         "world_size": layout.world_size,
@@ -91,6 +94,9 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
         "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
         "packing": packing_json(layout, pack),
     }
+    if layout.accumulate == "local":  # sharded accumulators are ordinary entries; local ones are extra arrays
+        out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
+    return out
 
 
 def new_record(tree: str, states: list[dict[str, Any]], storage: str) -> dict[str, Any]:

@@ -108,9 +108,20 @@ class Remap:
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
         self.old_pack = saved.layout.state_packing
         self.new_pack = target.state_packing
+        if target.accumulate == "local":
+            steps = [v for j, v in shared.items() if saved.layout.entries[j].path == ".micro_step"]
+            if any(np.any(v != 0) for v in steps):
+                raise ZeroCheckpointError(
+                    f"This checkpoint was taken {int(np.max(steps[0]))} micro-batches into an accumulation cycle of "
+                    "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
+                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it at its own "
+                    "world size, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
+                    "accumulate=\"sharded\", whose accumulators reshard.")
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""
+        if array.local is not None:  # local accumulators at a cycle boundary are zero
+            return aligned_zeros(tuple(hi - lo for lo, hi in region), array.dtype)
         if array.buffer is not None:
             return self._buffer(array, region)
         e = self.target.entries[array.entry]

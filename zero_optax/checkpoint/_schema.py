@@ -147,7 +147,7 @@ def parse(record: dict[str, Any], where: str) -> Saved:
 
 def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     f = f"states[{k}]"
-    c.dict(rec, f, _STATE)
+    c.dict(rec, f, _STATE | ({"accumulate"} & set(rec) if isinstance(rec, dict) else set()))
     partition = rec["partition"]
     if partition not in (FLAT, LEAF, AUTO):
         c.fail(f"{f}.partition", f"is {_record.short(partition)}, not \"flat\", \"leaf\" or \"auto\"")
@@ -164,8 +164,14 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
         c.fail(f"{f}.leaves", "repeats a leaf path")
     entries = _entries(c, rec["entries"], f, leaves, master_dtype)
     state_tree = c.str(rec["state_tree"], f"{f}.state_tree", _record.MAX_RECORD_BYTES)
+    accumulate, steps = None, 1
+    if "accumulate" in rec:
+        acc = c.dict(rec["accumulate"], f"{f}.accumulate", {"mode", "steps"})
+        if acc["mode"] != "local":
+            c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"local\"")
+        accumulate, steps = "local", c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
     layout = Layout(partition, axis_name, n, leaves, entries, None, state_tree, None, master_dtype,
-                    tuple(mesh.items()))
+                    tuple(mesh.items()), accumulate, steps)
     arrays = _implied(c, rec, f, layout, k)
     clocks = _clocks(c, rec["clocks"], f, layout)
     return SavedState(k, layout, arrays, clocks)

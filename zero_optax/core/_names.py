@@ -84,6 +84,12 @@ def buffer_array(state: int, dtype: str) -> str:
     return _checked(f"{int(state)}.buffer_{dtype}")
 
 
+def local_array(state: int, leaf: int) -> str:
+    """The name of the local gradient accumulator of parameter leaf `leaf` of zero1 state `state`
+    (`accumulate="local"`; one block per device along the leading axis), e.g. `0.local0002`."""
+    return _checked(f"{int(state)}.local{int(leaf):04d}")
+
+
 def block_key(path: str, block: int, blocks: int) -> str:
     """The key of one block of a parameter in `zero_optax.RankRecord.params`: its path when the parameter has
     one block, else `path#block<b>` (block `b` in `[0, blocks)`, row-major over the parameter's mesh axes)."""

@@ -22,7 +22,7 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _owned, _plan, _reduce, _sliced
+from zero_optax.transform import _accumulate, _layout, _owned, _plan, _reduce, _sliced
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState
 
@@ -66,16 +66,6 @@ def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
                 f"The {what} leaf `{leaf.path}` has shape {tuple(np.shape(x))}, but the parameter has shape "
                 f"{leaf.shape}.")
     return leaves
-
-
-def _full_entries(layout: Layout, full_state) -> list:
-    """The leaves of a plain optax state given to `scatter_state`, after checking it is the inner state's tree."""
-    full, treedef = jax.tree.flatten(full_state)
-    if treedef != layout.state_treedef:
-        raise ZeroStructureError(
-            f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
-            f"transformation's init gives {layout.state_tree}.")
-    return full
 
 
 def _check_extra(extra: dict, axes) -> None:
@@ -162,60 +152,56 @@ class Engine:
         sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
         slices = {i: _sliced.own_slice(values[i], layout.leaves[i], ranks[layout.zero_axes(layout.leaves[i])])
                   for i in sliced}
-        full = None if full_state is None else _full_entries(layout, full_state)
-        inner_state = self._build_sliced(layout, slices, full, ranks)
-        buffers = self._build_owned(layout, values, full, rank)
-        master = None
-        if cfg.master_dtype is not None:
-            master = _masked_tree(layout, slices)
-        return ZeroState(inner_state, buffers, master, layout)
+        full = None
+        if full_state is not None:
+            full, treedef = jax.tree.flatten(full_state)
+            if treedef != layout.state_treedef:
+                raise ZeroStructureError(
+                    f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
+                    f"transformation's init gives {layout.state_tree}.")
 
-    def _build_sliced(self, layout: Layout, slices: dict[int, jax.Array], full: list | None, ranks) -> Any:
-        """The stored inner state of the sliced view: the inner `init` on this device's slices, or the entries of
-        a plain optax state (`full`) cut to them."""
         a_entries = list(layout.unpacked_entries)
         if full is None:
-            state_a = self.cfg.inner.init(_masked_tree(layout, slices))
+            state_a = cfg.inner.init(_masked_tree(layout, slices))
             a_values = jax.tree.leaves(state_a)
         else:
             a_values = []
             for j in a_entries:
                 e = layout.entries[j]
                 x = jnp.asarray(full[j], e.dtype)
-                if e.leaf is not None:
-                    leaf = layout.leaves[e.leaf]
-                    x = _sliced.own_slice(x, leaf, ranks[layout.zero_axes(leaf)])
-                a_values.append(x)
-        return jax.tree_util.tree_unflatten(self._view(layout, None), self._to_storage(layout, a_entries, a_values,
-                                                                                        ranks))
-
-    def _build_owned(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
-        """The packed buffers of the owned leaves: row `r` holds the state (and master copies) of the leaves device
-        `r` owns, from the inner `init` on them or from a plain optax state (`full`). Empty when no leaf is owned."""
-        cfg = self.cfg
+                a_values.append(x if e.leaf is None else
+                                _sliced.own_slice(x, layout.leaves[e.leaf], ranks[layout.zero_axes(layout.leaves[e.leaf])]))
+        inner_state = jax.tree_util.tree_unflatten(self._view(layout, None), self._to_storage(layout, a_entries,
+                                                                                               a_values, ranks))
+        buffers = {}
         packing = layout.state_packing
-        if not packing.sizes:
-            return {}
+        if packing.sizes:
+            def branch(r):
+                def run(values, full):
+                    owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+                    if full is None:
+                        b_entries = self._owned_entries(layout, r)
+                        self._view(layout, r)  # checks the entry order this device packs
+                        state = cfg.inner.init(_tree(layout, _layout.masked_view(values, owned)))
+                        got = dict(zip(b_entries, jax.tree.leaves(state)))
+                    else:
+                        got = {j: full[j] for j in layout.rank_entries(r) if layout.entries[j].role != MASTER}
+                    for j in layout.rank_entries(r):
+                        if layout.entries[j].role == MASTER:
+                            got[j] = values[layout.entries[j].leaf]
+                    items = {j: got[j] for j in layout.rank_entries(r)}
+                    return _compat.pvary(_owned.pack(items, packing.offsets[r], packing.sizes), layout.axes)
+                return run
 
-        def branch(r):
-            def run(values, full):
-                owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
-                if full is None:
-                    b_entries = self._owned_entries(layout, r)
-                    self._view(layout, r)  # checks the entry order this device packs
-                    state = cfg.inner.init(_tree(layout, _layout.masked_view(values, owned)))
-                    got = dict(zip(b_entries, jax.tree.leaves(state)))
-                else:
-                    got = {j: full[j] for j in layout.rank_entries(r) if layout.entries[j].role != MASTER}
-                for j in layout.rank_entries(r):
-                    if layout.entries[j].role == MASTER:
-                        got[j] = values[layout.entries[j].leaf]
-                items = {j: got[j] for j in layout.rank_entries(r)}
-                return _compat.pvary(_owned.pack(items, packing.offsets[r], packing.sizes), layout.axes)
-            return run
-
-        buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
-        return {d: b[None] for d, b in buffers.items()}
+            buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
+            buffers = {d: b[None] for d, b in buffers.items()}
+        master = None
+        if cfg.master_dtype is not None:
+            master = _masked_tree(layout, slices)
+        local = None
+        if layout.accumulate == _accumulate.LOCAL:
+            local = _accumulate.init_local(layout, params, layout.axes)
+        return ZeroState(inner_state, buffers, master, layout, local)
 
     @staticmethod
     def _to_storage(layout: Layout, entries: list[int], values: list, ranks) -> list:
@@ -257,43 +243,21 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, grads, state, params=None, *, weight=None, **extra):
+    def checked(self, state, grads) -> tuple[Layout, list[jax.Array]]:
+        """The state's layout and the gradient leaves, after `check_layout` and `check_tree`."""
+        layout = check_layout(state, self.cfg.axis_name)
+        return layout, check_tree(grads, layout, "gradients")
+
+    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
+        """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
+        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
         cfg = self.cfg
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
-        ranks = self._ranks(layout)
-        rank = ranks[layout.axes]
-        denom = _reduce.denominator(weight, layout.axes, layout.world_size)
-        inner_dt = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
-        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
-        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
-        owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
-
-        # Sliced view: every device, its own coordinates.
-        g_sl = self._reduce_sliced(layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks)
-        m_sl, p_sl = self._sliced_params(layout, sliced, p_leaves, state, ranks)
-        u_a, new_inner, shared_old = self._update_sliced(layout, sliced, g_sl, p_sl, state, denom.ok, ranks, extra)
-
-        # Owned views: one switch branch per device.
-        new_buffers, u_owned = dict(state.buffers), {}
-        if owned:
-            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
-                                                      inner_dt, sum_dt, extra, rank)
-
-        # New parameters (master copies) or updates, gathered to every device.
-        updates, new_master = self._gather_sliced(layout, sliced, u_a, m_sl, p_leaves, state, denom.ok, ranks)
-        updates.update(u_owned)
-        if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
-            md = cfg.master_dtype
-            updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
-            if denom.ok is not None:
-                updates = {i: jnp.where(denom.ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        new_state = ZeroState(new_inner, new_buffers, new_master, layout)
-        return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
-
-    def _check_step(self, grads, state, params, weight, extra) -> tuple[Layout, list, list | None]:
-        """The state's layout and the leaves of `grads` and `params`, after checking every argument of `update`."""
-        cfg = self.cfg
+        if cfg.accumulating is not None and hooks is None:
+            return _accumulate.update(self, grads, state, params, weight, extra)
+        inner = cfg.inner if hooks is None else hooks.inner
+        stepping = hooks is None or hooks.step
         layout = check_layout(state, cfg.axis_name)
+        n = layout.world_size
         g_leaves = check_tree(grads, layout, "gradients")
         p_leaves = None if params is None else check_tree(params, layout, "parameters")
         if cfg.master_dtype is not None and p_leaves is None:
@@ -301,21 +265,28 @@ class Engine:
                 "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
                 "the returned updates move them onto the master copy.")
         reducing = cfg.reduce is not None
-        _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
-                                reducing)
+        if hooks is None or hooks.checked:
+            _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
+                                    reducing)
         if weight is not None and not reducing:
             raise WeightError(
                 "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
                 "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
                 "reduce=True.")
         _check_extra(extra, layout.axes)
-        return layout, g_leaves, p_leaves
+        ranks = self._ranks(layout)
+        rank = ranks[layout.axes]
+        denom = _reduce.denominator(weight, layout.axes, n) if hooks is None else hooks.denom
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
+                    else hooks.grad_dtypes)
+        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
+        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
+        owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
+        master = cfg.master_dtype is not None
+        ok = denom.ok
 
-    def _sliced_params(self, layout: Layout, sliced: list[int], p_leaves: list | None, state: ZeroState, ranks
-                       ) -> tuple[dict[int, jax.Array], dict[int, jax.Array] | None]:
-        """This device's master slices (empty without `master_dtype`) and the parameter slices the inner update
-        sees: the master slices, this device's slices of `params`, or None without parameters."""
-        master = self.cfg.master_dtype is not None
+        # Sliced view: every device, its own coordinates.
+        g_sl = self._reduce_sliced(layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks)
         m_sl = {}
         if master:
             m_sl = dict(zip(sliced, jax.tree.leaves(state.master)))
@@ -324,79 +295,62 @@ class Engine:
             p_sl = m_sl if master else {i: _sliced.own_slice(p_leaves[i], layout.leaves[i],
                                                               ranks[layout.zero_axes(layout.leaves[i])])
                                         for i in sliced}
-        return m_sl, p_sl
-
-    def _update_sliced(self, layout: Layout, sliced: list[int], g_sl, p_sl, state: ZeroState, ok, ranks, extra
-                       ) -> tuple[dict[int, jax.Array], Any, dict[int, jax.Array]]:
-        """The inner update on the sliced view, which every device runs on its own coordinates.
-
-        Returns the updates of the sliced leaves (this device's slices), the new stored inner state (the old one
-        where the step is skipped) and the old values of the shared entries, which the owned views read.
-        """
         a_entries = list(layout.unpacked_entries)
         g_view = _masked_tree(layout, g_sl)
         stored = jax.tree.leaves(state.inner_state)
         p_view = None if p_sl is None else _masked_tree(layout, p_sl)
-        a_old, old_a, u_a, new_a = self._run_sliced_view(layout, a_entries, stored, g_view, p_view, extra)
-        _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
-        new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
-        u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
-        new_inner = jax.tree_util.tree_unflatten(
-            self._view(layout, None), _reduce.skip_if_empty(ok, new_a_values, jax.tree.leaves(state.inner_state)))
-        shared_old = {j: x for j, x in zip(a_entries, a_old) if layout.entries[j].leaf is None}
-        return u_a, new_inner, shared_old
-
-    def _run_sliced_view(self, layout: Layout, a_entries: list[int], stored: list, g_view, p_view, extra):
-        """Runs the inner update on the sliced view's stored state; returns the old state's values, the old state,
-        the updates and the new state.
-
-        The shared entries come back from storage typed varying. Some inner updates need them invariant (a
-        `lax.cond`'s branches must agree on their types: `reduce_on_plateau`); the first such failure switches this
-        layout to invariant shared entries for good, and the update is traced again.
-        """
-        cfg = self.cfg
         invariant = self._invariant.get(layout, False)
         a_old = self._from_storage(layout, a_entries, stored, invariant)
         old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
         try:
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
         except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
             if invariant or "manual axis types" not in str(e):
                 raise
             self._invariant[layout] = True
             a_old = self._from_storage(layout, a_entries, stored, invariant=True)
             old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-            u_a, new_a = cfg.inner.update(g_view, old_a, p_view, **extra)
-        return a_old, old_a, u_a, new_a
+            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
+        _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
+        new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
+        u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
+        new_inner = jax.tree_util.tree_unflatten(
+            self._view(layout, None), _reduce.skip_if_empty(ok, new_a_values, jax.tree.leaves(state.inner_state)))
 
-    def _gather_sliced(self, layout: Layout, sliced: list[int], u_a: dict, m_sl: dict, p_leaves: list | None,
-                       state: ZeroState, ok, ranks) -> tuple[dict[int, jax.Array], Any]:
-        """The sliced leaves' full results, all-gathered in buckets to every device, and the new master slices.
+        # Owned views: one switch branch per device.
+        new_buffers, u_owned = dict(state.buffers), {}
+        if owned:
+            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, a_entries, a_old,
+                                                      denom, inner_dt, sum_dt, extra, rank, inner, stepping)
+        if not stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
+            return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
-        With `master_dtype` each device adds its updates to its master slices and every device receives the new
-        master values rounded to the parameter dtype; otherwise every device receives the updates (zero where the
-        step is skipped).
-        """
-        cfg = self.cfg
+        # New parameters (master copies) or updates, gathered to every device.
         updates = {}
         new_master = state.master
-        if not sliced:
-            return updates, new_master
-        if cfg.master_dtype is not None:
-            m_new = {i: _sliced.zero_padding((m_sl[i] + u_a[i]).astype(m_sl[i].dtype), layout.leaves[i],
-                                             ranks[layout.zero_axes(layout.leaves[i])]) for i in sliced}
-            m_new = _reduce.skip_if_empty(ok, m_new, m_sl)
-            new_master = jax.tree.unflatten(jax.tree.structure(state.master), [m_new[i] for i in sliced])
-            rounded = {i: m_new[i].astype(p_leaves[i].dtype) for i in sliced}
-            buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(p_leaves[i].dtype).name for i in sliced],
-                                           cfg.bucket_bytes)
-            updates.update(_sliced.gather(rounded, layout, buckets))
-        else:
-            u_a = _reduce.skip_if_empty(ok, u_a, jax.tree.map(jnp.zeros_like, u_a))
-            buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(u_a[i].dtype).name for i in sliced],
-                                           cfg.bucket_bytes)
-            updates.update(_sliced.gather(u_a, layout, buckets))
-        return updates, new_master
+        if sliced:
+            if master:
+                m_new = {i: _sliced.zero_padding((m_sl[i] + u_a[i]).astype(m_sl[i].dtype), layout.leaves[i],
+                                                 ranks[layout.zero_axes(layout.leaves[i])]) for i in sliced}
+                m_new = _reduce.skip_if_empty(ok, m_new, m_sl)
+                new_master = jax.tree.unflatten(jax.tree.structure(state.master), [m_new[i] for i in sliced])
+                rounded = {i: m_new[i].astype(p_leaves[i].dtype) for i in sliced}
+                buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(p_leaves[i].dtype).name for i in sliced],
+                                               cfg.bucket_bytes)
+                updates.update(_sliced.gather(rounded, layout, buckets))
+            else:
+                u_a = _reduce.skip_if_empty(ok, u_a, jax.tree.map(jnp.zeros_like, u_a))
+                buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(u_a[i].dtype).name for i in sliced],
+                                               cfg.bucket_bytes)
+                updates.update(_sliced.gather(u_a, layout, buckets))
+        updates.update(u_owned)
+        if master:  # every device moves its parameters onto the gathered, rounded master copy
+            md = cfg.master_dtype
+            updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
+            if ok is not None:
+                updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
+        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
+        return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
     def _reduce_sliced(self, layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks) -> dict[int, jax.Array]:
         """Each device's `(slots,)` block of every sliced leaf's reduced gradient, in the inner's dtype."""
@@ -412,89 +366,11 @@ class Engine:
             return _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
         return _sliced.reduce_scatter(grads, layout, buckets, denom, inner_dt)
 
-    def _update_owned(self, layout, owned, g_leaves, p_leaves, state, shared_old, denom, inner_dt, sum_dt, extra,
-                      rank):
-        """The inner update on every device's owned view, in one `lax.switch` on the device index.
-
-        Gradients reach the owners (`_owned_gradients`), each device updates the state packed in its row of the
-        buffers, and the owned leaves' updates (or new master values, rounded) return to every device by an
-        all-gather of one packing. Returns the new buffers and those updates.
-        """
+    def _update_owned(self, layout, owned, g_leaves, p_leaves, state, a_entries, a_old, denom, inner_dt, sum_dt,
+                      extra, rank, inner, stepping=True):
         cfg = self.cfg
         n = layout.world_size
         master = cfg.master_dtype is not None
-        mode, plan_g, grad_input = self._owned_gradients(layout, owned, g_leaves, denom, inner_dt, sum_dt)
-        u_dtypes = ({i: np.dtype(p_leaves[i].dtype).name for i in owned} if master else
-                    {i: d for i, d in self._update_dtypes(layout, extra).items() if i in owned})
-        plan_u = _owned.leaf_plan(layout, u_dtypes)
-        packing = layout.state_packing
-        shapes = {i: layout.leaves[i].shape for i in owned}
-        old_buffers = {d: b[0] for d, b in state.buffers.items()}
-
-        def branch(r):
-            mine = [i for i in owned if layout.leaves[i].owner == r]
-
-            def run(grad_input, buffers, p_leaves):
-                if mode == "psum_scatter":
-                    got = _owned.unpack(grad_input, plan_g.offsets[r], shapes)
-                    g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
-                else:
-                    g = {i: grad_input[i] for i in mine}
-                values, u = self._owned_view_update(layout, r, mine, g, buffers, p_leaves, shared_old, extra)
-                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
-                if n == 1:
-                    return new_buffers, u
-                u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
-                return _compat.pvary((new_buffers, u_buffers), layout.axes)
-            return run
-
-        new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
-        new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
-        new_buffers = {d: b[None] for d, b in new.items()}
-        u = _gather_owned(layout, u_out, plan_u)
-        if not master:
-            u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
-        return new_buffers, u
-
-    def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array], buffers,
-                           p_leaves: list | None, shared_old: dict[int, jax.Array], extra):
-        """Inside device `r`'s branch: the inner update of its owned view, the leaves `mine` with gradients `g`.
-
-        The old state is the entries stored in `r`'s row of `buffers` and the shared entries' old values. Returns
-        the new values of `r`'s stored entries (master copies included) and what every device must receive for
-        `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype.
-        """
-        cfg = self.cfg
-        master = cfg.master_dtype is not None
-        entries = layout.rank_entries(r)
-        stored = _owned.unpack(buffers, layout.state_packing.offsets[r], {j: layout.entries[j].shape for j in entries})
-        b_entries = self._owned_entries(layout, r)
-        old = jax.tree_util.tree_unflatten(self._view(layout, r), [shared_old[j] if j in shared_old
-                                                                    else stored[j] for j in b_entries])
-        masters = {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER}
-        if p_leaves is None:
-            p_view = None
-        else:
-            p = masters if master else {i: p_leaves[i] for i in mine}
-            p_view = _masked_tree(layout, p)
-        g_view = _masked_tree(layout, g)
-        u, new = cfg.inner.update(g_view, old, p_view, **extra)
-        _check_returned(u, new, g_view, old, f"leaves device {r} owns")
-        u = dict(zip(mine, jax.tree.leaves(u)))
-        values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
-        if master:
-            u = _step_masters(layout, entries, masters, u, values, p_leaves)
-        return values, u
-
-    def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):
-        """How the owned leaves' gradients reach their owners, and the switch operand that carries them.
-
-        `"psum_scatter"`: owner-packed rows, reduce-scattered (each owner receives its row, still to be divided);
-        `"psum"`: every owned leaf all-reduced and divided; otherwise (the gradients already are the global mean)
-        the leaves as they are. Returns the mode, the gradients' packing and the operand.
-        """
-        cfg = self.cfg
-        n = layout.world_size
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
@@ -507,25 +383,66 @@ class Engine:
                           for i in owned}
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
-        return mode, plan_g, grad_input
+        u_dtypes = ({i: np.dtype(p_leaves[i].dtype).name for i in owned} if master else
+                    {i: d for i, d in self._update_dtypes(layout, extra).items() if i in owned})
+        plan_u = _owned.leaf_plan(layout, u_dtypes)
+        packing = layout.state_packing
+        shapes = {i: layout.leaves[i].shape for i in owned}
+        shared_old = {j: x for j, x in zip(a_entries, a_old) if layout.entries[j].leaf is None}
+        old_buffers = {d: b[0] for d, b in state.buffers.items()}
 
+        def branch(r):
+            mine = [i for i in owned if layout.leaves[i].owner == r]
 
-def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dict[int, jax.Array], values: dict,
-                  p_leaves: list) -> dict[int, jax.Array]:
-    """Inside an owner's branch: adds its updates `u` to its master copies (written into `values`, to be packed)
-    and returns the new master values rounded to the parameter dtype, which every device then receives."""
-    for j in entries:
-        if layout.entries[j].role == MASTER:
-            i = layout.entries[j].leaf
-            values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
-    return {i: values[j].astype(p_leaves[i].dtype) for j in entries
-            if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
+            def run(grad_input, buffers, p_leaves):
+                if mode == "psum_scatter":
+                    got = _owned.unpack(grad_input, plan_g.offsets[r], shapes)
+                    g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
+                else:
+                    g = {i: grad_input[i] for i in mine}
+                entries = layout.rank_entries(r)
+                stored = _owned.unpack(buffers, packing.offsets[r], {j: layout.entries[j].shape for j in entries})
+                b_entries = self._owned_entries(layout, r)
+                old = jax.tree_util.tree_unflatten(self._view(layout, r), [shared_old[j] if j in shared_old
+                                                                            else stored[j] for j in b_entries])
+                masters = {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER}
+                if p_leaves is None:
+                    p_view = None
+                else:
+                    p = masters if master else {i: p_leaves[i] for i in mine}
+                    p_view = _masked_tree(layout, p)
+                g_view = _masked_tree(layout, g)
+                u, new = inner.update(g_view, old, p_view, **extra)
+                _check_returned(u, new, g_view, old, f"leaves device {r} owns")
+                u = dict(zip(mine, jax.tree.leaves(u)))
+                values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
+                if master and stepping:
+                    for j in entries:
+                        if layout.entries[j].role == MASTER:
+                            i = layout.entries[j].leaf
+                            values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
+                    u = {i: values[j].astype(p_leaves[i].dtype) for j in entries
+                         if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
+                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                if not stepping:
+                    return _compat.pvary(new_buffers, axes) if n > 1 else new_buffers
+                if n == 1:
+                    return new_buffers, u
+                u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
+                return _compat.pvary((new_buffers, u_buffers), axes)
+            return run
 
-
-def _gather_owned(layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
-    """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
-    axes = layout.axes
-    if layout.world_size == 1:
-        return {i: jax.lax.psum(x, axes) for i, x in u_out.items()}  # retypes as replicated; XLA drops it
-    gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
-    return _owned.gathered_leaves(gathered, plan_u, layout)
+        if not stepping:
+            new = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+            return {d: b[None] for d, b in new.items()}, {}
+        new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+        new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
+        new_buffers = {d: b[None] for d, b in new.items()}
+        if n == 1:
+            u = {i: jax.lax.psum(x, axes) for i, x in u_out.items()}  # retypes as replicated; XLA drops it
+        else:
+            gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
+            u = _owned.gathered_leaves(gathered, plan_u, layout)
+        if not master:
+            u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
+        return new_buffers, u

@@ -39,6 +39,8 @@ PARTITIONS = (FLAT, LEAF, AUTO)
 
 STATE = "state"
 MASTER = "master"
+ACC_PREFIX = ".acc"
+"""Sharded gradient accumulators are entries whose path starts with this (`_accumulate.AccumulateState.acc`)."""
 MASTER_PREFIX = "<master>"
 """Master-copy entries are named `<master>` followed by the parameter leaf's path."""
 
@@ -153,6 +155,9 @@ class Layout:
       state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
       master_dtype: the dtype name of the master copies, or None.
       axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
+      accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
+        (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
+      accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
     """
 
     partition: str
@@ -165,6 +170,8 @@ class Layout:
     state_treedef: Any = dataclasses.field(default=None, repr=False)
     master_dtype: str | None = None
     axis_sizes: tuple[tuple[str, int], ...] = ()
+    accumulate: str | None = None
+    accumulate_steps: int = 1
 
     def __hash__(self) -> int:
         return self._hash
@@ -172,7 +179,7 @@ class Layout:
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
-                     self.state_tree, self.master_dtype, self.axis_sizes))
+                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps))
 
     # Views that users read.
     @property
@@ -258,6 +265,8 @@ class Layout:
         for e in self.entries:
             if role is not None and e.role != role:
                 continue
+            if role == STATE and self.accumulate == "sharded" and e.leaf is not None and e.path.startswith(ACC_PREFIX):
+                continue  # counted by accumulator_bytes_per_device
             if e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank:
                 total += e.nbytes
         return total
@@ -271,6 +280,21 @@ class Layout:
     def master_bytes_per_device(self) -> tuple[int, ...]:
         """Bytes each device needs for master copies (zero without `master_dtype`)."""
         return tuple(self._bytes(r, MASTER) for r in range(self.world_size))
+
+    @property
+    def accumulator_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for gradient accumulators (zero without `accumulate_steps`): sharded, its share
+        of the float32 sums (1/N of sliced leaves, whole owned leaves at their owner); local, full-size sums."""
+        if self.accumulate == "local":
+            total = sum(leaf.size * np.dtype(np.promote_types(leaf.dtype, np.float32)).itemsize
+                        for leaf in self.leaves)
+            return (total,) * self.world_size
+        out = []
+        for r in range(self.world_size):
+            out.append(sum(e.nbytes for e in self.entries if self.accumulate == "sharded" and e.leaf is not None
+                           and e.path.startswith(ACC_PREFIX)
+                           and (self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == r)))
+        return tuple(out)
 
     @property
     def stored_bytes_per_device(self) -> int:
@@ -291,7 +315,9 @@ class Layout:
         lines.append(f"state bytes per device: {list(self.state_bytes_per_device)}; "
                      + (f"master bytes per device: {list(self.master_bytes_per_device)}; " if self.master_dtype
                         else "")
-                     + f"stored per device: {self.stored_bytes_per_device}")
+                     + f"stored per device: {self.stored_bytes_per_device}"
+                     + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
+                        f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
         return "\n".join(lines)
 
 

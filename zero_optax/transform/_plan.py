@@ -77,6 +77,15 @@ class Config:
     master_dtype: Any
     assume_elementwise: bool
     bucket_bytes: int
+    accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
+
+    @property
+    def accumulate(self) -> str | None:
+        return None if self.accumulating is None else self.accumulating.mode
+
+    @property
+    def accumulate_steps(self) -> int:
+        return 1 if self.accumulating is None else self.accumulating.steps
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -269,7 +278,7 @@ def build_layout(cfg: Config, params) -> Layout:
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
-                  tuple(axis_sizes.items()))
+                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps)
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:

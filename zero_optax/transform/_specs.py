@@ -37,7 +37,10 @@ def specs_of(state: ZeroState) -> ZeroState:
     if master is not None:
         sliced = [leaf for leaf in layout.leaves if leaf.sliced]
         master = jax.tree.unflatten(jax.tree.structure(master), [history_spec(layout, leaf) for leaf in sliced])
-    return ZeroState(jax.tree.unflatten(treedef, inner), buffers, master, layout)
+    local = state.local
+    if local is not None:
+        local = jax.tree_util.tree_unflatten(layout.treedef, [history_spec(layout, leaf) for leaf in layout.leaves])
+    return ZeroState(jax.tree.unflatten(treedef, inner), buffers, master, layout, local)
 
 
 def tree_specs(tree: Any) -> Any:

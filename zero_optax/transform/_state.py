@@ -11,7 +11,7 @@ import jax
 from zero_optax.transform._layout import Layout
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner_state", "buffers", "master"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner_state", "buffers", "master", "local"],
                    meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
@@ -30,12 +30,16 @@ class ZeroState:
         slice (laid out like its histories) and `optax.MaskedNode()` for owned leaves, whose masters are packed in
         `buffers`.
       layout: static description of the partition (see `zero_optax.describe`).
+      local: None unless `accumulate="local"`; then a tree like the parameters holding each device's own float32
+        gradient sums of the current accumulation cycle, `[1, *shape]` per device (global leading axis over the
+        leaf's axes and the ZeRO axes).
     """
 
     inner_state: Any
     buffers: dict[str, jax.Array]
     master: Any
     layout: Layout
+    local: Any = None
 
 
 ZeroFlatState = ZeroState

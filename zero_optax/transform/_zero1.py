@@ -11,7 +11,7 @@ import optax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _engine, _mesh, _plan, _sliced
+from zero_optax.transform import _accumulate, _engine, _mesh, _plan, _sliced
 from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
 from zero_optax.transform._state import ZeroState, find_states
 
@@ -58,6 +58,8 @@ def zero1(
     mesh: jax.sharding.Mesh | None = None,
     assume_elementwise: bool = False,
     bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
+    accumulate_steps: int = 1,
+    accumulate: str = "sharded",
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
 
@@ -114,6 +116,15 @@ def zero1(
         the analysis cannot see into; a wrong answer is then your responsibility.
       bucket_bytes: sliced leaves travel in buckets of at least this many bytes (one reduce-scatter and one
         all-gather per bucket); `0` sends every leaf on its own.
+      accumulate_steps: accumulate gradients over this many `update` calls (one per micro-batch) per optimizer
+        step, like `optax.MultiSteps`: the k-th call of a cycle runs the inner update once on the mean over every
+        (device, micro-batch) pair (with `weight=`: the sum of the loss-sum gradients over the sum of the weights,
+        in float32); the other calls return zero updates. A cycle whose total weight is zero is skipped.
+      accumulate: `"sharded"` (default, ZeRO-2 style): each micro-batch is reduce-scattered into float32
+        accumulators sharded like the state (1/N per device; owned leaves' at their owner), and only the final
+        call runs the inner update and all-gathers. `"local"`: each device sums its own gradients at full size
+        and the final call reduces once, the least wire (2x the parameter bytes per optimizer step) for more
+        memory. Checkpoints of local accumulators restore at another world size only at a cycle boundary.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`.
@@ -137,11 +148,17 @@ def zero1(
                         "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
         raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
+    _accumulate.check_args(accumulate_steps, accumulate)
     for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
         if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
+    inner = optax.with_extra_args_support(inner)
+    accumulating = None
+    if accumulate_steps > 1:
+        accumulating = _accumulate.Accumulating(inner, int(accumulate_steps), accumulate)
+        inner = accumulating.transformation("final")
     cfg = _plan.Config(
-        inner=optax.with_extra_args_support(inner),
+        inner=inner,
         axis_name=axis_name if isinstance(axis_name, str) else axes,
         partition=partition,
         owners=None if owners is None else tuple(owners),
@@ -150,6 +167,7 @@ def zero1(
         master_dtype=None if master_dtype is None else jnp.dtype(master_dtype),
         assume_elementwise=bool(assume_elementwise),
         bucket_bytes=int(bucket_bytes),
+        accumulating=accumulating,
     )
     z = Zero1(cfg, mesh)
     return optax.GradientTransformationExtraArgs(z.init, z.update)
