@@ -384,3 +384,76 @@ def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -
             result["branches"].append(per)
             result["kinds"].append(kinds)
     return result
+
+
+# ------------------------------------------------------------------ memory-kind transfers (offload)
+
+_PLACEMENT_RE = re.compile(
+    r"custom_call @annotate_device_placement\((?P<arg>[^)]*)\)[^\n]*?_xla_buffer_placement = \"(?P<kind>\w+)\""
+    r"[^\n]*?:\s*\((?P<types>[^)]*)\)\s*->")
+_TENSOR_RE = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)>")
+_MLIR_DTYPES = {"f64": "f64", "f32": "f32", "bf16": "bf16", "f16": "f16", "i64": "s64", "i32": "s32",
+                "i16": "s16", "i8": "s8", "ui64": "u64", "ui32": "u32", "ui16": "u16", "ui8": "u8", "i1": "pred"}
+
+
+def tensor_bytes(tensor_type: str) -> int:
+    """Bytes of one StableHLO `tensor<...>` type (`tensor<3x4xf32>` is 48)."""
+    m = _TENSOR_RE.search(tensor_type)
+    if m is None:
+        raise ValueError(f"not a tensor type: {tensor_type!r}")
+    dims = [int(d) for d in m.group("dims").split("x") if d]
+    dtype = _MLIR_DTYPES.get(m.group("dtype"), m.group("dtype"))
+    return (int(np.prod(dims)) * _dtype_bits(dtype) + 7) // 8 if dims else (_dtype_bits(dtype) + 7) // 8
+
+
+def placement_transfers(stablehlo_text: str) -> list[dict[str, Any]]:
+    """Every memory-kind move in a lowered StableHLO module, in program order: `{"to", "bytes", "in_shard_map"}`.
+
+    JAX lowers `jax.device_put(x, jax.memory.Space.Host / Device)` inside `jit` on GPU and TPU to a
+    `custom_call @annotate_device_placement` whose `_xla_buffer_placement` names the destination (`"pinned_host"`
+    or `"device"`); XLA turns each into a host<->device copy (or nothing, where the value is already there). On
+    CPU JAX emits none (host and device memory are one RAM), so lower with
+    `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` to see what a GPU runs. Moves inside a
+    `shard_map` body (`in_shard_map`) have per-device shapes; outside it, `jit` annotates the memory kinds of its
+    results with global shapes.
+    """
+    out = []
+    body_indent = None
+    for line in stablehlo_text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if body_indent is not None and indent <= body_indent and line.lstrip().startswith("}"):
+            body_indent = None
+        if "sdy.manual_computation(" in line or "shard_map" in line and "func.func" in line:
+            body_indent = indent
+            continue
+        m = _PLACEMENT_RE.search(line)
+        if m:
+            out.append({"to": m.group("kind"), "bytes": tensor_bytes(m.group("types")),
+                        "in_shard_map": body_indent is not None})
+    return out
+
+
+def host_entry_buffers(hlo_text: str) -> dict[str, list[int]]:
+    """Bytes of the entry computation's parameters and results that live in host memory (layout `S(5)`).
+
+    XLA marks an array in `pinned_host` memory with memory space 5 in its layout (`f32[8]{0:S(5)}`); the entry
+    computation layout of a compiled module (`compiled.as_text()`) lists every parameter and result.
+    """
+    start = hlo_text.find("entry_computation_layout={")
+    if start < 0:
+        raise ValueError("no entry_computation_layout in this HLO text")
+    start += len("entry_computation_layout={")
+    depth, end = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        end += 1
+    layout = hlo_text[start:end - 1]
+    close = _balanced(layout, 0)
+    params, results = layout[1:close - 1], layout[close + 2:]
+    if results.startswith("("):
+        results = results[1:-1]
+
+    def host(text: str) -> list[int]:
+        return [shape_bytes(part) for part in _split_top(text) if ":S(5)" in part]
+
+    return {"parameters": host(params), "results": host(results)}

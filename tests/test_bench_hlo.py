@@ -165,3 +165,28 @@ def test_replica_groups_in_every_printed_form():
     assert replica_groups("x, replica_groups=mesh['data'=4,'model'=2] {'model'}, x") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert replica_groups("x, replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, x") == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert replica_groups("x, dimensions={0}") == []
+
+
+def test_placement_transfers_and_host_entry_buffers():
+    from benchmarks.hlo import host_entry_buffers, placement_transfers
+
+    stablehlo = """
+  func.func public @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = sdy.manual_computation(%arg0) in_shardings=[] out_shardings=[] manual_axes={"data"} (%arg1: tensor<2xf32>) {
+      %1 = stablehlo.custom_call @annotate_device_placement(%arg1) {has_side_effect = true, mhlo.frontend_attributes = {_xla_buffer_placement = "device"}} : (tensor<2xf32>) -> tensor<2xf32>
+      %2 = stablehlo.custom_call @annotate_device_placement(%1) {has_side_effect = true, mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<2x3xbf16>) -> tensor<2x3xbf16>
+      sdy.return %2 : tensor<2xf32>
+    } : (tensor<8xf32>) -> tensor<8xf32>
+    %3 = stablehlo.custom_call @annotate_device_placement(%0) {has_side_effect = true, mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<8xi32>) -> tensor<8xi32>
+    return %3 : tensor<8xf32>
+  }
+"""
+    assert placement_transfers(stablehlo) == [
+        {"to": "device", "bytes": 8, "in_shard_map": True},
+        {"to": "pinned_host", "bytes": 12, "in_shard_map": True},
+        {"to": "pinned_host", "bytes": 32, "in_shard_map": False}]
+    hlo = ("HloModule m, entry_computation_layout={(f32[2]{0:S(5)}, f32[4,3]{1,0}, s32[7]{0:S(5)})"
+           "->(f32[2]{0:S(5)}, bf16[6]{0})}, num_partitions=4\n")
+    assert host_entry_buffers(hlo) == {"parameters": [8, 28], "results": [8]}
+    assert host_entry_buffers("HloModule m, entry_computation_layout={(f32[2]{0})->f32[2]{0:S(5)}}\n") == {
+        "parameters": [], "results": [8]}

@@ -35,6 +35,7 @@ from zero_optax.checkpoint import (
     _tree,
 )
 from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.transform import _offload
 
 OrbaxRead = Callable[[Any, dict[str, jax.ShapeDtypeStruct]], dict[str, jax.Array]]
 """Reads named arrays of an Orbax-written item into the shardings of the given structs."""
@@ -54,7 +55,7 @@ def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
                 f"{what} is sharded over an abstract mesh ({sharding.mesh}), which names no devices. Restore "
                 "inside `with jax.set_mesh(mesh):` with the concrete mesh, or give the target leaves "
                 "NamedSharding(mesh, spec).")
-        return jax.sharding.NamedSharding(mesh, sharding.spec)
+        return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
     return sharding
 
 
@@ -75,7 +76,17 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
         uses[key] -= 1
         if not uses[key]:
             del blocks[key]
-    return jax.make_array_from_single_device_arrays(array.shape, sharding, singles)
+    return placed(jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles), sharding)
+
+
+def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """`sharding` in device memory: blocks are read into device memory, then placed where the target keeps them."""
+    return _offload.with_memory_kind(sharding, _offload.DEVICE if getattr(sharding, "memory_kind", None) else None)
+
+
+def placed(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`x` in the memory kind of `sharding` (`pinned_host` for an offloaded target)."""
+    return x if x.sharding.memory_kind == getattr(sharding, "memory_kind", None) else jax.device_put(x, sharding)
 
 
 class _Target(NamedTuple):
@@ -114,9 +125,10 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
     store.check([a for s in saved.states for a in s.arrays])
     shared = [_remap.shared_values(old, store.read, where_dir) for old in saved.states]
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:
-        structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
+        structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         got = orbax_read(path, structs)
+        got = {a.name: placed(got[a.name], s) for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
         return _tree.put_back(target, parts, restored)
     restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]

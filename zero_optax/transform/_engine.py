@@ -22,7 +22,7 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _accumulate, _layout, _owned, _plan, _reduce, _sliced
+from zero_optax.transform import _accumulate, _layout, _offload, _owned, _plan, _reduce, _sliced
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState
 
@@ -171,7 +171,8 @@ class Engine:
         local = None
         if layout.accumulate == _accumulate.LOCAL:
             local = _accumulate.init_local(layout, params, layout.axes)
-        return ZeroState(inner_state, buffers, master, layout, local)
+        state = ZeroState(inner_state, buffers, master, layout, local)
+        return _offload.to_host(state, cfg.bucket_bytes) if cfg.offload else state
 
     def _build_sliced(self, layout: Layout, slices: dict[int, jax.Array], full: list | None, ranks) -> Any:
         """The stored inner state of the sliced view: the inner `init` on this device's slices, or the entries of
@@ -268,6 +269,15 @@ class Engine:
     def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
         """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
         calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
+        cfg = self.cfg
+        if cfg.offload and hooks is None:  # the stored state comes to the device for the step, and goes back
+            return _offload.update(self.on_device, grads, state, params, bucket_bytes=cfg.bucket_bytes,
+                                   weight=weight, **extra)
+        return self.on_device(grads, state, params, weight=weight, hooks=hooks, **extra)
+
+    def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
+                  **extra):
+        """`update` on a state whose arrays are in device memory."""
         cfg = self.cfg
         if cfg.accumulating is not None and hooks is None:
             return _accumulate.update(self, grads, state, params, weight, extra)

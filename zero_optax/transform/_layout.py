@@ -158,6 +158,9 @@ class Layout:
       accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
         (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
       accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
+      memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
+        `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
+        arrays are in.
     """
 
     partition: str
@@ -172,6 +175,7 @@ class Layout:
     axis_sizes: tuple[tuple[str, int], ...] = ()
     accumulate: str | None = None
     accumulate_steps: int = 1
+    memory_kind: str = dataclasses.field(default="device", compare=False)
 
     def __hash__(self) -> int:
         return self._hash
@@ -306,7 +310,8 @@ class Layout:
     def summary(self) -> str:
         """A short human-readable table of the layout."""
         lines = [f"zero1 partition={self.partition!r} axis={self.axis_name!r} world_size={self.world_size}"
-                 + (f" master_dtype={self.master_dtype}" if self.master_dtype else ""),
+                 + (f" master_dtype={self.master_dtype}" if self.master_dtype else "")
+                 + f" state in {self.memory_kind} memory",
                  f"{'leaf':<40} {'shape':<16} {'dtype':<9} {'sharding':<8} {'slots':>10} {'owner':>5}"]
         for leaf in self.leaves:
             owner = "-" if leaf.owner is None else str(leaf.owner)

@@ -78,6 +78,7 @@ class Config:
     assume_elementwise: bool
     bucket_bytes: int
     accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
+    offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
 
     @property
     def accumulate(self) -> str | None:
@@ -278,7 +279,8 @@ def build_layout(cfg: Config, params) -> Layout:
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
-                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps)
+                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
+                  "pinned_host" if cfg.offload else "device")
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _mesh, _specs
+from zero_optax.transform import _mesh, _offload, _specs
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState, is_state
 from zero_optax.transform._zero1 import Zero1
@@ -60,6 +60,7 @@ def _entry(state: ZeroState, j: int) -> jax.Array:
 
 def _gather_one(state: ZeroState) -> Any:
     layout = _require_global(state, "zo.gather_state")
+    state = _offload.fetched(state)  # an offloaded state is read on the device
     values = [_entry(state, j) for j in layout.inner_entries]
     return jax.tree.unflatten(layout.state_treedef, values)
 

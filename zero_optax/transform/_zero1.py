@@ -11,7 +11,7 @@ import optax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _accumulate, _engine, _mesh, _plan, _sliced
+from zero_optax.transform import _accumulate, _engine, _mesh, _offload, _plan, _sliced
 from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
 from zero_optax.transform._state import ZeroState, find_states
 
@@ -60,6 +60,7 @@ def zero1(
     bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
     accumulate_steps: int = 1,
     accumulate: str = "sharded",
+    offload: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
 
@@ -126,6 +127,10 @@ def zero1(
         and the final call reduces once, the least wire (2x the parameter bytes per optimizer step) for more
         memory. Checkpoints of local accumulators restore at another world size only at a cycle boundary.
 
+      offload: keep every array the state stores (histories, owned buffers, master copies, accumulators) in
+        each device's `pinned_host` memory between steps (ZeRO-Offload). `update` moves the stored arrays to the
+        device in buckets of `bucket_bytes`, runs the step there and moves the new state back; `init` and
+        restores place it in host memory. Refused where the devices have no `pinned_host` memory.
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
@@ -149,6 +154,10 @@ def zero1(
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
         raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
     _accumulate.check_args(accumulate_steps, accumulate)
+    if not isinstance(offload, (bool, np.bool_)):
+        raise ZeroError(f"`offload` must be True or False, got {offload!r}.")
+    if offload:
+        _offload.check_devices(mesh.devices.flat if mesh is not None else jax.devices())
     for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
         if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
@@ -168,6 +177,7 @@ def zero1(
         assume_elementwise=bool(assume_elementwise),
         bucket_bytes=int(bucket_bytes),
         accumulating=accumulating,
+        offload=bool(offload),
     )
     z = Zero1(cfg, mesh)
     return optax.GradientTransformationExtraArgs(z.init, z.update)

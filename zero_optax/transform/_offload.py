@@ -1,0 +1,133 @@
+"""Offload: the arrays a zero1 state stores live in each device's `pinned_host` memory between steps.
+
+With `zero1(..., offload=True)` every array of the `ZeroState` (sliced histories, owned buffers, master copies,
+accumulators, step counts) is placed in host memory by `init`, and `update` brings the stored arrays to the device
+(`jax.device_put(x, jax.memory.Space.Device)` inside `shard_map`), runs the ordinary step there and returns the new
+arrays to host memory. The rule is about *where* arrays live, not about what they are, so anything a `ZeroState`
+holds follows it.
+
+Transfers go in buckets of at least `bucket_bytes` (the notion the collectives use): one `device_put` of several
+arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
+XLA's host-offload passes turn into a copy; XLA:CPU lowers `device_put` between memory kinds to nothing (host and
+device memory are the same RAM), so there only the entry parameters and results are marked host (`S(5)`):
+`benchmarks/hlo.py` counts both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_optax.core._errors import ZeroError
+
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+def memory_kinds(device: Any) -> set[str]:
+    """The memory kinds `device` exposes (`device`, `pinned_host`, `unpinned_host` on CPU, GPU and TPU)."""
+    try:
+        return {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001  (a backend without memory spaces)
+        return set()
+
+
+def check_devices(devices: Sequence[Any]) -> None:
+    """Refuses `offload=True` on devices that have no `pinned_host` memory.
+
+    Examples:
+      >>> import jax
+      >>> check_devices(jax.devices())
+    """
+    for d in devices:
+        kinds = memory_kinds(d)
+        if HOST not in kinds:
+            raise ZeroError(
+                f"zero1(offload=True) keeps the optimizer state in each device's `{HOST}` memory, but device "
+                f"{d} ({getattr(d, 'platform', '?')}) exposes the memory kinds {sorted(kinds) or 'none'}. Use "
+                f"offload=False on this backend, or a JAX release and backend whose devices have `{HOST}` "
+                "memory (CPU, GPU and TPU do).")
+
+
+def buckets(arrays: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `arrays` in order, grouped into buckets closed once they hold at least `bucket_bytes`.
+
+    `bucket_bytes <= 0` gives one bucket per array.
+
+    Examples:
+      >>> import numpy as np
+      >>> buckets([np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)], 32)
+      [[0, 1], [2]]
+    """
+    out: list[list[int]] = []
+    current: list[int] = []
+    nbytes = 0
+    for i, x in enumerate(arrays):
+        current.append(i)
+        nbytes += int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+        if nbytes >= bucket_bytes:
+            out.append(current)
+            current, nbytes = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+def _move(tree: Any, space, bucket_bytes: int) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    moved = list(leaves)
+    for group in buckets(leaves, bucket_bytes):
+        for i, x in zip(group, jax.device_put([leaves[i] for i in group], space)):
+            moved[i] = x
+    return jax.tree.unflatten(treedef, moved)
+
+
+def to_host(state: Any, bucket_bytes: int) -> Any:
+    """Inside `shard_map`: every array of `state` moved to `pinned_host` memory, in buckets."""
+    return _move(state, jax.memory.Space.Host, bucket_bytes)
+
+
+def to_device(state: Any, bucket_bytes: int) -> Any:
+    """Inside `shard_map`: every array of `state` moved to device memory, in buckets."""
+    return _move(state, jax.memory.Space.Device, bucket_bytes)
+
+
+def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
+    """`step(grads, state, params, **kwargs)` with the stored state brought to the device first and the new state
+    returned to host memory."""
+    updates, new_state = step(grads, to_device(state, bucket_bytes), params, **kwargs)
+    return updates, to_host(new_state, bucket_bytes)
+
+
+def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.sharding.Sharding:
+    """`sharding` placed in memory `kind` (None keeps it)."""
+    if kind is None or getattr(sharding, "memory_kind", None) == kind:
+        return sharding
+    return sharding.with_memory_kind(kind)
+
+
+def memory_kind_of(state: Any) -> str | None:
+    """The memory kind every array of `state` reports, or None if they differ (or have none: tracers)."""
+    kinds = {getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(state)}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def fetched(state: Any) -> Any:
+    """`state` with every array in host memory brought to device memory, for code that reads it outside the
+    step (`gather_state`): concrete arrays keep their sharding in `device` memory, traced ones (under `jax.jit`)
+    are moved with `jax.memory.Space.Device`."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if getattr(sharding, "memory_kind", DEVICE) not in (None, DEVICE):
+                return jax.device_put(x, sharding.with_memory_kind(DEVICE))
+            return x
+        try:
+            host = jax.typeof(x).memory_space == jax.memory.Space.Host
+        except Exception:  # noqa: BLE001  (older releases type no memory space)
+            host = False
+        return jax.device_put(x, jax.memory.Space.Device) if host else x
+    return jax.tree.map(one, state)
