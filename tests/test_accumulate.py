@@ -5,7 +5,7 @@ Oracles run plain optax on one device: `optax.MultiSteps(inner, k)` fed each mic
 
 Compiling the shard_map steps is most of this file's time, so every (optimizer, partition, world size, mode) has
 one init and one step function (`fns`, cached) that the tests share; equal weights are passed as `weight=1` on
-every device (the same mean as no `weight`, which the mesh-bound tests and `test_non_final_calls...` run).
+every device (the same mean as no `weight`, which the 2-D mesh, lax.scan, nnx and TrainState tests run).
 """
 
 import functools
@@ -52,29 +52,52 @@ CASES = [("adamw", "flat", 1, "sharded"), ("adamw", "flat", 3, "sharded"), ("ada
          ("recipe", "auto", 8, "sharded")]
 
 
-def mean_oracle(inner, params, cycles):
-    """`inner` on one device, fed each cycle's sum of loss-sum gradients over its sum of weights (float64 sums,
-    then the parameter's dtype); a cycle of total weight zero is skipped."""
-    state, update = inner.init(params), jax.jit(inner.update)
+@functools.lru_cache(maxsize=None)
+def oracle_fns(kind, multisteps):
+    """`(tx, jax.jit(tx.update))` of the single-device oracle, `inner_of(kind)` or `optax.MultiSteps` of it,
+    compiled once per kind (and dtype) for the whole file."""
+    tx = optax.MultiSteps(inner_of(kind), K) if multisteps else inner_of(kind)
+
+    def step(g, s, p):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    return tx, jax.jit(step)
+
+
+def mean_oracle(kind, params, cycles):
+    """`inner_of(kind)` on one device, fed each cycle's sum of loss-sum gradients over its sum of weights (float64
+    sums, then the parameter's dtype); a cycle of total weight zero is skipped."""
+    inner, update = oracle_fns(kind, False)
+    state = inner.init(params)
     for cycle in cycles:
         total = sum(float(np.sum(w)) for _, w in cycle)
         if total == 0:
             continue
         mean = jax.tree.map(lambda p, *gs: jnp.asarray(
             sum(np.asarray(g, np.float64).sum(0) for g in gs) / total, p.dtype), params, *[g for g, _ in cycle])
-        u, state = update(mean, state, params)
-        params = optax.apply_updates(params, u)
+        params, state = update(mean, state, params)
     return params, state
 
 
-def multisteps_oracle(inner, params, grads):
-    """`optax.MultiSteps(inner, K)` on one device, fed each micro-batch's global mean gradient."""
-    ms = optax.MultiSteps(inner, K)
-    s, update = ms.init(params), jax.jit(ms.update)
+def multisteps_oracle(kind, params, grads):
+    """`optax.MultiSteps(inner_of(kind), K)` on one device, fed each micro-batch's global mean gradient."""
+    ms, update = oracle_fns(kind, True)
+    s = ms.init(params)
     for g in grads:
-        u, s = update(h.reduced(g), s, params)
-        params = optax.apply_updates(params, u)
+        params, s = update(h.reduced(g), s, params)
     return params, s
+
+
+def gradient_sequence(params, n, steps, seed=0):
+    """`steps` trees of per-device gradients, each leaf `[n, *shape]` in the leaf's dtype (numpy: no compiles)."""
+    rng = np.random.default_rng(seed)
+    return [jax.tree.map(lambda p: rng.standard_normal((n, *np.shape(p)), np.float32).astype(p.dtype), params)
+            for _ in range(steps)]
+
+
+def placed(params, n):
+    """`params` replicated on the first `n` devices, as the cached steps were compiled for."""
+    return jax.device_put(params, NamedSharding(h.mesh_of(n), P()))
 
 
 def assert_inner_state(zero_state, ref_state):
@@ -115,18 +138,18 @@ def run(key, params, grads, weights):
 def test_matches_multisteps_and_token_weighted_mean(kind, partition, n, mode):
     params = h.small_params()
     # equal weights: optax.MultiSteps fed every micro-batch's global mean gradient
-    grads = h.gradient_sequence(params, n, 2 * K, seed=1)
+    grads = gradient_sequence(params, n, 2 * K, seed=1)
     got, _ = run((kind, partition, n, mode), params, grads, ones(n, 2 * K))
-    want, _ = multisteps_oracle(inner_of(kind), params, grads)
+    want, _ = multisteps_oracle(kind, params, grads)
     assert_params(got, want)
     # unequal token counts, one cycle of total weight zero (skipped), one device with weight zero
-    grads = h.gradient_sequence(params, n, 3 * K, seed=2)
+    grads = gradient_sequence(params, n, 3 * K, seed=2)
     weights = [np.arange(n, dtype=np.float32) + 1 + t for t in range(3 * K)]
     weights[2], weights[3] = np.zeros(n, np.float32), np.zeros(n, np.float32)
     weights[4][0] = 0
     got, state = run((kind, partition, n, mode), params, grads, weights)
     cycles = [list(zip(grads[c * K:(c + 1) * K], weights[c * K:(c + 1) * K])) for c in range(3)]
-    want, ref_state = mean_oracle(inner_of(kind), params, cycles)
+    want, ref_state = mean_oracle(kind, params, cycles)
     assert_params(got, want)
     assert_inner_state(state, ref_state)
 
@@ -135,9 +158,10 @@ def test_non_final_calls_move_no_all_gather_and_return_zeros():
     n, params = 3, h.small_params()
     mesh = h.mesh_of(n)
     init, step = fns("adamw", "flat", n, "sharded")
+    params = placed(params, n)
     state = init(params)
     shard = NamedSharding(mesh, P("data"))
-    g = jax.device_put(h.gradient_sequence(params, n, 1)[0], shard)
+    g = jax.device_put(gradient_sequence(params, n, 1)[0], shard)
     w = jax.device_put(jnp.ones(n), shard)
     text = step.lower(params, state, g, w).compile().as_text()
     paths = branch_collectives(text)
@@ -166,7 +190,7 @@ def test_describe_reports_accumulator_bytes():
 def test_mesh_bound_inside_lax_scan_matches_multisteps():
     n, params = 3, h.small_params()
     mesh = h.mesh_of(n)
-    tx = zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=mesh, accumulate_steps=K)
+    tx = zo.zero1(inner_of("adamw"), axis_name="data", mesh=mesh, accumulate_steps=K)
     state = tx.init(params)
 
     @jax.jit
@@ -177,10 +201,10 @@ def test_mesh_bound_inside_lax_scan_matches_multisteps():
             return (optax.apply_updates(p, u), s), None
         return jax.lax.scan(body, (p, s), gs)[0]
 
-    grads = h.gradient_sequence(params, n, 2 * K, seed=3)
+    grads = gradient_sequence(params, n, 2 * K, seed=3)
     stacked = jax.tree.map(lambda *gs: jnp.stack(gs), *[h.reduced(g) for g in grads])
     got, _ = step(params, state, stacked)
-    assert_params(got, multisteps_oracle(optax.adamw(1e-2), params, grads)[0])
+    assert_params(got, multisteps_oracle("adamw", params, grads)[0])
 
 
 # ---------------------------------------------------------------- dtypes
@@ -192,9 +216,9 @@ def test_master_dtype_matches_float32_multisteps(kind, partition, mode):
     n = 3
     params32 = h.small_params()
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
-    grads = h.gradient_sequence(params, n, 2 * K, seed=8)  # bf16 gradients
+    grads = gradient_sequence(params, n, 2 * K, seed=8)  # bf16 gradients
     got, state = run((kind, partition, n, mode, ("master_dtype", jnp.float32)), params, grads, ones(n, 2 * K))
-    want, _ = multisteps_oracle(inner_of(kind), jax.tree.map(lambda x: x.astype(jnp.float32), params),
+    want, _ = multisteps_oracle(kind, jax.tree.map(lambda x: x.astype(jnp.float32), params),
                                 [jax.tree.map(lambda g: g.astype(jnp.float32), g) for g in grads])
     master = zo.master_params(state)
     assert_params(master, want, rtol=5e-5, atol=5e-6)
@@ -217,11 +241,11 @@ def test_bf16_parameters_without_master(mode, reduce_dtype):
     rounding; `reduce_dtype` is the dtype of the micro-batch reductions."""
     n = 3
     params = h.small_params(jnp.bfloat16)
-    grads = h.gradient_sequence(params, n, 2 * K, seed=9)
+    grads = gradient_sequence(params, n, 2 * K, seed=9)
     weights = [np.arange(n, dtype=np.float32) + 1 + t for t in range(2 * K)]
     key = ("adamw", "flat", n, mode) + ((("reduce_dtype", reduce_dtype),) if reduce_dtype else ())
     got, state = run(key, params, grads, weights)
-    want, _ = mean_oracle(inner_of("adamw"), params, [list(zip(grads[c * K:(c + 1) * K], weights[c * K:(c + 1) * K]))
+    want, _ = mean_oracle("adamw", params, [list(zip(grads[c * K:(c + 1) * K], weights[c * K:(c + 1) * K]))
                                                      for c in range(2)])
     assert_params(got, want, rtol=1e-2, atol=1e-2)
     if reduce_dtype is not None or mode == "local":  # float32 sums: within the rounding of the last bf16 step
@@ -232,7 +256,8 @@ def test_bf16_parameters_without_master(mode, reduce_dtype):
         mesh = h.mesh_of(n)
         shard = NamedSharding(mesh, P("data"))
         init, step = fns(*key[:4], **dict(key[4:]))
-        dtypes = _reduce_scatter_dtypes(step, params, init(params), jax.device_put(grads[0], shard),
+        p = placed(params, n)
+        dtypes = _reduce_scatter_dtypes(step, p, init(p), jax.device_put(grads[0], shard),
                                         jax.device_put(jnp.ones(n), shard))
         assert dtypes == {"f32" if reduce_dtype else "bf16"}, dtypes
 
@@ -282,7 +307,7 @@ def test_data_by_model_mesh_with_tensor_parallel_leaves(form, mode):
     state = init(params)
     for t in range(steps):
         params, state = step(params, state, {k: place(k, v) for k, v in _grads_2d(t, n_data).items()})
-    want, _ = multisteps_oracle(inner(), _params_2d(), [_grads_2d(t, n_data) for t in range(steps)])
+    want, _ = multisteps_oracle("adamw", _params_2d(), [_grads_2d(t, n_data) for t in range(steps)])
     assert_params(params, want)
     leaf = {x.path: x for x in zo.describe(state).leaves}["['w_in']"]
     assert leaf.axes == ("model",) and leaf.blocks == 2
@@ -319,27 +344,28 @@ def _nnx_train(tx, mesh, batches):
     return nnx.state(model, nnx.Param)
 
 
-@pytest.mark.parametrize("mode", ["sharded", "local"])
-def test_nnx_optimizer_and_train_state(mode):
+@pytest.mark.parametrize("flax_api,mode", [("nnx.Optimizer", "sharded"), ("TrainState", "local")])
+def test_nnx_optimizer_and_train_state(flax_api, mode):
+    """The mesh-bound form in Flax, one micro-batch per call, against the same code with `optax.MultiSteps`."""
     mesh = h.mesh_of(3)
     batches = _micro_batches(mesh, 2 * K)
-    tx = lambda: zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=mesh, accumulate_steps=K,  # noqa: E731
-                          accumulate=mode)
-    got = _nnx_train(tx(), mesh, batches)
-    want = _nnx_train(optax.MultiSteps(optax.adamw(1e-2), K), mesh, batches)
+    txs = (zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=mesh, accumulate_steps=K, accumulate=mode),
+           optax.MultiSteps(optax.adamw(1e-2), K))
+    if flax_api == "nnx.Optimizer":
+        got, want = (_nnx_train(tx, mesh, batches) for tx in txs)
+    else:
+        params = jax.device_put({"w": jnp.linspace(-1, 1, 20).reshape(5, 4), "b": jnp.zeros(4)},
+                                NamedSharding(mesh, P()))
+        loss = lambda p, x, y: jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)  # noqa: E731
+        results = []
+        for tx in txs:
+            state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+            step = jax.jit(lambda s, x, y: s.apply_gradients(grads=jax.grad(loss)(s.params, x, y)))
+            for x, y in batches:
+                state = step(state, x, y)
+            results.append(state.params)
+        got, want = results
     assert_params(got, want)
-    # flax.training.TrainState with the same micro-batches, against MultiSteps on the same gradients
-    params = jax.device_put({"w": jnp.linspace(-1, 1, 20).reshape(5, 4), "b": jnp.zeros(4)},
-                            NamedSharding(mesh, P()))
-    loss = lambda p, x, y: jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y[:, :4]) ** 2)  # noqa: E731
-    results = []
-    for t in (tx(), optax.MultiSteps(optax.adamw(1e-2), K)):
-        state = train_state.TrainState.create(apply_fn=None, params=params, tx=t)
-        step = jax.jit(lambda s, x, y: s.apply_gradients(grads=jax.grad(loss)(s.params, x, y)))
-        for x, y in batches:
-            state = step(state, x, y)
-        results.append(state.params)
-    assert_params(*results)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -361,35 +387,37 @@ def test_mid_cycle_checkpoint_restores_exactly(tmp_path, mode):
     n, params = 3, h.small_params()
     init, step = fns("recipe", "auto", n, mode)
     mesh = h.mesh_of(n)
-    grads = h.gradient_sequence(params, n, 2 * K, seed=4)
+    grads = gradient_sequence(params, n, 2 * K, seed=4)
     weights = [np.arange(n, dtype=np.float32) + t for t in range(2 * K)]
-    p_mid, s_mid = _run(step, params, init(params), grads[:K + 1], weights[:K + 1], mesh)  # one call into cycle 2
+    p_mid, s_mid = _run(step, placed(params, n), init(placed(params, n)), grads[:K + 1], weights[:K + 1],
+                        mesh)  # one call into cycle 2
     item = _save(str(tmp_path), s_mid)
-    restored = _restore(item, init(params))
+    restored = _restore(item, init(placed(params, n)))
     p_a, s_a = _run(step, p_mid, restored, grads[K + 1:], weights[K + 1:], mesh)
     p_b, s_b = _run(step, p_mid, s_mid, grads[K + 1:], weights[K + 1:], mesh)
     for a, b in zip(jax.tree.leaves((p_a, s_a)), jax.tree.leaves((p_b, s_b))):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     cycles = [list(zip(grads[c * K:(c + 1) * K], weights[c * K:(c + 1) * K])) for c in range(2)]
-    want, _ = mean_oracle(inner_of("recipe"), params, cycles)
+    want, _ = mean_oracle("recipe", params, cycles)
     assert_params(p_a, want)
 
 
 def test_sharded_accumulators_reshard_mid_cycle(tmp_path):
     params = h.small_params()
-    grads3 = h.gradient_sequence(params, 3, 1, seed=5)
-    grads8 = h.gradient_sequence(params, 8, 2 * K - 1, seed=6)
+    grads3 = gradient_sequence(params, 3, 1, seed=5)
+    grads8 = gradient_sequence(params, 8, 2 * K - 1, seed=6)
     w3 = [np.arange(3, dtype=np.float32) + 1]
     w8 = [np.arange(8, dtype=np.float32) * (t + 1) for t in range(2 * K - 1)]
     init3, step3 = fns("recipe", "auto", 3, "sharded")
-    p_mid, s_mid = _run(step3, params, init3(params), grads3, w3, h.mesh_of(3))  # 1 of K calls of cycle 1
+    p_mid, s_mid = _run(step3, placed(params, 3), init3(placed(params, 3)), grads3, w3,
+                        h.mesh_of(3))  # 1 of K calls of cycle 1
     item = _save(str(tmp_path / "a"), s_mid)
     init8, step8 = fns("recipe", "auto", 8, "sharded")
     p8 = jax.device_put(p_mid, NamedSharding(h.mesh_of(8), P()))
     restored = _restore(item, init8(p8), reshard=True)
     got, _ = _run(step8, p8, restored, grads8, w8, h.mesh_of(8))
     calls = list(zip(grads3, w3)) + list(zip(grads8, w8))
-    want, _ = mean_oracle(inner_of("recipe"), params, [calls[:K], calls[K:]])
+    want, _ = mean_oracle("recipe", params, [calls[:K], calls[K:]])
     assert_params(got, want)
     # offline: zo.reshard to 8 devices, then a plain restore, continues the same
     zo.reshard(item, str(tmp_path / "b"), 8)
@@ -405,30 +433,30 @@ def test_local_accumulators_reshard_only_at_a_cycle_boundary(tmp_path):
     params = h.small_params()
     init3, step3 = fns("adamw", "flat", 3, "local")
     init8, step8 = fns("adamw", "flat", 8, "local")
-    grads = h.gradient_sequence(params, 3, K, seed=7)
+    grads = gradient_sequence(params, 3, K, seed=7)
     w = [np.arange(3, dtype=np.float32) + 1 + t for t in range(K)]
-    p1, s1 = _run(step3, params, init3(params), grads[:1], w[:1], h.mesh_of(3))
+    p1, s1 = _run(step3, placed(params, 3), init3(placed(params, 3)), grads[:1], w[:1], h.mesh_of(3))
     mid = _save(str(tmp_path / "mid"), s1)
     with pytest.raises(zo.ZeroCheckpointError, match="cycle boundary"):
-        _restore(mid, init8(params), reshard=True)
+        _restore(mid, init8(placed(params, 8)), reshard=True)
     with pytest.raises(zo.ZeroCheckpointError, match="cycle boundary"):
         zo.reshard(mid, str(tmp_path / "mid8"), 8)
     assert not os.path.exists(tmp_path / "mid8")
     p2, s2 = _run(step3, p1, s1, grads[1:], w[1:], h.mesh_of(3))  # the cycle is complete
     end = _save(str(tmp_path / "end"), s2)
-    restored = _restore(end, init8(params), reshard=True)
+    restored = _restore(end, init8(placed(params, 8)), reshard=True)
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(restored.local))
     assert restored.local["vec"].shape == (8, 13)
     zo.reshard(end, str(tmp_path / "end8"), 8)
-    offline = _restore(str(tmp_path / "end8"), init8(params))
-    grads8 = h.gradient_sequence(params, 8, K, seed=10)
+    offline = _restore(str(tmp_path / "end8"), init8(placed(params, 8)))
+    grads8 = gradient_sequence(params, 8, K, seed=10)
     w8 = [np.arange(8, dtype=np.float32) + t for t in range(K)]
     p8 = jax.device_put(p2, NamedSharding(h.mesh_of(8), P()))
     got, _ = _run(step8, p8, offline, grads8, w8, h.mesh_of(8))
     got_b, _ = _run(step8, p8, restored, grads8, w8, h.mesh_of(8))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(got_b)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    want, _ = mean_oracle(inner_of("adamw"), params, [list(zip(grads, w)), list(zip(grads8, w8))])
+    want, _ = mean_oracle("adamw", params, [list(zip(grads, w)), list(zip(grads8, w8))])
     assert_params(got, want)
 
 
