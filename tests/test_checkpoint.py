@@ -111,16 +111,27 @@ def test_standalone_checkpointer_and_metadata(tmp_path):
 
 
 def test_file_count_stays_small_with_many_leaves(tmp_path):
-    """Orbax's OCDBT storage: a few files per process, whatever the number of leaves and devices."""
-    counts = []
+    """Orbax's OCDBT storage: a few files per process, whatever the number of leaves and devices.
+
+    The number of OCDBT data files (`d/` and `ocdbt.process_0/d/`) is not asserted: TensorStore starts a new data
+    file for every commit, and how many of the concurrent array writes one commit carries depends on timing (for
+    the same 81 arrays: 4 to 11 data files on an idle machine, 47 files in all once on a loaded one). Everything
+    else is fixed: the same few files for 2 leaves as for 40, no file per array or per device, the data in one
+    process's database.
+    """
+    names = []
     for n_leaves in (2, 40):
         shapes = {f"w{i:02d}": (3, i + 1) for i in range(n_leaves)}
         tr = zs.trainer("adam")
         s = tr.init(zs.params(tr.mesh, shapes))
         with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
             ckpt.save(tmp_path / str(n_leaves), args=zo.ZeroSave(s))
-        counts.append(len(_files(tmp_path / str(n_leaves))))
-    assert max(counts) < 30, counts  # the old format wrote one file per device and array: 8 * (1 + 2 * 40)
+        files = _files(tmp_path / str(n_leaves))
+        data = [f for f in files if f.startswith(("d/", "ocdbt.process_0/d/"))]
+        assert data and all(f.count("/") == f.startswith("ocdbt.") + 1 for f in data), data
+        names.append(sorted(set(files) - set(data)))
+    assert names[0] == names[1] and len(names[1]) < 15, names  # the old format: 8 * (1 + 2 * 40) files
+    assert not any("entry" in f or "buffer" in f for f in names[1]), names[1]
 
 
 def test_eval_shape_target_needs_the_concrete_mesh(tmp_path):

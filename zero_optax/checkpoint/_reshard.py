@@ -122,6 +122,11 @@ def _chunks(a: _arrays.StoredArray, layout: Layout) -> tuple[int, ...]:
         return max(1, -(-n // -(-n // CHUNK_ELEMENTS))) if n else 1
     if a.buffer is not None:
         return 1, fit(a.shape[1])
+    if a.local is not None:  # local accumulators `[N, *shape]`: one device's block, cut along its first axis
+        if len(a.shape) == 1:
+            return (1,)
+        rest = math.prod(a.shape[2:])
+        return (1, max(1, min(a.shape[1], CHUNK_ELEMENTS // max(1, rest))), *a.shape[2:])
     e = layout.entries[a.entry]
     if e.leaf is None:
         return a.shape if math.prod(a.shape) <= CHUNK_ELEMENTS else (1, *e.shape)

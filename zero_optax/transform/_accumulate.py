@@ -214,7 +214,9 @@ def update(engine, grads, state, params, weight, extra):
         dtypes = ({i: np.dtype(cfg.master_dtype).name for i in range(len(layout.leaves))}
                   if cfg.master_dtype is not None else
                   engine._update_dtypes(layout, {**extra, "accumulate_weight": w}))  # pylint: disable=protected-access
-        zeros = jax.tree.map(lambda g, i: jnp.zeros(g.shape, dtypes[i]), grads, _indices(layout))
+        # typed like the final call's updates: varying over the leaf's own (tensor- or expert-parallel) axes
+        zeros = jax.tree.map(lambda g, i: _compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes),
+                             grads, _indices(layout))
         if local:
             inner = state.inner_state
             inner = inner._replace(micro_step=inner.micro_step + 1, weight_sum=inner.weight_sum + w)

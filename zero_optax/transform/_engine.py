@@ -521,6 +521,8 @@ class Engine:
         values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
         if master and stepping:
             u = _step_masters(layout, entries, masters, u, values, p_leaves)
+        elif master:  # a micro-batch that only accumulates: the master copies stay as they are
+            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER})
         return values, u
 
     def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):
