@@ -4,7 +4,6 @@ offline), and continued exactly like single-device float32 optax fed the same bf
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P

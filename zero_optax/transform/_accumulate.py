@@ -179,18 +179,7 @@ def update(engine, grads, state, params, weight, extra):
     acc: Accumulating = cfg.accumulating
     layout, g_leaves = engine.checked(state, grads)
     axes = layout.axes
-    reducing = cfg.reduce is not None
-    if weight is not None and not reducing:
-        raise WeightError(
-            "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
-            "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
-            "reduce=True.")
-    if not reducing:
-        w = jnp.ones((), jnp.float32)                      # each call's gradient is already a mean
-    elif weight is None:
-        w = jnp.asarray(layout.world_size, jnp.float32)    # each device's gradient is a mean over its batch
-    else:
-        w = _reduce.global_weight(weight, axes)
+    w = _call_weight(cfg.reduce is not None, weight, layout)
     acc.cast = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
     sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
     position = state.inner_state.micro_step[0]
@@ -232,6 +221,20 @@ def update(engine, grads, state, params, weight, extra):
         return lax.cond(final, last, middle, (grads, state, params))
     finally:
         acc.cast = None
+
+
+def _call_weight(reducing: bool, weight, layout) -> jax.Array:
+    """The global weight of one call, in float32: its share of the cycle's mean."""
+    if weight is not None and not reducing:
+        raise WeightError(
+            "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
+            "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
+            "reduce=True.")
+    if not reducing:
+        return jnp.ones((), jnp.float32)                    # each call's gradient is already a mean
+    if weight is None:
+        return jnp.asarray(layout.world_size, jnp.float32)  # each device's gradient is a mean over its batch
+    return _reduce.global_weight(weight, layout.axes)
 
 
 def _indices(layout):
