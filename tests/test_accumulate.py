@@ -12,7 +12,6 @@ import functools
 import os
 import re
 
-import _harness as h
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from benchmarks.hlo import branch_collectives
 from benchmarks.variants import muon_recipe
+from tests import _harness as h
+from tests.test_jit import MLP
 
 K = 2
 
@@ -311,15 +312,6 @@ def test_data_by_model_mesh_with_tensor_parallel_leaves(form, mode):
     assert_params(params, want)
     leaf = {x.path: x for x in zo.describe(state).leaves}["['w_in']"]
     assert leaf.axes == ("model",) and leaf.blocks == 2
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(5, 7, rngs=rngs)
-        self.l2 = nnx.Linear(7, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(jax.nn.relu(self.l1(x)))
 
 
 def _micro_batches(mesh, count):
