@@ -1,4 +1,4 @@
-"""Every difference between the JAX releases zero_optax supports (0.10 to 0.12), each behind one function.
+"""Every difference between the JAX releases zero_optax supports (0.10.2 to 0.12), each behind one function.
 
 Public APIs only: the oldest supported release has every primitive used here under its public name. A
 difference that a release makes is handled here and nowhere else, and is tested on the oldest and the newest
@@ -117,7 +117,7 @@ def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> ja
     across `axes`.
 
     A plain `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects;
-    `to="invarying"` (public since JAX 0.10, the oldest release zero_optax supports) compiles to the same single
+    `to="invarying"` (public since JAX 0.10; zero_optax supports JAX >= 0.10.2) compiles to the same single
     all-gather. There is deliberately no masked-psum fallback: it would move one and a half times the bytes
     (`tests/test_bench_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
     """
