@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
+from benchmarks.gpu_adamw import time_calls
 
 STATE_BYTES_PER_PARAM = 12  # mu, nu and the master copy in float32
 AXIS = "data"
@@ -47,16 +47,9 @@ def shapes_for(n_params: int, n_leaves: int = 16) -> list[tuple[int, int]]:
     return [(max(1, per // cols), cols)] * n_leaves
 
 
-def time_calls(fn: Callable[[], Any], steps: int, warmup: int) -> float:
-    """Median seconds of `fn()` (which blocks) after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def median_seconds(fn: Callable[[], Any], steps: int, warmup: int) -> float:
+    """Median seconds of `fn()` (which blocks) after `warmup` calls (`benchmarks.gpu_adamw.time_calls`)."""
+    return statistics.median(time_calls(fn, steps, warmup))
 
 
 def peak_bytes(device) -> int | None:
@@ -71,8 +64,8 @@ def copy_bandwidth(mesh, n_elems: int, steps: int, warmup: int) -> dict[str, flo
     x = jax.device_put(jnp.zeros((n_elems,), jnp.float32), device)
     h = jax.device_put(x, host)
     nbytes = n_elems * 4
-    to_host = time_calls(lambda: jax.device_put(x, host).block_until_ready(), steps, warmup)
-    to_device = time_calls(lambda: jax.device_put(h, device).block_until_ready(), steps, warmup)
+    to_host = median_seconds(lambda: jax.device_put(x, host).block_until_ready(), steps, warmup)
+    to_device = median_seconds(lambda: jax.device_put(h, device).block_until_ready(), steps, warmup)
     return {"host_to_device": nbytes / to_device, "device_to_host": nbytes / to_host}
 
 
@@ -103,7 +96,7 @@ def run(variant: str, mesh, shapes: list, steps: int, warmup: int, bucket_bytes:
         box["p"], box["s"] = step(box["p"], grads, box["s"])
         jax.block_until_ready(box["p"])
 
-    seconds = time_calls(one, steps, warmup)
+    seconds = median_seconds(one, steps, warmup)
     kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(box["s"])})
     return {"variant": variant, "step_ms": seconds * 1e3, "state_memory": kinds,
             "peak_device_bytes": peak_bytes(mesh.devices.flat[0])}
