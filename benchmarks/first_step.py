@@ -1,9 +1,15 @@
-"""Time to first step against the number of leaves: `python -m benchmarks.first_step [--leaves 100 400 1000]`.
+"""Time to first step against the number of leaves: `python -m benchmarks.first_step [--leaves 400 1000]`.
 
-A tree of L leaves (half 16x16 matrices, half 16-vectors), AdamW, 8 simulated CPU devices. For plain optax: jit
-of `init` (compile + run) plus the trace and compile of a jitted `update` step. For zero1 (flat, leaf): the shard_map'ed
-`init` (trace, compile, run) plus the compile of the shard_map'ed step. Each measurement runs in a fresh
-subprocess, so no cache is shared.
+A tree of L leaves (half 16x16 matrices, half 16-vectors), AdamW (or `--optimizer muon`: `optax.contrib.muon`), 8
+simulated CPU devices. Every variant is timed from nothing to a compiled step, each in a fresh subprocess so that
+no cache is shared:
+
+* `optax`: plain optax under `jax.jit` (one program, the parameters replicated): `init` (compile + run) plus the
+  trace and compile of the step;
+* `gspmd`: MaxText style, `jax.jit` with the state sharded over "data" on its first divisible dimension
+  (`benchmarks.variants.build_gspmd`), the gradient given as the stacked per-device gradients;
+* `flat`, `leaf`, `auto`: zero1 under `jax.shard_map`: the shard_map'ed `init` (trace, compile, run) plus the
+  compile of the step.
 """
 
 from __future__ import annotations
@@ -23,22 +29,34 @@ import jax.numpy as jnp, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import zero_optax as zo
 
-L, variant = int(sys.argv[1]), sys.argv[2]
+L, variant, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 params = {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(L)}
-mesh = jax.make_mesh((8,), ("data",))
+if variant == "gspmd":
+    from jax.sharding import AxisType
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+else:
+    mesh = jax.make_mesh((8,), ("data",))
 params = jax.device_put(params, NamedSharding(mesh, P()))
 grads = jax.device_put(jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), params), NamedSharding(mesh, P("data")))
+inner = optax.adamw(1e-3) if optimizer == "adamw" else optax.contrib.muon(1e-3)
 with jax.set_mesh(mesh):
     t0 = time.perf_counter()
-    if variant in ("optax", "optax_shard_map"):
-        tx = optax.adamw(1e-3)
+    if variant == "gspmd":
+        from benchmarks.variants import build_gspmd
+        built = build_gspmd(inner, mesh, params)
+        state = jax.block_until_ready(built.init(params))
+    elif variant in ("optax", "optax_shard_map"):
+        tx = inner
         state = jax.block_until_ready(jax.jit(tx.init)(params))
     else:
-        tx = zo.zero1(optax.adamw(1e-3), axis_name="data", partition=variant)
+        tx = zo.zero1(inner, axis_name="data", partition=variant)
         init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
         state = jax.block_until_ready(init(params))
     t_init = time.perf_counter() - t0
-    if variant == "optax":
+    if variant == "gspmd":
+        step = built.step
+        args = (params, grads, state)
+    elif variant == "optax":
         step = jax.jit(lambda p, s, g: tx.update(g, s, p))
         args = (params, state, params)
     else:
@@ -61,26 +79,30 @@ print(json.dumps({"leaves": L, "variant": variant, "init_s": t_init, "update_com
 """
 
 
-def measure(leaves: int, variant: str) -> dict:
+def measure(leaves: int, variant: str, optimizer: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(leaves), variant], capture_output=True, text=True,
-                         env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(leaves), variant, optimizer], capture_output=True,
+                         text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--leaves", type=int, nargs="+", default=[100, 400, 1000])
-    parser.add_argument("--variants", nargs="+", default=["optax", "optax_shard_map", "flat", "leaf"])
+    parser.add_argument("--leaves", type=int, nargs="+", default=[400, 1000])
+    parser.add_argument("--variants", nargs="+", default=["optax", "gspmd", "flat"])
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     args = parser.parse_args(argv)
-    rows = [measure(L, v) for L in args.leaves for v in args.variants]
+    rows = [measure(L, v, args.optimizer) for L in args.leaves for v in args.variants]
     base = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "optax"}
-    print("| leaves | variant | init s | first update compile s | total s | x optax | collectives |")
-    print("|---|---|---|---|---|---|---|")
+    gspmd = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "gspmd"}
+    print(f"{args.optimizer}:")
+    print("| leaves | variant | init s | first update compile s | total s | x optax | x gspmd | collectives |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["total_s"] / base[r["leaves"]] if r["leaves"] in base else float("nan")
+        to_gspmd = r["total_s"] / gspmd[r["leaves"]] if r["leaves"] in gspmd else float("nan")
         print(f"| {r['leaves']} | {r['variant']} | {r['init_s']:.2f} | {r['update_compile_s']:.2f} | "
-              f"{r['total_s']:.2f} | {ratio:.2f} | {r['collectives']} |")
+              f"{r['total_s']:.2f} | {ratio:.2f} | {to_gspmd:.2f} | {r['collectives']} |")
     return 0
 
 

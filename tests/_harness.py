@@ -112,24 +112,43 @@ def run_zero(tx, params, grads_seq, n, weights_seq=None):
     return params, state, step
 
 
-def full_state(state) -> dict[str, np.ndarray]:
-    """The inner optimizer's complete, unsharded state by entry path, read back from a zero1 state (1-D mesh).
+def stored_entries(state) -> dict[int, np.ndarray]:
+    """Entry index -> its stored values, read straight from a zero1 state's arrays as `zero_optax.transform._state`
+    documents them: a shared entry as `[N, *shape]`; a sliced history or master copy as its 1-D padded,
+    flattened coordinates of every device (`blocks * group * slots`): a group's array has one row of `size` per
+    device, each row its members' slots one after the other, so a member's values are its columns of the rows."""
+    layout = zo.describe(state)
+    shared = [j for j in layout.inner_entries if layout.entries[j].leaf is None]
+    assert len(state.inner_state.shared) == len(shared)
+    out = {j: np.asarray(x) for j, x in zip(shared, state.inner_state.shared)}
+    masters = [None] * len(layout.groups) if state.master is None else state.master
+    for group, histories, master in zip(layout.groups, state.inner_state.histories, masters, strict=True):
+        arrays = list(zip(zip(*group.histories), histories))
+        if master is not None:
+            arrays.append((group.masters, master))
+        for entries, arr in arrays:
+            rows = np.asarray(arr).reshape(-1, group.size)
+            for i, off, j in zip(group.leaves, group.offsets, entries):
+                leaf = layout.leaves[i]
+                assert rows.shape[0] == leaf.blocks * leaf.group and layout.entries[j].leaf == i
+                out[j] = rows[:, off:off + leaf.slots].reshape(-1)
+    return out
 
-    Reads the documented layout directly (`zero_optax._layout`): sliced histories are 1-D arrays of the padded,
-    flattened coordinates; shared entries are `[N, *shape]`; owned entries sit in the packed buffers.
-    """
+
+def full_state(state) -> dict[str, np.ndarray]:
+    """The inner optimizer's complete, unsharded state by entry path, read back from a zero1 state (1-D mesh):
+    `stored_entries`, each cut to its leaf, and the owned entries from the packed buffers."""
     layout = zo.describe(state)
     out = {}
-    unpacked = [j for j in layout.inner_entries if layout.kind(layout.entries[j]) != "owned"]
-    arrays = jax.tree.leaves(state.inner_state)
-    assert len(arrays) == len(unpacked)
-    for j, arr in zip(unpacked, arrays):
-        entry, arr = layout.entries[j], np.asarray(arr)
+    stored = stored_entries(state)
+    for j in layout.inner_entries:
+        entry = layout.entries[j]
         if entry.leaf is None:
+            arr = stored[j]
             assert all((row == arr[0]).all() for row in arr), f"shared entry {entry.path} differs across devices"
             out[entry.path] = arr[0]
-        else:
-            leaf = layout.leaves[entry.leaf]
+        elif layout.leaves[entry.leaf].sliced:
+            leaf, arr = layout.leaves[entry.leaf], stored[j]
             assert arr.shape == (leaf.group * leaf.slots,), (entry.path, arr.shape)
             assert not arr[leaf.size:].any(), f"padding of {entry.path} leaked"
             out[entry.path] = arr[:leaf.size].reshape(leaf.shape)

@@ -146,7 +146,7 @@ def test_eval_shape_target_needs_the_concrete_mesh(tmp_path):
         with jax.set_mesh(tr.mesh):
             restored = ckpt.restore(tmp_path / "x", args=zo.ZeroRestore(target))
     zs.assert_bit_equal(restored, s)
-    assert restored.inner_state[0].mu["a"].sharding == s.inner_state[0].mu["a"].sharding
+    assert [x.sharding for x in jax.tree.leaves(restored)] == [x.sharding for x in jax.tree.leaves(s)]
 
 
 def test_flax_optimizer_state_in_variables(tmp_path):
@@ -281,7 +281,7 @@ def test_restore_reads_every_array_once_when_valid(saved, reads):
     restored = _restore(saved["adam"], _target("adam"))
     shared = ["0.entry0000"]  # the step count, read first to check that every row agrees
     assert reads == shared + [a.name for a in zo.checkpoint._arrays.stored_arrays(restored.layout, 0)]
-    assert len(jax.tree.leaves(restored)) == 9
+    assert len(jax.tree.leaves(restored)) == 3  # the step count, and mu and nu of the one group of 4 leaves
 
 
 def _edit_record(directory, edit):

@@ -111,11 +111,12 @@ def test_adamw_flat_on_tensor_parallel_parameters(mesh_name, form):
     assert by_path["['w_in']"].axes == ("model",) and by_path["['w_in']"].blocks == 2
     assert by_path["['w_in']"].shape == (5, 3) and by_path["['ln']"].axes == ()
     # Every device holds 1/(data size) of its tensor-parallel block's state.
-    mu = state.inner_state[0].mu
-    for k, blocks in (("w_in", 2), ("ln", 1)):
-        leaf = by_path[f"['{k}']"]
-        assert mu[k].shape == (blocks * n_data * leaf.slots,)
-        assert all(s.data.shape == (leaf.slots,) for s in mu[k].addressable_shards)
+    for k, blocks in (("w_in", 2), ("ln", 1)):  # mu: the first history of the leaf's group
+        i = layout.paths.index(f"['{k}']")
+        g = next(g for g, group in enumerate(layout.groups) if i in group.leaves)
+        mu = state.inner_state.histories[g][0]
+        assert mu.shape == (blocks * n_data * layout.groups[g].size,)
+        assert all(s.data.shape == (layout.groups[g].size,) for s in mu.addressable_shards)
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from zero_optax.checkpoint import _arrays, _install, _record, _store
+from tests import _harness as h
+from zero_optax.checkpoint import _install, _record, _store
 from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +116,7 @@ def full_state(state) -> list[np.ndarray]:
     """The unsharded inner-state leaves of a zero1 state (1-D mesh), in the inner state's flatten order, read
     straight from its arrays as zero_optax._state documents them."""
     layout = zo.describe(state)
-    stored = dict(zip(_arrays.unowned_entries(layout), jax.tree.leaves(state.inner_state)))
+    stored = h.stored_entries(state)
     out = []
     for j in layout.inner_entries:
         e = layout.entries[j]
@@ -422,11 +423,11 @@ def rank_records(histories: dict[str, np.ndarray], n: int, step: int = 3, name: 
     out = []
     for r in range(n):
         params = {}
-        for p, h in histories.items():
-            slots = -(-h.size // n)
-            padded = np.zeros(slots * n, h.dtype)
-            padded[:h.size] = h
-            params[name + p] = zo.ParamSlice(h.shape, {"mu": padded[r * slots:(r + 1) * slots]})
+        for p, hist in histories.items():
+            slots = -(-hist.size // n)
+            padded = np.zeros(slots * n, hist.dtype)
+            padded[:hist.size] = hist
+            params[name + p] = zo.ParamSlice(hist.shape, {"mu": padded[r * slots:(r + 1) * slots]})
         out.append(zo.RankRecord(r, n, params, {"count": np.int32(step)}))
     return out
 

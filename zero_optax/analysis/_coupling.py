@@ -372,25 +372,148 @@ def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
     scale of ``1 / g.size``) does not.
     """
     out: list[str] = []
-
-    def walk(jaxpr: jcore.Jaxpr, known: dict[Any, str]) -> None:
-        for eqn in jaxpr.eqns:
-            values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if name not in _SHAPE_ONLY:
-                out.append(_signature_entry(eqn, values))
-            elif name not in _CALLS and values and values[0] is not None:
-                known[eqn.outvars[0]] = values[0]  # A moved or broadcast known scalar has the same value.
-            body = _call_body(eqn)
-            for sub in _subjaxprs(eqn.params):
-                inner = _known_consts(sub)
-                if sub is body:
-                    inner.update((v, x) for v, x in zip(_open(sub).invars, values) if x is not None)
-                walk(_open(sub), inner)
-
     closed, _, _ = _traced(fn, args)
-    walk(closed.jaxpr, _known_consts(closed))
+    _walk(closed.jaxpr, _known_consts(closed), out)
     return out
+
+
+def _walk(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
+    """Appends :func:`program_signature`'s entries for `jaxpr` (whose known scalar values are `known`) to `out`."""
+    for eqn in jaxpr.eqns:
+        values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name not in _SHAPE_ONLY:
+            out.append(_signature_entry(eqn, values))
+        elif name not in _CALLS and values and values[0] is not None:
+            known[eqn.outvars[0]] = values[0]  # A moved or broadcast known scalar has the same value.
+        _walk_bodies(eqn, values, out)
+
+
+def _walk_bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
+    body = _call_body(eqn)
+    for sub in _subjaxprs(eqn.params):
+        inner = _known_consts(sub)
+        if sub is body:
+            inner.update((v, x) for v, x in zip(_open(sub).invars, values) if x is not None)
+        _walk(_open(sub), inner, out)
+
+
+def leaf_programs(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any,
+                  names: dict[str, str] | None = None) -> dict[int | None, tuple[str, ...]]:
+    """What `fn` computes for each labelled leaf, as a text that is equal for two leaves, or for one leaf in two
+    traces, exactly when the same program runs on them (whatever their shapes).
+
+    Every equation whose operands carry one label belongs to that leaf's program. Its entry is its
+    :func:`program_signature` entry (sub-jaxprs included) with each operand named by where it comes from: the
+    leaf's own values by their order of appearance (its inputs first, in input order), unlabelled inputs by their
+    position among the unlabelled inputs, and values computed without any label (a step count's bias correction,
+    a schedule) by what computes them, so two leaves that read different shared values (two learning rates)
+    differ. Moves and broadcasts rename a value, as in :func:`program_signature`. The leaf's outputs
+    (`out_sources`) are listed the same way; key None lists the unlabelled outputs (the shared state). A leaf that
+    an equation combines with another leaf has no program (it is left out).
+
+    Args:
+      fn: The function to analyse, e.g. ``lambda g, s, p: tx.update(g, s, p)``.
+      *args: Pytrees of arrays or ``jax.ShapeDtypeStruct`` to trace ``fn`` on.
+      sources: A pytree prefix of ``args`` with an ``int`` label or None per leaf or subtree.
+      out_sources: The same for the output of ``fn``.
+      names: Shared across calls, so that the same shared computation has the same name in several traces.
+
+    Returns:
+      Label (or None) -> its program, for every label whose values no equation mixes with another label's.
+    """
+    closed, out_shape, args = _traced(fn, args)
+    walker = _LeafPrograms(closed, {} if names is None else names)
+    return walker.run(_input_labels(closed, sources, args), _output_labels(closed, out_sources, out_shape))
+
+
+class _LeafPrograms:
+    """The walk of :func:`leaf_programs`: per variable its label and its name, per label its program."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr, names: dict[str, str]):
+        self.closed = closed
+        self.names = names
+        self.label_of: dict[Any, int] = {}
+        self.name: dict[Any, str] = {v: "c?" for v in closed.jaxpr.constvars}
+        self.name.update((v, f"k{x}") for v, x in _known_consts(closed).items())
+        self.programs: dict[int | None, list[str]] = {None: []}
+        self.counts: dict[int, int] = {}
+        self.mixed: set[int] = set()
+
+    def run(self, in_labels: list[int | None], out_labels: list[int | None]) -> dict[int | None, tuple[str, ...]]:
+        jaxpr = self.closed.jaxpr
+        unlabelled = 0
+        for var, lab in zip(jaxpr.invars, in_labels):
+            if lab is None:
+                self.name[var] = f"in{unlabelled}:{var.aval.dtype}"
+                unlabelled += 1
+            else:
+                self._own(var, lab)
+                self.programs.setdefault(lab, []).append(f"in:{var.aval.dtype}")
+        self._walk(jaxpr.eqns)
+        for var, lab in zip(jaxpr.outvars, out_labels):
+            if lab is not None and not isinstance(var, jcore.Literal) and self.label_of.get(var, lab) != lab:
+                self.mixed.add(lab)
+            self.programs.setdefault(lab, []).append(f"out:{self._ref(var)}:{var.aval.dtype}")
+        return {lab: tuple(prog) for lab, prog in self.programs.items() if lab not in self.mixed}
+
+    def _own(self, var: Any, lab: int) -> None:
+        self.label_of[var] = lab
+        self.name[var] = f"x{self.counts.get(lab, 0)}"
+        self.counts[lab] = self.counts.get(lab, 0) + 1
+
+    def _ref(self, v: Any) -> str:
+        return f"k{_scalar_repr(v.val)}" if isinstance(v, jcore.Literal) else self.name.get(v, "?")
+
+    def _alias(self, dst: Any, src: Any) -> None:
+        self.name[dst] = self._ref(src)
+        if not isinstance(src, jcore.Literal) and src in self.label_of:
+            self.label_of[dst] = self.label_of[src]
+        else:
+            self.label_of.pop(dst, None)
+
+    def _walk(self, eqns: Sequence[Any]) -> None:
+        for eqn in eqns:
+            body = _call_body(eqn) if eqn.primitive.name in _CALLS else None
+            if body is not None:
+                self._inline(eqn, body)
+                continue
+            labs = {self.label_of[v] for v in eqn.invars if not isinstance(v, jcore.Literal) and v in self.label_of}
+            if len(labs) > 1:
+                self.mixed.update(labs)
+                for out in eqn.outvars:
+                    self.label_of[out], self.name[out] = min(labs), "?"
+            elif eqn.primitive.name in _SHAPE_ONLY and eqn.primitive.name not in _CALLS and len(eqn.invars) == 1:
+                for out in eqn.outvars:  # a moved value is the same value
+                    self._alias(out, eqn.invars[0])
+            else:
+                self._equation(eqn, labs.pop() if labs else None)
+
+    def _inline(self, eqn: Any, body: Any) -> None:
+        """A call (a jit over a whole tree): its equations, as if written in place."""
+        sub = _open(body)
+        self.name.update((v, "c?") for v in sub.constvars)
+        self.name.update((v, f"k{x}") for v, x in _known_consts(body).items())
+        for inner, outer in zip(sub.invars, eqn.invars):
+            self._alias(inner, outer)
+        self._walk(sub.eqns)
+        for outer, inner in zip(eqn.outvars, sub.outvars):
+            self._alias(outer, inner)
+
+    def _equation(self, eqn: Any, lab: int | None) -> None:
+        refs = [self._ref(v) for v in eqn.invars]
+        body: list[str] = []
+        _walk_bodies(eqn, [r[1:] if r.startswith("k") else None for r in refs], body)  # known scalars by value
+        entry = (f"{_signature_entry(eqn, [None] * len(refs))}({','.join(refs)})"
+                 + (f"{{{';'.join(body)}}}" if body else ""))
+        if lab is None:  # shared: named by what computes it
+            for i, out in enumerate(eqn.outvars):
+                self.label_of.pop(out, None)
+                self.name[out] = self.names.setdefault(f"{entry}#{i}", f"s{len(self.names)}")
+            return
+        self.programs[lab].append(entry)
+        for out in eqn.outvars:
+            self._own(out, lab)
 
 
 def _signature_entry(eqn: Any, values: Sequence[str | None]) -> str:

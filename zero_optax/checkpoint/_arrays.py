@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _names
+from zero_optax.transform import _entries
 from zero_optax.transform._layout import MASTER, Layout, Packing
 from zero_optax.transform._state import ZeroState
 
@@ -98,25 +99,41 @@ def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[S
 
 
 def state_values(state: ZeroState) -> list[Any]:
-    """The arrays of `state`, in `stored_arrays` order."""
-    values = list(jax.tree.leaves(state.inner_state))
-    if state.master is not None:
-        values += jax.tree.leaves(state.master)
+    """The arrays of `state`, in `stored_arrays` order: per entry, as the record describes them (a group's
+    stored arrays are cut into its members' histories, `zero_optax.transform._entries`)."""
+    per_entry = _entries.unowned(state)
+    values = [per_entry[j] for j in unowned_entries(state.layout)]
     values += [state.buffers[d] for d in sorted(state.buffers)]
     return values + ([] if state.local is None else jax.tree.leaves(state.local))
 
 
+def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
+    """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (concrete or
+    abstract), without reading or cutting its arrays."""
+    layout = state.layout
+    shardings = _entries.sliced_shardings(state)
+    shared = dict(zip(layout.shared_entries, state.inner_state.shared))
+    out = []
+    for j in unowned_entries(layout):
+        if j in shared:
+            x = shared[j]
+            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
+        else:
+            e, leaf = layout.entries[j], layout.leaves[layout.entries[j].leaf]
+            out.append(jax.ShapeDtypeStruct((leaf.blocks * leaf.group * leaf.slots,), e.dtype, sharding=shardings[j]))
+    rest = [state.buffers[d] for d in sorted(state.buffers)] + jax.tree.leaves(state.local)
+    return out + [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in rest]
+
+
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     """A state with the structure and layout of `template` holding `values` (in `stored_arrays` order)."""
-    n_inner = len(jax.tree.leaves(template.inner_state))
-    n_master = 0 if template.master is None else len(jax.tree.leaves(template.master))
-    inner = jax.tree.unflatten(jax.tree.structure(template.inner_state), values[:n_inner])
-    master = None
-    if template.master is not None:
-        master = jax.tree.unflatten(jax.tree.structure(template.master), values[n_inner:n_inner + n_master])
+    layout = template.layout
+    unowned = unowned_entries(layout)
+    inner, master = _entries.stored(template, dict(zip(unowned, values)))
+    n = len(unowned)
     n_buffers = len(template.buffers)
-    buffers = dict(zip(sorted(template.buffers), values[n_inner + n_master:n_inner + n_master + n_buffers]))
+    buffers = dict(zip(sorted(template.buffers), values[n:n + n_buffers]))
     local = None
     if template.local is not None:
-        local = jax.tree.unflatten(jax.tree.structure(template.local), values[n_inner + n_master + n_buffers:])
-    return ZeroState(inner, buffers, master, template.layout, local)
+        local = jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:])
+    return ZeroState(inner, buffers, master, layout, local)

@@ -70,7 +70,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
       >>> with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
       ...     ckpt.save(path, args=zo.ZeroSave(state))
       ...     restored = ckpt.restore(path, args=zo.ZeroRestore(state))
-      >>> restored.inner_state[0].mu["w"].tolist()
+      >>> zo.gather_state(restored)[0].mu["w"].tolist()
       [0.0, 0.0, 0.0]
     """
 

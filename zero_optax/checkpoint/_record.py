@@ -113,7 +113,7 @@ def clock_entries(layout: Layout) -> list[int]:
 def read_clocks(state) -> dict[str, Any]:
     """The values of a state's clocks (`clock_entries`), from this host's first device."""
     layout = state.layout
-    values = dict(zip(_arrays.unowned_entries(layout), _arrays.state_values(state)))
+    values = dict(zip(layout.shared_entries, state.inner_state.shared))
     clocks = {}
     for j in clock_entries(layout):
         shard = values[j].addressable_shards[0]

@@ -141,7 +141,7 @@ def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, 
     where = _tree.where(k, state_path)
     _match.check(old.layout, state.layout, k, where, reshard)
     specs = _arrays.stored_arrays(state.layout, k)
-    values = _arrays.state_values(state)
+    values = _arrays.target_structs(state)
     shardings = []
     for spec, value in zip(specs, values, strict=True):
         if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:

@@ -46,16 +46,17 @@ def plan(tree: Any) -> SavePlan:
                 raise ZeroCheckpointError(f"{where} holds {d} arrays, which zero_optax checkpoints do not store "
                                           f"(they store {', '.join(sorted(_schema.DTYPES))}).")
         specs = _arrays.stored_arrays(layout, k)
+        for value in jax.tree.leaves(state):
+            if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+                raise ZeroCheckpointError(f"{where} holds a {type(value).__name__}, not a jax.Array; save the state "
+                                          "that zero1's init/update returned.")
+            if value.is_deleted():
+                raise ZeroCheckpointError(f"{where} holds an array that was deleted (donated to a later step?); "
+                                          "save the state before passing it to a jitted function that donates it.")
         values = _arrays.state_values(state)
         if len(values) != len(specs):
             raise ZeroCheckpointError(f"{where} has {len(values)} arrays but its layout describes {len(specs)}.")
         for spec, value in zip(specs, values):
-            if not isinstance(value, jax.Array):
-                raise ZeroCheckpointError(f"{where}: array {spec.name} is a {type(value).__name__}, not a jax.Array; "
-                                          "save the state that zero1's init/update returned.")
-            if value.is_deleted():
-                raise ZeroCheckpointError(f"{where}: array {spec.name} was deleted (donated to a later step?); save "
-                                          "the state before passing it to a jitted function that donates it.")
             if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
                 raise ZeroCheckpointError(f"{where}: array {spec.name} is {list(value.shape)} "
                                           f"{np.dtype(value.dtype).name} but its layout says {list(spec.shape)} "

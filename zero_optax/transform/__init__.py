@@ -5,6 +5,7 @@
 * `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing.
 * `_state`: the `ZeroState` pytree.
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
+* `_groups`: sliced leaves that run one program, stored and updated as one buffer per group.
 * `_sliced`: sliced leaves: coordinate slices, reduce-scatter and all-gather in buckets.
 * `_owned`: owned leaves: whole tensors, packed per owner, one `lax.switch`.
 * `_owners`: which device owns which leaf (`balanced_owners`).
@@ -13,4 +14,5 @@
 * `_mesh`: zero1 bound to a mesh, on global arrays under plain `jax.jit`.
 * `_specs`: the `PartitionSpec`s of a state (`state_specs`).
 * `_transfer`: state in and out of zero1: `gather_state`, `scatter_state`, `master_params`.
+* `_entries`: a state's arrays per entry (the groups cut per leaf), for checkpoints and `gather_state`.
 """

@@ -37,6 +37,7 @@ SHARDED = "sharded"
 LOCAL = "local"
 MODES = (SHARDED, LOCAL)
 MICRO_STEP_PATH = ".micro_step"
+WEIGHT_SUM_PATH = ".weight_sum"
 
 
 class AccumulateState(NamedTuple):
@@ -168,6 +169,13 @@ def micro_step_entry(layout) -> int | None:
     return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == MICRO_STEP_PATH)
 
 
+def weight_sum_entry(layout) -> int | None:
+    """The index of the shared entry holding the cycle's weight so far, or None without accumulation."""
+    if layout.accumulate is None:
+        return None
+    return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == WEIGHT_SUM_PATH)
+
+
 def local_shape(layout, leaf) -> tuple[int, ...]:
     """The global shape of a leaf's local accumulator: one block per device (leaf axes, then ZeRO axes)."""
     return (leaf.blocks * leaf.group, *leaf.shape)
@@ -182,7 +190,8 @@ def update(engine, grads, state, params, weight, extra):
     w = _call_weight(cfg.reduce is not None, weight, layout)
     acc.cast = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
     sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
-    position = state.inner_state.micro_step[0]
+    shared = dict(zip(layout.shared_entries, state.inner_state.shared))
+    position = shared[micro_step_entry(layout)][0]
     if _compat.vma_enabled(axes):
         position = lax.pmax(position, axes)  # the same on every device; typed invariant for the branch
     final = position + 1 >= acc.steps
@@ -207,8 +216,10 @@ def update(engine, grads, state, params, weight, extra):
         zeros = jax.tree.map(lambda g, i: _compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes),
                              grads, _indices(layout))
         if local:
+            step, total = micro_step_entry(layout), weight_sum_entry(layout)
             inner = state.inner_state
-            inner = inner._replace(micro_step=inner.micro_step + 1, weight_sum=inner.weight_sum + w)
+            inner = inner._replace(shared=tuple(x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
+                                                for j, x in zip(layout.shared_entries, inner.shared)))
             new_local = _tree_add(grads, state.local, keep_lead=True)
             return zeros, dataclasses.replace(state, inner_state=inner, local=new_local)
         hooks = Hooks(acc.transformation("add"), False, sums)

@@ -1,11 +1,12 @@
 """`init` and `update` of zero1 inside `shard_map`, for sliced and owned leaves alike.
 
-A step runs the inner transformation twice, on two `optax.masked`-style views of the parameter tree:
+A step runs the inner transformation on `optax.masked`-style views of the parameter tree:
 
-* the *sliced view*: every sliced leaf as this device's 1-D slice, owned leaves masked. Every device runs it;
-  it also advances the shared entries (step counts).
+* the *group views* (`zero_optax.transform._groups`): for each group of sliced leaves that run one program, this
+  device's slots of all of them as one 1-D buffer, every other leaf masked. Every device runs them; they also
+  advance the shared entries (step counts).
 * the *owned view* of device `r`: the leaves `r` owns, whole; everything else masked. One `lax.switch` on the
-  device index runs each device's own view; its shared entries are discarded (the sliced view computed them).
+  device index runs each device's own view; its shared entries are discarded (the group views computed them).
 
 The coupling analysis at `init` proves that this is exact: no computation mixes two leaves, and the shared entries
 do not depend on any leaf.
@@ -22,7 +23,16 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _accumulate, _layout, _offload, _owned, _plan, _reduce, _sliced
+from zero_optax.transform import (
+    _accumulate,
+    _groups,
+    _layout,
+    _offload,
+    _owned,
+    _plan,
+    _reduce,
+    _sliced,
+)
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState
 
@@ -31,9 +41,7 @@ def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
-def _masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
-    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
-    return _tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
+_masked_tree = _groups.masked_tree
 
 
 def check_layout(state, axis_name) -> Layout:
@@ -88,25 +96,14 @@ def _check_extra(extra: dict, axes) -> None:
                     f"lax.pmean(loss, {axes!r})).")
 
 
-def _check_returned(updates, new_state, g_tree, old_state, what: str) -> None:
-    if jax.tree.structure(updates) != jax.tree.structure(g_tree):
-        raise ZeroStructureError(
-            f"The inner update returned updates structured as {tree_signature(updates)} for the {what}, but the "
-            f"gradients it was given are {tree_signature(g_tree)}.")
-    if jax.tree.structure(new_state) != jax.tree.structure(old_state):
-        raise ZeroStructureError(
-            f"The inner update returned a state structured as {tree_signature(new_state)} for the {what}, but "
-            f"its state was {tree_signature(old_state)}: zero1 stores the state in the layout init found.")
-
-
 class Engine:
     """zero1's `init`, `update` and `scatter` for one `Config`, inside `shard_map` over its axes."""
 
     def __init__(self, cfg: _plan.Config):
         self.cfg = cfg
+        self.groups = _groups.Groups(cfg)
         self._views: dict = {}
         self._udtypes: dict = {}
-        self._invariant: dict = {}
 
     # ------------------------------------------------------------------ views and bookkeeping
 
@@ -114,18 +111,13 @@ class Engine:
         return [j for j in layout.inner_entries
                 if layout.entries[j].leaf is None or layout.leaves[layout.entries[j].leaf].owner == r]
 
-    def _view(self, layout: Layout, r: int | None):
-        """The inner state treedef of the sliced view (`r` None) or of device `r`'s owned view (cached)."""
+    def _view(self, layout: Layout, r: int):
+        """The inner state treedef of device `r`'s owned view (cached)."""
         key = (layout, r)
         if key not in self._views:
-            if r is None:
-                present = {i for i, leaf in enumerate(layout.leaves) if leaf.sliced}
-                self._views[key] = _plan.view_treedef(self.cfg, layout, present, list(layout.unpacked_entries),
-                                                      "on the sliced leaves")
-            else:
-                present = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
-                self._views[key] = _plan.view_treedef(self.cfg, layout, present, self._owned_entries(layout, r),
-                                                      f"on device {r}")
+            present = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+            self._views[key] = _plan.view_treedef(self.cfg, layout, present, self._owned_entries(layout, r),
+                                                  f"on device {r}")
         return self._views[key]
 
     @staticmethod
@@ -159,39 +151,19 @@ class Engine:
         values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
         ranks = self._ranks(layout)
         rank = ranks[layout.axes]
-        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
-        slices = {i: _sliced.own_slice(values[i], layout.leaves[i], ranks[layout.zero_axes(layout.leaves[i])])
-                  for i in sliced}
+        rows = [_sliced.own_rows(values, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
+                for g in layout.groups]
         full = None if full_state is None else _full_entries(layout, full_state)
-        inner_state = self._build_sliced(layout, slices, full, ranks)
+        inner_state = self.groups.init(layout, rows, full, ranks)
         buffers = self._build_owned(layout, values, full, rank)
         master = None
         if cfg.master_dtype is not None:
-            master = _masked_tree(layout, slices)
+            master = tuple(rows)
         local = None
         if layout.accumulate == _accumulate.LOCAL:
             local = _accumulate.init_local(layout, params, layout.axes)
         state = ZeroState(inner_state, buffers, master, layout, local)
         return _offload.to_host(state, cfg.bucket_bytes) if cfg.offload else state
-
-    def _build_sliced(self, layout: Layout, slices: dict[int, jax.Array], full: list | None, ranks) -> Any:
-        """The stored inner state of the sliced view: the inner `init` on this device's slices, or the entries of
-        a plain optax state (`full`) cut to them."""
-        a_entries = list(layout.unpacked_entries)
-        if full is None:
-            state_a = self.cfg.inner.init(_masked_tree(layout, slices))
-            a_values = jax.tree.leaves(state_a)
-        else:
-            a_values = []
-            for j in a_entries:
-                e = layout.entries[j]
-                x = jnp.asarray(full[j], e.dtype)
-                if e.leaf is not None:
-                    leaf = layout.leaves[e.leaf]
-                    x = _sliced.own_slice(x, leaf, ranks[layout.zero_axes(leaf)])
-                a_values.append(x)
-        return jax.tree_util.tree_unflatten(self._view(layout, None), self._to_storage(layout, a_entries, a_values,
-                                                                                        ranks))
 
     def _build_owned(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
         """The packed buffers of the owned leaves: row `r` holds the state (and master copies) of the leaves device
@@ -220,44 +192,6 @@ class Engine:
 
         buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
         return {d: b[None] for d, b in buffers.items()}
-
-    @staticmethod
-    def _to_storage(layout: Layout, entries: list[int], values: list, ranks) -> list:
-        """Inner-state values -> stored blocks: sliced histories keep their `(slots,)` (padding zeroed), shared
-        entries gain a leading device axis."""
-        out = []
-        for j, x in zip(entries, values):
-            e = layout.entries[j]
-            if e.leaf is None:
-                out.append(x[None])
-            else:
-                leaf = layout.leaves[e.leaf]
-                out.append(_sliced.zero_padding(x, leaf, ranks[layout.zero_axes(leaf)]))
-        return out
-
-    @staticmethod
-    def _from_storage(layout: Layout, entries: list[int], values: list, invariant: bool) -> list:
-        """Stored blocks -> inner-state values.
-
-        Shared entries are identical on every device but stored one copy per device, so they come back typed
-        varying. With `invariant`, they are made invariant again, as the inner transformation had them, by one tiny
-        all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need that, which `update`
-        learns the first time their trace fails without it.
-        """
-        out = [x[0] if layout.entries[j].leaf is None else x for j, x in zip(entries, values)]
-        shared = [k for k, j in enumerate(entries) if layout.entries[j].leaf is None]
-        if not invariant or not shared or not _compat.vma_enabled(layout.axes):
-            return out
-        by_dtype: dict = {}
-        for k in shared:
-            by_dtype.setdefault(np.dtype(out[k].dtype).name, []).append(k)
-        for ks in by_dtype.values():
-            flat = jnp.concatenate([out[k].reshape(-1) for k in ks])
-            first = _compat.all_gather_invariant(flat, layout.axes)[0]
-            cuts = np.cumsum([out[k].size for k in ks])[:-1]
-            for k, piece in zip(ks, jnp.split(first, cuts)):
-                out[k] = piece.reshape(out[k].shape)
-        return out
 
     # ------------------------------------------------------------------ update
 
@@ -291,14 +225,15 @@ class Engine:
         inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
                     else hooks.grad_dtypes)
         sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
-        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
 
-        # Sliced view: every device, its own coordinates.
-        g_sl = self._reduce_sliced(layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks)
-        m_sl, p_sl = self._sliced_params(layout, sliced, p_leaves, state, ranks)
-        u_a, new_inner, shared_old = self._update_sliced(layout, sliced, g_sl, p_sl, state, denom.ok, ranks, extra,
-                                                         inner)
+        # Group views: every device, its own coordinates.
+        g_parts = self._reduce_groups(layout, g_leaves, denom, inner_dt, sum_dt, ranks)
+        masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+        p_parts = self._sliced_params(layout, p_leaves, state, ranks)
+        u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
+                                                            extra, inner)
+        new_inner = _reduce.skip_if_empty(denom.ok, new_inner, state.inner_state)
 
         # Owned views: one switch branch per device.
         new_buffers, u_owned = dict(state.buffers), {}
@@ -309,7 +244,7 @@ class Engine:
             return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
-        updates, new_master = self._gather_sliced(layout, sliced, u_a, m_sl, p_leaves, state, denom.ok, ranks)
+        updates, new_master = self._gather_sliced(layout, u_parts, p_leaves, state, denom.ok, masks)
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
             md = cfg.master_dtype
@@ -343,105 +278,79 @@ class Engine:
         _check_extra(extra, layout.axes)
         return layout, g_leaves, p_leaves
 
-    def _sliced_params(self, layout: Layout, sliced: list[int], p_leaves: list | None, state: ZeroState, ranks
-                       ) -> tuple[dict[int, jax.Array], dict[int, jax.Array] | None]:
-        """This device's master slices (empty without `master_dtype`) and the parameter slices the inner update
-        sees: the master slices, this device's slices of `params`, or None without parameters."""
-        master = self.cfg.master_dtype is not None
-        m_sl = {}
-        if master:
-            m_sl = dict(zip(sliced, jax.tree.leaves(state.master)))
-        p_sl = None
-        if p_leaves is not None:
-            p_sl = m_sl if master else {i: _sliced.own_slice(p_leaves[i], layout.leaves[i],
-                                                              ranks[layout.zero_axes(layout.leaves[i])])
-                                        for i in sliced}
-        return m_sl, p_sl
+    def _sliced_params(self, layout: Layout, p_leaves: list | None, state: ZeroState, ranks) -> list | None:
+        """The parameters each group's view sees (this device's part of the buffer): the master copies with
+        `master_dtype`, this device's slices of `params` otherwise, or None without parameters."""
+        if p_leaves is None:
+            return None
+        if not layout.groups:
+            return [None]
+        if self.cfg.master_dtype is not None:
+            return list(state.master)
+        return [_sliced.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
+                for g in layout.groups]
 
-    def _update_sliced(self, layout: Layout, sliced: list[int], g_sl, p_sl, state: ZeroState, ok, ranks, extra,
-                       inner) -> tuple[dict[int, jax.Array], Any, dict[int, jax.Array]]:
-        """The inner update on the sliced view, which every device runs on its own coordinates.
-
-        Returns the updates of the sliced leaves (this device's slices), the new stored inner state (the old one
-        where the step is skipped) and the old values of the shared entries, which the owned views read.
-        """
-        a_entries = list(layout.unpacked_entries)
-        g_view = _masked_tree(layout, g_sl)
-        stored = jax.tree.leaves(state.inner_state)
-        p_view = None if p_sl is None else _masked_tree(layout, p_sl)
-        a_old, old_a, u_a, new_a = self._run_sliced_view(layout, a_entries, stored, g_view, p_view, extra, inner)
-        _check_returned(u_a, new_a, g_view, old_a, "sliced leaves")
-        new_a_values = self._to_storage(layout, a_entries, jax.tree.leaves(new_a), ranks)
-        u_a = dict(zip(sliced, jax.tree.leaves(u_a)))
-        new_inner = jax.tree_util.tree_unflatten(
-            self._view(layout, None), _reduce.skip_if_empty(ok, new_a_values, jax.tree.leaves(state.inner_state)))
-        shared_old = {j: x for j, x in zip(a_entries, a_old) if layout.entries[j].leaf is None}
-        return u_a, new_inner, shared_old
-
-    def _run_sliced_view(self, layout: Layout, a_entries: list[int], stored: list, g_view, p_view, extra, inner):
-        """Runs the inner update on the sliced view's stored state; returns the old state's values, the old state,
-        the updates and the new state.
-
-        The shared entries come back from storage typed varying. Some inner updates need them invariant (a
-        `lax.cond`'s branches must agree on their types: `reduce_on_plateau`); the first such failure switches this
-        layout to invariant shared entries for good, and the update is traced again.
-        """
-        invariant = self._invariant.get(layout, False)
-        a_old = self._from_storage(layout, a_entries, stored, invariant)
-        old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-        try:
-            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
-        except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
-            if invariant or "manual axis types" not in str(e):
-                raise
-            self._invariant[layout] = True
-            a_old = self._from_storage(layout, a_entries, stored, invariant=True)
-            old_a = jax.tree_util.tree_unflatten(self._view(layout, None), a_old)
-            u_a, new_a = inner.update(g_view, old_a, p_view, **extra)
-        return a_old, old_a, u_a, new_a
-
-    def _gather_sliced(self, layout: Layout, sliced: list[int], u_a: dict, m_sl: dict, p_leaves: list | None,
-                       state: ZeroState, ok, ranks) -> tuple[dict[int, jax.Array], Any]:
-        """The sliced leaves' full results, all-gathered in buckets to every device, and the new master slices.
+    def _gather_sliced(self, layout: Layout, u_parts: list, p_leaves: list | None, state: ZeroState, ok,
+                       masks: list) -> tuple[dict[int, jax.Array], Any]:
+        """The sliced leaves' full results, all-gathered in buckets to every device, and the new master copies.
 
         With `master_dtype` each device adds its updates to its master slices and every device receives the new
         master values rounded to the parameter dtype; otherwise every device receives the updates (zero where the
-        step is skipped).
+        step is skipped). Buckets are planned in tree order; a run of one group's members in a bucket is one
+        slice of the group's buffer.
         """
         cfg = self.cfg
-        updates = {}
+        updates: dict[int, jax.Array] = {}
         new_master = state.master
-        if not sliced:
+        if not layout.groups:
             return updates, new_master
         if cfg.master_dtype is not None:
-            m_new = {i: _sliced.zero_padding((m_sl[i] + u_a[i]).astype(m_sl[i].dtype), layout.leaves[i],
-                                             ranks[layout.zero_axes(layout.leaves[i])]) for i in sliced}
-            m_new = _reduce.skip_if_empty(ok, m_new, m_sl)
-            new_master = jax.tree.unflatten(jax.tree.structure(state.master), [m_new[i] for i in sliced])
-            rounded = {i: m_new[i].astype(p_leaves[i].dtype) for i in sliced}
-            buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(p_leaves[i].dtype).name for i in sliced],
-                                           cfg.bucket_bytes)
-            updates.update(_sliced.gather(rounded, layout, buckets))
+            m_new = [_groups.zero_padding((m + u).astype(m.dtype), mask)
+                     for m, u, mask in zip(state.master, u_parts, masks)]
+            new_master = tuple(_reduce.skip_if_empty(ok, m_new, list(state.master)))
+            values = [m.astype(p_leaves[g.first].dtype) for m, g in zip(new_master, layout.groups)]
         else:
-            u_a = _reduce.skip_if_empty(ok, u_a, jax.tree.map(jnp.zeros_like, u_a))
-            buckets = _sliced.plan_buckets(layout, sliced, [np.dtype(u_a[i].dtype).name for i in sliced],
-                                           cfg.bucket_bytes)
-            updates.update(_sliced.gather(u_a, layout, buckets))
+            values = _reduce.skip_if_empty(ok, u_parts, [jnp.zeros_like(u) for u in u_parts])
+        order = _groups.order(layout)
+        dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
+        buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)
+        if _by_rows(layout, buckets):
+            updates.update(_sliced.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
+        else:
+            per_leaf = {}
+            for g, x in zip(layout.groups, values):
+                per_leaf.update(_groups.split(g, x, layout))
+            updates.update(_sliced.gather(per_leaf, layout, buckets))
         return updates, new_master
 
-    def _reduce_sliced(self, layout, sliced, g_leaves, denom, inner_dt, sum_dt, ranks) -> dict[int, jax.Array]:
-        """Each device's `(slots,)` block of every sliced leaf's reduced gradient, in the inner's dtype."""
-        if not sliced:
-            return {}
+    def _reduce_groups(self, layout: Layout, g_leaves, denom, inner_dt, sum_dt, ranks) -> list:
+        """Each group's part of the reduced gradient on this device (its members' slots, concatenated), in the
+        inner's dtype; `[None]` without sliced leaves (the view of no leaf). The reduction goes in buckets over
+        all sliced leaves."""
         cfg = self.cfg
+        if not layout.groups:
+            return [None]
+        for g in layout.groups:
+            if len({inner_dt[i] for i in g.leaves}) > 1:
+                raise ZeroStructureError(
+                    f"The gradients of the sliced leaves {[layout.leaves[i].path for i in g.leaves]} have "
+                    f"different dtypes ({sorted({inner_dt[i] for i in g.leaves})}), but their parameters have one "
+                    "dtype and one optimizer program: pass their gradients in one dtype.")
+        sliced = _groups.order(layout)
         grads = {i: g_leaves[i] for i in sliced}
         if cfg.reduce is None:  # already the global mean
-            return {i: _sliced.own_slice(g.astype(inner_dt[i]), layout.leaves[i],
-                                         ranks[layout.zero_axes(layout.leaves[i])]) for i, g in grads.items()}
+            return [_sliced.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
+                                     ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
         buckets = _sliced.plan_buckets(layout, sliced, [sum_dt[i] for i in sliced], cfg.bucket_bytes)
         if cfg.reduce == "psum":
-            return _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
-        return _sliced.reduce_scatter(grads, layout, buckets, denom, inner_dt)
+            parts = _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
+            return [_groups.joined(g, parts) for g in layout.groups]
+        if _by_rows(layout, buckets):
+            joined = _groups.parts_from_rows(layout, _sliced.reduce_scatter_rows(grads, layout, buckets), buckets)
+        else:
+            parts = _sliced.reduce_scatter(grads, layout, buckets)
+            joined = [_groups.joined(g, parts) for g in layout.groups]
+        return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def _update_owned(self, layout, owned, g_leaves, p_leaves, state, shared_old, denom, inner_dt, sum_dt, extra,
                       rank, inner, stepping=True):
@@ -516,7 +425,7 @@ class Engine:
             p_view = _masked_tree(layout, p)
         g_view = _masked_tree(layout, g)
         u, new = inner.update(g_view, old, p_view, **extra)
-        _check_returned(u, new, g_view, old, f"leaves device {r} owns")
+        _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
         u = dict(zip(mine, jax.tree.leaves(u)))
         values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
         if master and stepping:
@@ -547,6 +456,12 @@ class Engine:
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
         return mode, plan_g, grad_input
+
+
+def _by_rows(layout: Layout, buckets) -> bool:
+    """Whether the groups' buffers go to and from the collectives as whole bucket rows: on groups of more than one
+    device (on one device there is no collective to feed, and a row would only copy the leaves)."""
+    return all(b.axes and layout.leaves[b.leaves[0]].group > 1 for b in buckets)
 
 
 def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dict[int, jax.Array], values: dict,

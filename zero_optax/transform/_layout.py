@@ -109,6 +109,35 @@ class StateEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Group:
+    """Sliced leaves whose inner update is one program: their state is stored, and updated, as one buffer.
+
+    Each device's part of a group's buffer is the concatenation of its `slots` coordinates of every member, so the
+    inner update runs once on it (a view of the first member holding the buffer), and a history of the group is
+    one array however many leaves it has.
+
+    Attributes:
+      leaves: the members, in tree order; all have the same ZeRO axes, own axes, dtype and entries.
+      histories: per member, its inner-state entries in state order: the `k`-th entry of every member is stored
+        in the group's `k`-th history array.
+      masters: per member, its master-copy entry (empty without `master_dtype`).
+      offsets: where each member starts in a device's part of the buffer.
+      size: the length of a device's part, the sum of the members' slots.
+    """
+
+    leaves: tuple[int, ...]
+    histories: tuple[tuple[int, ...], ...]
+    masters: tuple[int, ...]
+    offsets: tuple[int, ...]
+    size: int
+
+    @property
+    def first(self) -> int:
+        """The member whose view runs the group's update."""
+        return self.leaves[0]
+
+
+@dataclasses.dataclass(frozen=True)
 class Packing:
     """Where rank-local arrays live inside per-dtype packed buffers (owned leaves).
 
@@ -161,6 +190,9 @@ class Layout:
       memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
         `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
         arrays are in.
+      groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
+        exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
+        leaf.
     """
 
     partition: str
@@ -176,6 +208,7 @@ class Layout:
     accumulate: str | None = None
     accumulate_steps: int = 1
     memory_kind: str = dataclasses.field(default="device", compare=False)
+    groups: tuple[Group, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -183,7 +216,8 @@ class Layout:
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
-                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps))
+                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
+                     self.groups))
 
     # Views that users read.
     @property
@@ -233,6 +267,24 @@ class Layout:
         """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
         `ZeroState.inner_state`."""
         return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
+
+    @functools.cached_property
+    def shared_entries(self) -> tuple[int, ...]:
+        """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
+        return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
+
+    @functools.cached_property
+    def stored_at(self) -> dict[int, tuple[int, int, int]]:
+        """Sliced entry (history or master) -> `(group, k, offset)`: it is the `offset..offset+slots` part of each
+        device's part of history `k` of group `group` (`k` = -1: the group's master copy)."""
+        out = {}
+        for g, group in enumerate(self.groups):
+            for m, off in enumerate(group.offsets):
+                for k, j in enumerate(group.histories[m]):
+                    out[j] = (g, k, off)
+                if group.masters:
+                    out[group.masters[m]] = (g, -1, off)
+        return out
 
     def kind(self, entry: StateEntry) -> str:
         """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
@@ -321,6 +373,8 @@ class Layout:
                      + (f"master bytes per device: {list(self.master_bytes_per_device)}; " if self.master_dtype
                         else "")
                      + f"stored per device: {self.stored_bytes_per_device}"
+                     + (f"; {len(self.groups)} groups of sliced leaves (largest {max(len(g.leaves) for g in self.groups)} "
+                        "leaves)" if self.groups else "")
                      + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
                         f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
         return "\n".join(lines)
@@ -367,7 +421,7 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     """
     n = len(leaf_structs)
     sliced = set(sliced)
-    owned = [i for i in range(n) if i not in sliced]
+    owned = [i for i in range(n) if i not in sliced and not isinstance(leaf_structs[i], optax.MaskedNode)]
 
     def state_of(values):
         try:
@@ -412,6 +466,8 @@ def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> 
     position has `b` set and on those where it is clear; a path of one leaf is in exactly one of the two, which
     says its bit `b`.
     """
+    if not rest:
+        return {}
     bits = {path: 0 for path in rest}
     for b in range(max(len(owned) - 1, 0).bit_length()):
         on = {i for k, i in enumerate(owned) if k >> b & 1}

@@ -26,6 +26,7 @@ from zero_optax.transform._layout import (
     LEAF,
     MASTER,
     MASTER_PREFIX,
+    Group,
     Layout,
     ParamLeaf,
     StateEntry,
@@ -200,21 +201,21 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, n_leaves: in
     return set(found.coupled)
 
 
-def _check_slices(cfg: Config, traced: _coupling.Traced, real_state, mixed_tree, mixed_state, extra) -> None:
-    """Refuses inner transformations that behave differently on slices than on the real parameter shapes."""
+def _check_slices(real_state, mixed_state) -> None:
+    """Refuses inner transformations whose state on slices is structured differently than on the parameters."""
     if jax.tree.structure(real_state) != jax.tree.structure(mixed_state):
         raise ZeroCouplingError(
             f"zero1: the inner state on coordinate slices has the structure "
             f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
             f"{SHAPE_HELP}")
-    full = _coupling.program_signature(traced)
-    part = _coupling.program_signature(_update_fn(cfg.inner), mixed_tree, mixed_state, mixed_tree, extra)
-    if full != part:
-        i = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
-        raise ZeroCouplingError(
-            f"zero1: the inner update applies {len(full)} operations to the parameters but {len(part)} to "
-            f"coordinate slices (first difference at operation {i}: {full[i] if i < len(full) else 'none'} vs "
-            f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
+
+
+def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
+    i = next((i for i, (a, b) in enumerate(zip(real, part)) if a != b), min(len(real), len(part)))
+    return ZeroCouplingError(
+        f"zero1: the inner update applies {len(real)} operations to the parameters but {len(part)} to coordinate "
+        f"slices (at `{path}`; first difference at operation {i}: {real[i] if i < len(real) else 'none'} vs "
+        f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
 
 
 def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
@@ -262,7 +263,7 @@ def build_layout(cfg: Config, params) -> Layout:
                                                    sliced=[i for i in range(len(real)) if not owned[i]])
         mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
                                          [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
-        _check_slices(cfg, traced, real_state, jax.tree_util.tree_unflatten(treedef, mixed), mixed_state, extra)
+        _check_slices(real_state, mixed_state)
     else:
         entries = real_entries
     for e in entries:
@@ -275,12 +276,111 @@ def build_layout(cfg: Config, params) -> Layout:
     owners = _leaf_owners(cfg, entries, real, owned, n, paths)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
+    inner_count = len(entries)
     entries = entries + _master_entries(cfg, leaves)
+    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, inner_count, traced, extra)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device")
+                  "pinned_host" if cfg.offload else "device", groups)
+
+
+FUSE_BYTES = 1 << 14
+"""Sliced leaves of at most this many bytes per device are fused into groups (`_layout.Group`); larger ones keep
+arrays of their own. Fusing a leaf saves its operations (kernel launches, and arrays at the `shard_map` boundary)
+but copies its slots into and out of the group's buffer every step, which for large leaves costs more than it
+saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
+
+
+def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], inner_count: int,
+            traced: _coupling.Traced, extra) -> tuple[Group, ...]:
+    """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
+    each runs on its slots what it runs on the parameter.
+
+    Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
+    runs the same program on each (`_coupling.leaf_programs`: the same operations on the same shared values, a
+    step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
+    leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
+    is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
+    alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
+    transformation reads the parameters' shapes: a mask computed from `ndim`).
+    """
+    n = len(leaves)
+    labels = _labels(treedef, n)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]),
+                                                [e.leaf for e in entries[:inner_count]])
+    names: dict[str, str] = {}
+    programs = _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
+                                       out_sources=(labels, state_labels), names=names)
+    histories: dict[int, list[int]] = {i: [] for i, leaf in enumerate(leaves) if leaf.sliced}
+    masters: dict[int, int] = {}
+    for j, e in enumerate(entries):
+        if e.leaf in histories and e.role == MASTER:
+            masters[e.leaf] = j
+        elif e.leaf in histories:
+            histories[e.leaf].append(j)
+    candidates = _candidates(cfg, leaves, entries, histories, programs)
+    found = _view_programs(cfg, treedef, leaves, candidates, extra, names)
+    groups, alone = [], []
+    for members in candidates:
+        if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
+                programs[None]:
+            groups.append(members)
+        else:
+            alone += members
+    if any(len(m) > 1 for m in candidates if m[0] in alone):
+        found = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names)
+    for i in alone:
+        if i in programs and found.get(i) != programs[i]:
+            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
+        groups.append([i])
+    out = []
+    for members in sorted(groups):
+        offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
+        out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
+                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1]))
+    return tuple(out)
+
+
+def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+                histories: dict[int, list[int]], programs: dict) -> list[list[int]]:
+    """The sliced leaves keyed by program, axes, dtype and entries: small ones together, large ones alone."""
+    keyed: dict[Any, list[int]] = {}
+    for i, own in histories.items():
+        leaf = leaves[i]
+        small = leaf.slots * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize <= FUSE_BYTES
+        program = programs.get(i, i) if small else i  # a leaf without a program of its own stays alone
+        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype, tuple(entries[j].dtype for j in own))
+        keyed.setdefault(key, []).append(i)
+    return list(keyed.values())
+
+
+def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: list[list[int]], extra,
+                   names: dict[str, str]) -> dict[int | None, tuple[str, ...]]:
+    """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
+    holding all its members' slots, every other leaf masked; key None the shared state's. Empty where the view
+    cannot be traced."""
+    structs: list[Any] = [optax.MaskedNode()] * len(leaves)
+    labels: list[Any] = [optax.MaskedNode()] * len(leaves)
+    for members in groups:
+        first = members[0]
+        structs[first] = jax.ShapeDtypeStruct((sum(leaves[i].slots for i in members),),
+                                              cfg.inner_dtype(leaves[first].dtype))
+        labels[first] = first
+    tree = jax.tree_util.tree_unflatten(treedef, structs)
+    label_tree = jax.tree_util.tree_unflatten(treedef, labels)
+    try:
+        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, structs,
+                                                   sliced=[m[0] for m in groups])
+        state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                                                for e in entries])
+        state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
+        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, extra,
+                                       sources=(label_tree, state_labels, label_tree, None),
+                                       out_sources=(label_tree, state_labels), names=names)
+    except Exception:  # noqa: BLE001  (a view the transformation cannot run: its leaves stay alone, or are refused)
+        return {}
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:

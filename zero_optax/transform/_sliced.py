@@ -81,15 +81,7 @@ def own_slice(x: jax.Array, leaf: ParamLeaf, rank: jax.Array) -> jax.Array:
     """This device's `(slots,)` coordinates of the flattened, zero-padded block `x`."""
     if leaf.group == 1:
         return x.reshape(-1)
-    return lax.dynamic_slice_in_dim(_padded(x, leaf), rank * leaf.slots, leaf.slots)
-
-
-def zero_padding(x: jax.Array, leaf: ParamLeaf, rank: jax.Array) -> jax.Array:
-    """Keeps the padded tail of a coordinate history at zero (some optimizers add eps to it)."""
-    if leaf.slots * leaf.group == leaf.size:
-        return x
-    valid = jnp.arange(leaf.slots) + rank * leaf.slots < leaf.size
-    return jnp.where(valid, x, jnp.zeros_like(x))
+    return lax.dynamic_slice_in_dim(_padded(x, leaf), rank * leaf.slots, leaf.slots, allow_negative_indices=False)
 
 
 def _split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
@@ -99,9 +91,9 @@ def _split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     return jnp.split(flat, cuts)
 
 
-def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
-                   denom: _reduce.Denominator, out_dtypes: dict[int, str]) -> dict[int, jax.Array]:
-    """Each device's `(slots,)` block of every sliced leaf's reduced gradient, summed in the bucket's dtype.
+def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> dict[int, jax.Array]:
+    """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype (still to be
+    divided by the reduction's denominator).
 
     A bucket is `[group, sum(slots)]`: row `r` is the concatenation of device `r`'s slices of its leaves, so one
     tiled reduce-scatter leaves every device its row.
@@ -118,9 +110,40 @@ def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequenc
         else:
             stacked = jnp.concatenate([p.reshape(group, leaf.slots) for p, leaf in zip(parts, leaves)], axis=1)
             rows = _split(_compat.psum_scatter(stacked, b.axes)[0], [leaf.slots for leaf in leaves])
-        for i, row in zip(b.leaves, rows):
-            out[i] = _reduce.divide(row, denom, out_dtypes[i])
+        out.update(zip(b.leaves, rows))
     return out
+
+
+def reduce_scatter_rows(grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> list[jax.Array]:
+    """Like `reduce_scatter`, but each bucket's row whole (the concatenation of its leaves' `(slots,)` parts), for
+    buckets of groups of more than one device."""
+    out = []
+    for b in buckets:
+        leaves = [layout.leaves[i] for i in b.leaves]
+        group = leaves[0].group
+        parts = [_padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots) for i, leaf in zip(b.leaves, leaves)]
+        stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+        out.append(_compat.psum_scatter(stacked, b.axes)[0])
+    return out
+
+
+def gather_rows(rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> dict[int, jax.Array]:
+    """Like `gather`, from each bucket's row whole, for buckets of groups of more than one device."""
+    out = {}
+    for b, row in zip(buckets, rows):
+        leaves = [layout.leaves[i] for i in b.leaves]
+        cols = _compat.all_gather_invariant(row.astype(b.dtype), b.axes, tiled=True).reshape(leaves[0].group, -1)
+        cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
+        for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
+            x = cols[:, a:c].reshape(-1)
+            out[i] = x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
+    return out
+
+
+def own_rows(values: dict[int, jax.Array], layout: Layout, leaves: Sequence[int], rank: jax.Array) -> jax.Array:
+    """This device's slots of every leaf of `leaves` (of one ZeRO group), concatenated."""
+    parts = [own_slice(values[i], layout.leaves[i], rank) for i in leaves]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def all_reduce_slices(grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
@@ -141,23 +164,23 @@ def all_reduce_slices(grads: dict[int, jax.Array], layout: Layout, buckets: Sequ
 
 
 def gather(values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> dict[int, jax.Array]:
-    """The full block of every sliced leaf from each device's `(slots,)` values, invariant across the group."""
+    """The full block of every sliced leaf of `buckets`, invariant across the group, from each device's `(slots,)`
+    values: one all-gather per bucket of the concatenated values."""
     out = {}
     for b in buckets:
         leaves = [layout.leaves[i] for i in b.leaves]
         group = leaves[0].group
         parts = [values[i].astype(b.dtype) for i in b.leaves]
         if not b.axes:
-            full = parts
-        elif group == 1:  # one device: the psum only retypes the value as replicated (XLA drops it)
-            full = [lax.psum(p, b.axes) for p in parts]
+            pass
+        elif group == 1:  # one device: a gather of one block only retypes the value as invariant (XLA drops it)
+            parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
         elif len(parts) == 1:
-            full = [_compat.all_gather_invariant(parts[0], b.axes, tiled=True)]
+            parts = [_compat.all_gather_invariant(parts[0], b.axes, tiled=True)]
         else:
-            rows = _compat.all_gather_invariant(jnp.concatenate(parts), b.axes, tiled=True)
-            rows = rows.reshape(group, -1)
+            cols = _compat.all_gather_invariant(jnp.concatenate(parts), b.axes, tiled=True).reshape(group, -1)
             cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-            full = [rows[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
-        for i, leaf, x in zip(b.leaves, leaves, full):
+            parts = [cols[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
+        for i, leaf, x in zip(b.leaves, leaves, parts):
             out[i] = x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
     return out

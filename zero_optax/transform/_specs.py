@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.transform._layout import Layout, ParamLeaf
-from zero_optax.transform._state import ZeroState, is_state
+from zero_optax.transform._state import SlicedState, ZeroState, is_state
 
 
 def _spec(axes: tuple[str, ...]) -> P:
@@ -28,19 +28,15 @@ def history_spec(layout: Layout, leaf: ParamLeaf) -> P:
 def specs_of(state: ZeroState) -> ZeroState:
     """`state` with every array replaced by its `PartitionSpec` (the same layout, so a valid `out_specs`)."""
     layout = state.layout
-    entries = layout.unpacked_entries
-    treedef = jax.tree.structure(state.inner_state)
-    inner = [_spec(layout.axes) if layout.entries[j].leaf is None else
-             history_spec(layout, layout.leaves[layout.entries[j].leaf]) for j in entries]
+    groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
+    inner = SlicedState(tuple(_spec(layout.axes) for _ in layout.shared_entries),
+                        tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
     buffers = {d: _spec(layout.axes) for d in state.buffers}
-    master = state.master
-    if master is not None:
-        sliced = [leaf for leaf in layout.leaves if leaf.sliced]
-        master = jax.tree.unflatten(jax.tree.structure(master), [history_spec(layout, leaf) for leaf in sliced])
+    master = None if state.master is None else tuple(groups)
     local = state.local
     if local is not None:
         local = jax.tree_util.tree_unflatten(layout.treedef, [history_spec(layout, leaf) for leaf in layout.leaves])
-    return ZeroState(jax.tree.unflatten(treedef, inner), buffers, master, layout, local)
+    return ZeroState(inner, buffers, master, layout, local)
 
 
 def tree_specs(tree: Any) -> Any:

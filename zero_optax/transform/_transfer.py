@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _mesh, _offload, _specs
+from zero_optax.transform import _entries, _mesh, _offload, _specs
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import ZeroState, is_state
 from zero_optax.transform._zero1 import Zero1
@@ -46,12 +46,7 @@ def _entry(state: ZeroState, j: int) -> jax.Array:
         dtype, off = layout.state_packing.offsets[leaf.owner][j]
         buffer = _compat.replicate(state.buffers[dtype])
         return jax.lax.slice_in_dim(buffer[leaf.owner], off, off + e.size).reshape(e.shape)
-    if e.role == MASTER:
-        sliced = [i for i, leaf in enumerate(layout.leaves) if leaf.sliced]
-        value = jax.tree.leaves(state.master)[sliced.index(e.leaf)]
-    else:
-        value = jax.tree.leaves(state.inner_state)[layout.unpacked_entries.index(j)]
-    value = _compat.replicate(value)
+    value = _compat.replicate(_entries.unowned(state)[j])
     if kind == "shared":
         return value[0]
     leaf = layout.leaves[e.leaf]

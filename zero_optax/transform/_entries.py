@@ -1,0 +1,187 @@
+"""A zero1 state's arrays per entry, outside `shard_map`: what checkpoints and `gather_state` read and write.
+
+`ZeroState` stores the histories (and master copies) of a group of sliced leaves as one array
+(`zero_optax.transform._groups`); everything that presents the state per leaf sees it through this module. A group
+array has one row of `size` elements per device (the leaf's blocks, then its ZeRO group), each row the
+concatenation of the members' `slots`; an entry's own 1-D array, `blocks * group * slots` elements laid out the
+same way, is the member's columns of every row. Both are sharded row by row over the same mesh axes, so cutting
+and joining moves no data between devices.
+
+Examples:
+  >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+  >>> from zero_optax.transform import _entries
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> state = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh).init({"a": jnp.ones(3), "b": jnp.ones(2)})
+  >>> [tuple(x.shape) for x in jax.tree.leaves(state.inner_state)]   # count, then mu and nu of both leaves
+  [(1,), (5,), (5,)]
+  >>> {state.layout.entries[j].path: tuple(x.shape) for j, x in _entries.unowned(state).items()}
+  {'[0].count': (1,), "[0].mu['a']": (3,), "[0].mu['b']": (2,), "[0].nu['a']": (3,), "[0].nu['b']": (2,)}
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zero_optax.transform._layout import Group, Layout
+from zero_optax.transform._state import SlicedState, ZeroState
+
+
+def _spec(layout: Layout, group: Group) -> P:
+    axes = layout.history_axes(layout.leaves[group.first])
+    return P(axes[0] if len(axes) == 1 else axes) if axes else P()
+
+
+def _mesh_of(arrays: list[Any]) -> Any:
+    """The mesh the group arrays are laid out on: their sharding's (concrete), their type's (traced under
+    explicit axes) or the context's; None if none is known (traced under auto axes: plain slicing then)."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return getattr(x.sharding, "mesh", None)
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _on_device(x: Any) -> Any:
+    """A concrete array in host memory (an offloaded state) brought to device memory, to be cut or joined."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+            getattr(sharding, "memory_kind", None) not in (None, "device"):
+        return jax.device_put(x, sharding.with_memory_kind("device"))
+    return x
+
+
+@functools.lru_cache(maxsize=64)
+def _program(layout: Layout, mesh: Any, op: str, master: bool, traced: bool) -> Any:
+    """`_cut_all` (`op` "cut") or `_join_all` ("join") of `layout` on each device's rows of `mesh` (`shard_map`),
+    so no data moves between devices; jitted unless `traced` (already inside `jax.jit`)."""
+    specs = tuple(_spec(layout, g) for g in layout.groups)
+    history_specs = tuple(tuple(s for _ in g.histories[0]) for s, g in zip(specs, layout.groups))
+    entry_specs = {j: specs[layout.stored_at[j][0]] for j in _entry_order(layout)}
+    if op == "cut":
+        def fn(args):
+            return _cut_all(layout, *args)
+        in_specs = (history_specs, specs if master else None)
+        out_specs = [entry_specs[j] for j in _entry_order(layout)]
+    else:
+        def fn(values):
+            return _join_all(layout, values, master)
+        in_specs = entry_specs
+        out_specs = (history_specs, specs if master else None)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
+    return mapped if traced else jax.jit(mapped)
+
+
+def _per_device(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
+    arrays = jax.tree.leaves(inputs)
+    mesh = _mesh_of(arrays)
+    if mesh is None:
+        return _cut_all(layout, *inputs) if op == "cut" else _join_all(layout, inputs, master)
+    traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
+    return _program(layout, mesh, op, master, traced)(inputs)
+
+
+def _cut_all(layout: Layout, histories, master) -> list[jax.Array]:
+    """Inside each device (or on global arrays): every group's local row cut into its members' parts."""
+    out = []
+    for g, group in enumerate(layout.groups):
+        for x in histories[g]:
+            out += _cut_row(layout, group, x)
+        if master is not None:
+            out += _cut_row(layout, group, master[g])
+    return out
+
+
+def _cut_row(layout: Layout, group: Group, x: jax.Array) -> list[jax.Array]:
+    rows = x.reshape(-1, group.size)
+    return [rows[:, off:off + layout.leaves[i].slots].reshape(-1) for i, off in zip(group.leaves, group.offsets)]
+
+
+def _entry_order(layout: Layout) -> list[int]:
+    """The sliced entries in `_cut_all` order."""
+    order = []
+    for group in layout.groups:
+        for k in range(len(group.histories[0])):
+            order += [h[k] for h in group.histories]
+        order += list(group.masters)
+    return order
+
+
+def unowned(state: ZeroState) -> dict[int, jax.Array]:
+    """Entry index -> its global array, for the shared entries (`[N, *shape]`, as stored) and the sliced
+    histories and master copies (`(blocks * group * slots,)`), cut from the group arrays on each device (an
+    offloaded state's in device memory)."""
+    layout = state.layout
+    out = dict(zip(layout.shared_entries, state.inner_state.shared))
+    if not layout.groups:
+        return out
+    histories = jax.tree.map(_on_device, state.inner_state.histories)
+    master = None if state.master is None else tuple(_on_device(x) for x in state.master)
+    values = _per_device(layout, "cut", master is not None, (histories, master))
+    out.update(zip(_entry_order(layout), values))
+    return out
+
+
+def sliced_shardings(state: ZeroState) -> dict[int, Any]:
+    """Entry index -> the sharding of its global array in a state like `state` (that of its group's arrays)."""
+    layout = state.layout
+    out = {}
+    for g, group in enumerate(layout.groups):
+        sharding = _group_sharding(state, g)
+        for j in [j for h in group.histories for j in h] + list(group.masters):
+            out[j] = sharding
+    return out
+
+
+def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool):
+    histories, masters = [], []
+    for group in layout.groups:
+        histories.append(tuple(_join_row(layout, group, [values[h[k]] for h in group.histories])
+                               for k in range(len(group.histories[0]))))
+        if master:
+            masters.append(_join_row(layout, group, [values[j] for j in group.masters]))
+    return tuple(histories), (tuple(masters) if master else None)
+
+
+def _join_row(layout: Layout, group: Group, values: list[jax.Array]) -> jax.Array:
+    if len(values) == 1:
+        return values[0]
+    n = values[0].shape[0] // layout.leaves[group.first].slots
+    return jnp.concatenate([v.reshape(n, layout.leaves[i].slots) for i, v in zip(group.leaves, values)],
+                           axis=1).reshape(-1)
+
+
+def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedState, tuple | None]:
+    """The inverse of `unowned`: the stored inner state and master copies of a state like `template` holding the
+    entries' global arrays `values` (entry index -> array), in the shardings (and memory) of `template`'s."""
+    layout = template.layout
+    shared = tuple(values[j] for j in layout.shared_entries)
+    has_master = template.master is not None
+    if not layout.groups:
+        return SlicedState(shared, ()), (() if has_master else None)
+    needed = {j: _on_device(values[j]) for j in _entry_order(layout)}
+    histories, master = _per_device(layout, "join", has_master, needed)
+    histories = tuple(tuple(_placed(x, _group_sharding(template, g)) for x in h) for g, h in enumerate(histories))
+    if master is not None:
+        master = tuple(_placed(x, _group_sharding(template, g)) for g, x in enumerate(master))
+    return SlicedState(shared, histories), master
+
+
+def _placed(x: Any, sharding: Any) -> Any:
+    """`x` in the memory kind of `sharding` (an offloaded target's arrays live in host memory)."""
+    kind = getattr(sharding, "memory_kind", None)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and kind not in (None, x.sharding.memory_kind):
+        return jax.device_put(x, x.sharding.with_memory_kind(kind))
+    return x
+
+
+def _group_sharding(template: ZeroState, g: int) -> Any:
+    arrays = list(template.inner_state.histories[g]) + ([] if template.master is None else [template.master[g]])
+    return getattr(arrays[0], "sharding", None) if arrays else None

@@ -1,0 +1,257 @@
+"""The sliced leaves inside `shard_map`, stored and updated by group (`Layout.groups`).
+
+A group's leaves run one program, so the inner update runs once per group, not once per leaf: on the view of the
+group's first member (`optax.masked`-style, every other leaf masked) holding the concatenation of this device's
+slots of all members. Its state is the view's state at that length: the shared entries (step counts) and one
+history array per kind (Adam's `mu`, `nu`) for the whole group, which is what `ZeroState` stores
+(`SlicedState`). A tree of a thousand leaves with one program is then a handful of arrays, however many leaves it
+has, both in the step's program and at the `shard_map` boundary.
+
+The coupling analysis at `init` proves this exact: no computation mixes coordinates or leaves, the shared entries
+depend on no leaf, and every member's program is the first member's, independent of the length
+(`zero_optax.transform._plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroStructureError
+from zero_optax.core._names import tree_signature
+from zero_optax.transform import _layout, _plan, _sliced
+from zero_optax.transform._layout import Group, Layout
+from zero_optax.transform._state import SlicedState
+
+
+def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
+    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
+    leaves = _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values)
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
+    """The members' `(slots,)` values of `group`, concatenated: this device's part of the group's buffer."""
+    parts = [values[i] for i in group.leaves]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def split(group: Group, x: jax.Array, layout: Layout) -> dict[int, jax.Array]:
+    """This device's part of a group's buffer, cut into its members' `(slots,)` values."""
+    if len(group.leaves) == 1:
+        return {group.first: x}
+    cuts = [off + layout.leaves[i].slots for off, i in zip(group.offsets, group.leaves)][:-1]
+    return dict(zip(group.leaves, jnp.split(x, cuts)))
+
+
+def order(layout: Layout) -> list[int]:
+    """The sliced leaves in tree order, the order buckets are planned in (so the bucket count does not depend on
+    the grouping); a group's members that follow each other in a bucket move as one slice of its row."""
+    return sorted(i for g in layout.groups for i in g.leaves)
+
+
+def _runs(positions: Sequence[tuple[int, int, int]]) -> list[list[int]]:
+    """`(array, start, length)` pieces in order, merged where one continues the previous one in the same array."""
+    runs: list[list[int]] = []
+    for k, start, length in positions:
+        if runs and runs[-1][0] == k and runs[-1][2] == start:
+            runs[-1][2] += length
+        else:
+            runs.append([k, start, start + length])
+    return runs
+
+
+def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
+    pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
+              for k, lo, hi in _runs(positions)]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
+def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_sliced.Bucket]) -> list[jax.Array]:
+    """Each group's part of the buffer, cut from the buckets' rows (a bucket's row is its leaves' slots, in order):
+    one slice per run of members that share a bucket, not one per leaf."""
+    where = {}
+    for k, b in enumerate(buckets):
+        for i, off in zip(b.leaves, np.cumsum([0] + [layout.leaves[i].slots for i in b.leaves])):
+            where[i] = (k, int(off))
+    return [_pieces(rows, [(*where[i], layout.leaves[i].slots) for i in g.leaves]) for g in layout.groups]
+
+
+def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequence[_sliced.Bucket]) -> list[jax.Array]:
+    """The inverse of `parts_from_rows`: every bucket's row, cut from the groups' parts."""
+    where = {i: (g, off) for g, group in enumerate(layout.groups) for i, off in zip(group.leaves, group.offsets)}
+    return [_pieces(parts, [(*where[i], layout.leaves[i].slots) for i in b.leaves]) for b in buckets]
+
+
+def _rank(layout: Layout, group: Group, ranks) -> jax.Array:
+    return ranks[layout.zero_axes(layout.leaves[group.first])]
+
+
+def valid(layout: Layout, group: Group, rank: jax.Array) -> jax.Array | None:
+    """Which coordinates of this device's part of the buffer are real (not padding); None when all are.
+
+    Member `m` holds `slots` coordinates starting at `rank * slots` of its `size`, so the first
+    `clip(size - rank * slots, 0, slots)` of its part are real. The mask is built from per-member numbers (its
+    position in the part and that count), not from a constant the size of the buffer.
+    """
+    leaves = [layout.leaves[i] for i in group.leaves]
+    if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
+        return None
+    slots = np.array([leaf.slots for leaf in leaves])
+    sizes = np.array([leaf.size for leaf in leaves])
+    real = jnp.clip(jnp.asarray(sizes, jnp.int32) - rank.astype(jnp.int32) * jnp.asarray(slots, jnp.int32), 0,
+                    jnp.asarray(slots, jnp.int32))
+    ends = jnp.repeat(jnp.asarray(group.offsets, jnp.int32) + real, slots, total_repeat_length=group.size)
+    return lax.iota(jnp.int32, group.size) < ends
+
+
+def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Keeps the padded coordinates of a history at zero (some optimizers add eps to them)."""
+    return x if mask is None else jnp.where(mask, x, jnp.zeros_like(x))
+
+
+class Groups:
+    """`init`, `update` and the invariance bookkeeping of the groups of one `Config`'s layouts."""
+
+    def __init__(self, cfg: _plan.Config):
+        self.cfg = cfg
+        self._views: dict = {}
+        self._invariant: dict = {}
+
+    def view(self, layout: Layout, g: int | None) -> tuple[Any, list[int]]:
+        """The inner state treedef of group `g`'s view (of no leaf when `g` is None: a layout without sliced
+        leaves still advances its shared entries there), and the entries its leaves stand for, in order: the
+        shared entries and the first member's histories (cached)."""
+        key = (layout, g)
+        if key not in self._views:
+            group = None if g is None else layout.groups[g]
+            order = sorted(layout.shared_entries + (() if group is None else group.histories[0]))
+            present = set() if group is None else {group.first}
+            what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
+            self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, what), order)
+        return self._views[key]
+
+    def targets(self, layout: Layout) -> list[int | None]:
+        return list(range(len(layout.groups))) or [None]
+
+    def _assemble(self, layout: Layout, g: int | None, shared: dict[int, Any], histories: Sequence[Any]) -> Any:
+        treedef, order = self.view(layout, g)
+        own = {} if g is None else dict(zip(layout.groups[g].histories[0], histories))
+        return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+
+    def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
+        _, order = self.view(layout, g)
+        values = dict(zip(order, jax.tree.leaves(state)))
+        own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
+        return {j: values[j] for j in layout.shared_entries}, own
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
+        """The stored state of the groups: the inner `init` on each group's view of its part of the parameters
+        (`rows`), or the entries of a plain optax state (`full`) cut to this device's slots and joined."""
+        shared: dict[int, Any] | None = None
+        histories = []
+        for g in self.targets(layout):
+            group = None if g is None else layout.groups[g]
+            if full is None:
+                values = {} if group is None else {group.first: rows[g]}
+                s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
+            else:
+                s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
+                h = [] if group is None else [self._cut(layout, group, full, k, ranks)
+                                              for k in range(len(group.histories[0]))]
+            shared = s if shared is None else shared
+            if group is not None:
+                mask = valid(layout, group, _rank(layout, group, ranks))
+                histories.append(tuple(zero_padding(x, mask) for x in h))
+        return SlicedState(tuple(shared[j][None] for j in layout.shared_entries), tuple(histories))
+
+    @staticmethod
+    def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
+        """This device's part of history `k` of `group`, from the full values of its members' entries."""
+        values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
+                  for i, entries in zip(group.leaves, group.histories)}
+        return _sliced.own_rows(values, layout, group.leaves, _rank(layout, group, ranks))
+
+    # ------------------------------------------------------------------ update
+
+    def shared_values(self, layout: Layout, stored: SlicedState, invariant: bool) -> dict[int, jax.Array]:
+        """The shared entries' values from storage (one copy per device -> the value).
+
+        They come back typed varying. With `invariant`, they are made invariant again, as the inner transformation
+        had them, by one tiny all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need
+        that, which `update` learns the first time their trace fails without it.
+        """
+        out = {j: x[0] for j, x in zip(layout.shared_entries, stored.shared)}
+        if not invariant or not out or not _compat.vma_enabled(layout.axes):
+            return out
+        by_dtype: dict[str, list[int]] = {}
+        for j, x in out.items():
+            by_dtype.setdefault(np.dtype(x.dtype).name, []).append(j)
+        for js in by_dtype.values():
+            flat = jnp.concatenate([out[j].reshape(-1) for j in js])
+            first = _compat.all_gather_invariant(flat, layout.axes)[0]
+            cuts = np.cumsum([out[j].size for j in js])[:-1]
+            for j, piece in zip(js, jnp.split(first, cuts)):
+                out[j] = piece.reshape(out[j].shape)
+        return out
+
+    def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
+               stored: SlicedState, masks: list, extra: dict, inner) -> tuple[list, SlicedState, dict]:
+        """The inner update on every group's view.
+
+        `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
+        group's updates (its part of the buffer), the new stored state and the old shared values, which the owned
+        views read. The shared entries' new values are the first view's (every view computes the same).
+        """
+        invariant = self._invariant.get(layout, False)
+        try:
+            return self._update(layout, grads, params, stored, masks, extra, inner, invariant)
+        except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
+            if invariant or "manual axis types" not in str(e):
+                raise
+            self._invariant[layout] = True
+            return self._update(layout, grads, params, stored, masks, extra, inner, True)
+
+    def _update(self, layout, grads, params, stored, masks, extra, inner, invariant):
+        shared_old = self.shared_values(layout, stored, invariant)
+        updates, histories = [], []
+        shared_new = None
+        for t, g in enumerate(self.targets(layout)):
+            group = None if g is None else layout.groups[g]
+
+            def view(x, group=group):
+                return masked_tree(layout, {} if group is None else {group.first: x})
+            g_view = view(grads[t])
+            p_view = None if params is None else view(params[t])
+            old = self._assemble(layout, g, shared_old, () if group is None else stored.histories[g])
+            u, new = inner.update(g_view, old, p_view, **extra)
+            what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
+            check_returned(u, new, g_view, old, what)
+            s, h = self._disassemble(layout, g, new)
+            shared_new = s if shared_new is None else shared_new
+            u = jax.tree.leaves(u)
+            updates.append(u[0] if u else None)
+            if group is not None:
+                histories.append(tuple(zero_padding(x, masks[g]) for x in h))
+        new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
+        return updates, new, shared_old
+
+
+def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:
+    """Refuses an inner update whose results are not structured like its inputs."""
+    if jax.tree.structure(updates) != jax.tree.structure(g_tree):
+        raise ZeroStructureError(
+            f"The inner update returned updates structured as {tree_signature(updates)} for the {what}, but the "
+            f"gradients it was given are {tree_signature(g_tree)}.")
+    if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+        raise ZeroStructureError(
+            f"The inner update returned a state structured as {tree_signature(new_state)} for the {what}, but "
+            f"its state was {tree_signature(old_state)}: zero1 stores the state in the layout init found.")
