@@ -217,3 +217,26 @@ def test_refusals():
         _offload.check_devices([NoHost()])
     with pytest.raises(zo.ZeroError, match="`offload` must be True or False"):
         zo.zero1(optax.adam(1e-2), axis_name="data", offload="yes")
+
+
+def test_groups_stream_through_the_device_in_chunks():
+    """With the state in host memory, a group's arrays reach the device `bucket_bytes` at a time (all its arrays
+    together, in a loop over chunks, the last one shorter) and never whole; the result is still optax's."""
+    params = {"w": jnp.linspace(-1, 1, 120).reshape(40, 3), "b": jnp.asarray(0.5), "v": jnp.ones((13,))}
+    bucket = 96  # bytes: 8 coordinates of mu, nu and the master copy (float32) together
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data", offload=True, bucket_bytes=bucket, master_dtype=jnp.float32)
+    grads = h.gradient_sequence(params, N, STEPS)
+    p, s, step = train(tx, h.mesh_of(N), params, grads)
+    ref_p, ref_s = h.run_oracle(optax.adamw(1e-2), params, grads)
+    h.assert_matches(p, s, ref_p, ref_s)
+    (group,) = zo.describe(s).groups
+    assert group.size == 40 + 1 + 5  # slots per device: 120 / 3, 1, ceil(13 / 3)
+    mesh = h.mesh_of(N)
+    traced = step.trace(jax.device_put(params, NamedSharding(mesh, P())), s,
+                        jax.device_put(grads[0], NamedSharding(mesh, P("data"))))
+    moves = [m for m in hlo.placement_transfers(traced.lower(lowering_platforms=("cuda",)).as_text())
+             if m["in_shard_map"]]
+    for to in ("device", HOST):
+        sizes = sorted(m["bytes"] for m in moves if m["to"] == to)
+        assert sizes.count(8 * 4) >= 3 and sizes.count(6 * 4) == 3, (to, sizes)  # chunks of 8, the tail of 6
+        assert group.size * 4 not in sizes and max(sizes) <= bucket, (to, sizes)

@@ -14,6 +14,7 @@ do not depend on any leaf.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -205,13 +206,17 @@ class Engine:
         calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
         cfg = self.cfg
         if cfg.offload and hooks is None:  # the stored state comes to the device for the step, and goes back
-            return _offload.update(self.on_device, grads, state, params, bucket_bytes=cfg.bucket_bytes,
+            streamed = cfg.accumulating is None  # the groups' arrays stay in host memory, moved chunk by chunk
+            step = functools.partial(self.on_device, streamed=streamed)
+            return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, keep_groups=streamed,
                                    weight=weight, **extra)
         return self.on_device(grads, state, params, weight=weight, hooks=hooks, **extra)
 
     def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-                  **extra):
-        """`update` on a state whose arrays are in device memory."""
+                  streamed: bool = False, **extra):
+        """`update` on a state whose arrays are in device memory, except with `streamed` the groups' histories
+        and master copies, which stay in host memory and are streamed through the device in chunks
+        (`_groups.Groups.update_streamed`)."""
         cfg = self.cfg
         if cfg.accumulating is not None and hooks is None:
             return _accumulate.update(self, grads, state, params, weight, extra)
@@ -229,6 +234,9 @@ class Engine:
 
         # Group views: every device, its own coordinates.
         g_parts = self._reduce_groups(layout, g_leaves, denom, inner_dt, sum_dt, ranks)
+        if streamed and layout.groups:
+            return self._streamed_step(layout, g_parts, g_leaves, p_leaves, state, denom, inner_dt, sum_dt, extra,
+                                       ranks, inner)
         masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
         p_parts = self._sliced_params(layout, p_leaves, state, ranks)
         u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
@@ -245,13 +253,38 @@ class Engine:
 
         # New parameters (master copies) or updates, gathered to every device.
         updates, new_master = self._gather_sliced(layout, u_parts, p_leaves, state, denom.ok, masks)
+        return self._finish(layout, updates, u_owned, p_leaves, denom,
+                            ZeroState(new_inner, new_buffers, new_master, layout, state.local))
+
+    def _streamed_step(self, layout, g_parts, g_leaves, p_leaves, state, denom, inner_dt, sum_dt, extra, ranks,
+                       inner):
+        """`on_device` with the groups' arrays in host memory: each group streamed through the device in chunks
+        of `bucket_bytes` (all its arrays together), then the owned views and the gather as usual."""
+        cfg = self.cfg
+        params = None if p_leaves is None else (
+            None if cfg.master_dtype is not None else self._sliced_params(layout, p_leaves, state, ranks))
+        p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
+        values, new_inner, new_master, shared_old = self.groups.update_streamed(
+            layout, g_parts, params, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes)
+        owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
+        new_buffers, u_owned = dict(state.buffers), {}
+        if owned:
+            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
+                                                      inner_dt, sum_dt, extra, ranks[layout.axes], inner)
+        updates = self._gather_values(layout, values)
+        return self._finish(layout, updates, u_owned, p_leaves, denom,
+                            ZeroState(new_inner, new_buffers, new_master, layout, state.local))
+
+    def _finish(self, layout: Layout, updates: dict, u_owned: dict, p_leaves, denom, new_state: ZeroState):
+        """The updates tree: the gathered results of every leaf (with `master_dtype`, the moves of the parameters
+        onto their rounded master copies)."""
+        cfg = self.cfg
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
             md = cfg.master_dtype
             updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
             if denom.ok is not None:
                 updates = {i: jnp.where(denom.ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
         return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
     def _check_step(self, grads, state, params, weight, extra, semantics: bool = True
@@ -311,6 +344,13 @@ class Engine:
             values = [m.astype(p_leaves[g.first].dtype) for m, g in zip(new_master, layout.groups)]
         else:
             values = _reduce.skip_if_empty(ok, u_parts, [jnp.zeros_like(u) for u in u_parts])
+        updates.update(self._gather_values(layout, values))
+        return updates, new_master
+
+    def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
+        """Every sliced leaf's full value, all-gathered in buckets from each group's part of the buffer."""
+        cfg = self.cfg
+        updates: dict[int, jax.Array] = {}
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)
@@ -321,7 +361,7 @@ class Engine:
             for g, x in zip(layout.groups, values):
                 per_leaf.update(_groups.split(g, x, layout))
             updates.update(_sliced.gather(per_leaf, layout, buckets))
-        return updates, new_master
+        return updates
 
     def _reduce_groups(self, layout: Layout, g_leaves, denom, inner_dt, sum_dt, ranks) -> list:
         """Each group's part of the reduced gradient on this device (its members' slots, concatenated), in the

@@ -25,7 +25,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _plan, _sliced
+from zero_optax.transform import _layout, _plan, _reduce, _sliced
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
 
@@ -243,6 +243,105 @@ class Groups:
                 histories.append(tuple(zero_padding(x, masks[g]) for x in h))
         new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
         return updates, new, shared_old
+
+
+    # ------------------------------------------------------------------ offload: streamed through the device
+
+    def update_streamed(self, layout: Layout, grads: list[jax.Array], params: list[jax.Array] | None, state,
+                        ok, ranks, extra: dict, inner, chunk_bytes: int, p_dtypes: list) -> tuple:
+        """The group views' update with the groups' arrays (histories, master copies) in host memory.
+
+        Each group is updated chunk by chunk: a chunk of at most `chunk_bytes` of all its arrays together is
+        brought to the device, updated, and returned to host memory before the next one (a `fori_loop`, so the
+        chunks run in order and the device holds one chunk's state at a time, not the group's). `grads` and
+        `params` (this device's parts of the buffers, without master copies) stay on the device, as do the
+        results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
+        which are returned with the new stored state, the new master copies and the old shared values.
+        """
+        invariant = self._invariant.get(layout, False)
+        try:
+            return self._streamed(layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes,
+                                  invariant)
+        except TypeError as e:  # as in `update`: the inner update needs invariant shared state
+            if invariant or "manual axis types" not in str(e):
+                raise
+            self._invariant[layout] = True
+            return self._streamed(layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, True)
+
+    def _streamed(self, layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, invariant):
+        shared_old = self.shared_values(layout, state.inner_state, invariant)
+        master = state.master is not None
+        values, histories, masters, shared_new = [], [], [], None
+        for g, group in enumerate(layout.groups):
+            arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
+            width = sum(np.dtype(a.dtype).itemsize for a in arrays) or 1
+            size = group.size if chunk_bytes <= 0 else max(1, min(group.size, chunk_bytes // width))
+            rank = _rank(layout, group, ranks)
+
+            def chunk(start, length, carry, g=g, group=group, arrays=arrays, rank=rank):
+                return self._chunk(layout, g, group, start, length, carry, arrays, grads[g],
+                                   None if params is None else params[g], shared_old, ok, rank, extra, inner,
+                                   master, p_dtypes[g])
+            carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
+            full = group.size // size
+            if full > 1:
+                carry = lax.fori_loop(1, full, lambda c, carry: chunk(c * size, size, carry), carry)
+            if group.size % size and full >= 1:
+                carry = chunk(full * size, group.size % size, carry)
+            new_arrays, out, shared = carry
+            values.append(out)
+            histories.append(tuple(new_arrays[:len(new_arrays) - master]))
+            if master:
+                masters.append(new_arrays[-1])
+            shared_new = shared if shared_new is None else shared_new
+        new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
+        return values, new, tuple(masters) if master else None, shared_old
+
+    def _chunk(self, layout, g, group, start, length, carry, arrays, grads, params, shared_old, ok, rank, extra,
+               inner, master, p_dtype):
+        """One chunk of group `g`: `[start, start + length)` of this device's part of its buffers."""
+        new_arrays, out, _ = carry
+        old = [jax.device_put(lax.dynamic_slice_in_dim(a, start, length), jax.memory.Space.Device) for a in arrays]
+        hist, m_old = (old[:-1], old[-1]) if master else (old, None)
+        g_c = lax.dynamic_slice_in_dim(grads, start, length)
+        p_c = m_old if master else (None if params is None else lax.dynamic_slice_in_dim(params, start, length))
+
+        def view(x):
+            return masked_tree(layout, {group.first: x})
+        old_state = self._assemble(layout, g, shared_old, hist)
+        u, new_state = inner.update(view(g_c), old_state, None if p_c is None else view(p_c), **extra)
+        check_returned(u, new_state, view(g_c), old_state, f"sliced leaves of `{layout.leaves[group.first].path}`'s "
+                       "group")
+        shared, h = self._disassemble(layout, g, new_state)
+        u = jax.tree.leaves(u)[0]
+        mask = chunk_valid(layout, group, rank, start, length)
+        results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
+        if master:
+            m_new = _reduce.skip_if_empty(ok, zero_padding((m_old + u).astype(m_old.dtype), mask), m_old)
+            results.append(m_new)
+            value = m_new.astype(p_dtype)
+        else:
+            value = _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
+        if out is None:  # typed by the update below (varying where `value` is)
+            out = jnp.zeros((group.size,), value.dtype)
+        out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
+        new_arrays = [lax.dynamic_update_slice_in_dim(a, jax.device_put(x, jax.memory.Space.Host), start, 0)
+                      for a, x in zip(new_arrays, results)]
+        return new_arrays, out, shared
+
+
+def chunk_valid(layout: Layout, group: Group, rank: jax.Array, start, length: int) -> jax.Array | None:
+    """`valid` for the coordinates `[start, start + length)` of this device's part of the buffer, from per-member
+    numbers (no buffer-sized mask)."""
+    leaves = [layout.leaves[i] for i in group.leaves]
+    if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
+        return None
+    slots = jnp.asarray([leaf.slots for leaf in leaves], jnp.int32)
+    real = jnp.clip(jnp.asarray([leaf.size for leaf in leaves], jnp.int32) - rank.astype(jnp.int32) * slots, 0, slots)
+    offsets = jnp.asarray(group.offsets, jnp.int32)
+    where = start + lax.iota(jnp.int32, length)
+    member = jnp.searchsorted(offsets, where, side="right") - 1
+    return where - offsets[member] < real[member]
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:

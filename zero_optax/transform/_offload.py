@@ -4,7 +4,9 @@ With `zero1(..., offload=True)` every array of the `ZeroState` (sliced histories
 accumulators, step counts) is placed in host memory by `init`, and `update` brings the stored arrays to the device
 (`jax.device_put(x, jax.memory.Space.Device)` inside `shard_map`), runs the ordinary step there and returns the new
 arrays to host memory. The rule is about *where* arrays live, not about what they are, so anything a `ZeroState`
-holds follows it.
+holds follows it. The groups' arrays (the sliced leaves' histories and master copies, most of the state) are the
+exception: they stay in host memory and the step streams them through the device chunk by chunk
+(`zero_optax.transform._groups.Groups.update_streamed`), so the device never holds them whole.
 
 Transfers go in buckets of at least `bucket_bytes` (the notion the collectives use): one `device_put` of several
 arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
@@ -15,6 +17,7 @@ device memory are the same RAM), so there only the entry parameters and results 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,10 +98,22 @@ def to_device(state: Any, bucket_bytes: int) -> Any:
     return _move(state, jax.memory.Space.Device, bucket_bytes)
 
 
-def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
+def update(step, grads, state, params, *, bucket_bytes: int, keep_groups: bool = False, **kwargs):
     """`step(grads, state, params, **kwargs)` with the stored state brought to the device first and the new state
-    returned to host memory."""
-    updates, new_state = step(grads, to_device(state, bucket_bytes), params, **kwargs)
+    returned to host memory. With `keep_groups` the groups' histories and master copies stay in host memory:
+    `step` streams them through the device itself (`zero_optax.transform._groups.Groups.update_streamed`)."""
+    if keep_groups:
+        on_device = dataclasses.replace(
+            state, inner_state=state.inner_state._replace(shared=to_device(state.inner_state.shared, bucket_bytes)),
+            buffers=to_device(state.buffers, bucket_bytes), local=to_device(state.local, bucket_bytes))
+    else:
+        on_device = to_device(state, bucket_bytes)
+    updates, new_state = step(grads, on_device, params, **kwargs)
+    if keep_groups:
+        return updates, dataclasses.replace(
+            new_state, inner_state=new_state.inner_state._replace(
+                shared=to_host(new_state.inner_state.shared, bucket_bytes)),
+            buffers=to_host(new_state.buffers, bucket_bytes), local=to_host(new_state.local, bucket_bytes))
     return updates, to_host(new_state, bucket_bytes)
 
 
