@@ -285,8 +285,9 @@ class Groups:
             carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
             full = group.size // size
             if full > 1:
-                carry = lax.fori_loop(1, full, lambda c, carry: chunk(c * size, size, carry), carry)
-            if group.size % size and full >= 1:
+                carry = lax.fori_loop(1, full, lambda c, carry, size=size, chunk=chunk: chunk(c * size, size, carry),
+                                      carry)
+            if group.size % size:
                 carry = chunk(full * size, group.size % size, carry)
             new_arrays, out, shared = carry
             values.append(out)
