@@ -101,15 +101,10 @@ def reduce_scatter(grads: dict[int, jax.Array], layout: Layout, buckets: Sequenc
     out = {}
     for b in buckets:
         leaves = [layout.leaves[i] for i in b.leaves]
-        group = leaves[0].group
-        parts = [_padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
-        if not b.axes or group == 1:  # one device: its gradient is the sum
-            rows = parts
-        elif len(parts) == 1:
-            rows = [_compat.psum_scatter(parts[0], b.axes)]
+        if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum
+            rows = [_padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
         else:
-            stacked = jnp.concatenate([p.reshape(group, leaf.slots) for p, leaf in zip(parts, leaves)], axis=1)
-            rows = _split(_compat.psum_scatter(stacked, b.axes)[0], [leaf.slots for leaf in leaves])
+            rows = _split(reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
         out.update(zip(b.leaves, rows))
     return out
 
@@ -135,9 +130,13 @@ def gather_rows(rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Buc
         cols = _compat.all_gather_invariant(row.astype(b.dtype), b.axes, tiled=True).reshape(leaves[0].group, -1)
         cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
         for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
-            x = cols[:, a:c].reshape(-1)
-            out[i] = x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
+            out[i] = _unpadded(cols[:, a:c].reshape(-1), leaf)
     return out
+
+
+def _unpadded(x: jax.Array, leaf: ParamLeaf) -> jax.Array:
+    """A leaf's flattened, zero-padded block (`_padded`) back in the leaf's shape."""
+    return x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
 
 
 def own_rows(values: dict[int, jax.Array], layout: Layout, leaves: Sequence[int], rank: jax.Array) -> jax.Array:
@@ -169,18 +168,12 @@ def gather(values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucke
     out = {}
     for b in buckets:
         leaves = [layout.leaves[i] for i in b.leaves]
-        group = leaves[0].group
         parts = [values[i].astype(b.dtype) for i in b.leaves]
-        if not b.axes:
-            pass
-        elif group == 1:  # one device: a gather of one block only retypes the value as invariant (XLA drops it)
-            parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
-        elif len(parts) == 1:
-            parts = [_compat.all_gather_invariant(parts[0], b.axes, tiled=True)]
-        else:
-            cols = _compat.all_gather_invariant(jnp.concatenate(parts), b.axes, tiled=True).reshape(group, -1)
-            cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-            parts = [cols[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
+        if b.axes and leaves[0].group > 1:
+            out.update(gather_rows([parts[0] if len(parts) == 1 else jnp.concatenate(parts)], layout, [b]))
+            continue
+        if b.axes:  # one device: a gather of one block only retypes the value as invariant; XLA:CPU keeps it as
+            parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]  # a copy, a psum costs more
         for i, leaf, x in zip(b.leaves, leaves, parts):
-            out[i] = x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
+            out[i] = _unpadded(x, leaf)
     return out
