@@ -240,3 +240,24 @@ def test_groups_stream_through_the_device_in_chunks():
         sizes = sorted(m["bytes"] for m in moves if m["to"] == to)
         assert sizes.count(8 * 4) >= 3 and sizes.count(6 * 4) == 3, (to, sizes)  # chunks of 8, the tail of 6
         assert group.size * 4 not in sizes and max(sizes) <= bucket, (to, sizes)
+
+
+def test_a_step_of_zero_weight_leaves_the_streamed_state_as_it_was():
+    """A global weight of zero skips the step: the streamed histories and masters and the step count stay."""
+    params = h.small_params()
+    mesh = h.mesh_of(N)
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data", offload=True, bucket_bytes=32, master_dtype=jnp.float32)
+    init, step = h.zero_fns(tx, mesh, weighted=True)
+    shard = NamedSharding(mesh, P("data"))
+    grads = h.gradient_sequence(params, N, 2)
+    p, s = step(jax.device_put(params, NamedSharding(mesh, P())), init(jax.device_put(params, NamedSharding(mesh, P()))),
+                jax.device_put(grads[0], shard), jax.device_put(jnp.ones(N), shard))
+    before, p_before = h.full_state(s), jax.device_get(p)
+    p, s = step(p, s, jax.device_put(grads[1], shard), jax.device_put(jnp.zeros(N), shard))
+    assert kinds(s) == {HOST}
+    after = h.full_state(s)
+    assert after.keys() == before.keys() and int(after["[0].count"]) == 1
+    for k, v in after.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_before)):
+        np.testing.assert_array_equal(np.asarray(a), b)

@@ -42,9 +42,6 @@ def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
-_masked_tree = _groups.masked_tree
-
-
 def check_layout(state, axis_name) -> Layout:
     """The state's layout, after checking its type, its axis and the world size of the enclosing mesh."""
     if not isinstance(state, ZeroState):
@@ -234,14 +231,20 @@ class Engine:
 
         # Group views: every device, its own coordinates.
         g_parts = self._reduce_groups(layout, g_leaves, denom, inner_dt, sum_dt, ranks)
-        if streamed and layout.groups:
-            return self._streamed_step(layout, g_parts, g_leaves, p_leaves, state, denom, inner_dt, sum_dt, extra,
-                                       ranks, inner)
-        masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-        p_parts = self._sliced_params(layout, p_leaves, state, ranks)
-        u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
-                                                            extra, inner)
-        new_inner = _reduce.skip_if_empty(denom.ok, new_inner, state.inner_state)
+        streamed = streamed and bool(layout.groups)
+        if streamed:
+            params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
+                self._sliced_params(layout, p_leaves, state, ranks)
+            p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
+            values, new_inner, new_master, shared_old = self.groups.update_streamed(
+                layout, g_parts, params_parts, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes)
+        else:
+            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+            p_parts = self._sliced_params(layout, p_leaves, state, ranks)
+            u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
+                                                                denom.ok, extra, inner)
+        new_inner = new_inner._replace(shared=_reduce.skip_if_empty(denom.ok, new_inner.shared,
+                                                                    state.inner_state.shared))
 
         # Owned views: one switch branch per device.
         new_buffers, u_owned = dict(state.buffers), {}
@@ -252,39 +255,16 @@ class Engine:
             return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
-        updates, new_master = self._gather_sliced(layout, u_parts, p_leaves, state, denom.ok, masks)
-        return self._finish(layout, updates, u_owned, p_leaves, denom,
-                            ZeroState(new_inner, new_buffers, new_master, layout, state.local))
-
-    def _streamed_step(self, layout, g_parts, g_leaves, p_leaves, state, denom, inner_dt, sum_dt, extra, ranks,
-                       inner):
-        """`on_device` with the groups' arrays in host memory: each group streamed through the device in chunks
-        of `bucket_bytes` (all its arrays together), then the owned views and the gather as usual."""
-        cfg = self.cfg
-        params = None if p_leaves is None else (
-            None if cfg.master_dtype is not None else self._sliced_params(layout, p_leaves, state, ranks))
-        p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
-        values, new_inner, new_master, shared_old = self.groups.update_streamed(
-            layout, g_parts, params, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes)
-        owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
-        new_buffers, u_owned = dict(state.buffers), {}
-        if owned:
-            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
-                                                      inner_dt, sum_dt, extra, ranks[layout.axes], inner)
+        if not streamed:
+            values, new_master = self._group_results(layout, u_parts, p_leaves, state, denom.ok, masks)
         updates = self._gather_values(layout, values)
-        return self._finish(layout, updates, u_owned, p_leaves, denom,
-                            ZeroState(new_inner, new_buffers, new_master, layout, state.local))
-
-    def _finish(self, layout: Layout, updates: dict, u_owned: dict, p_leaves, denom, new_state: ZeroState):
-        """The updates tree: the gathered results of every leaf (with `master_dtype`, the moves of the parameters
-        onto their rounded master copies)."""
-        cfg = self.cfg
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
             md = cfg.master_dtype
             updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
             if denom.ok is not None:
                 updates = {i: jnp.where(denom.ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
+        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
         return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
     def _check_step(self, grads, state, params, weight, extra, semantics: bool = True
@@ -323,34 +303,25 @@ class Engine:
         return [_sliced.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
                 for g in layout.groups]
 
-    def _gather_sliced(self, layout: Layout, u_parts: list, p_leaves: list | None, state: ZeroState, ok,
-                       masks: list) -> tuple[dict[int, jax.Array], Any]:
-        """The sliced leaves' full results, all-gathered in buckets to every device, and the new master copies.
-
-        With `master_dtype` each device adds its updates to its master slices and every device receives the new
-        master values rounded to the parameter dtype; otherwise every device receives the updates (zero where the
-        step is skipped). Buckets are planned in tree order; a run of one group's members in a bucket is one
-        slice of the group's buffer.
-        """
-        cfg = self.cfg
-        updates: dict[int, jax.Array] = {}
-        new_master = state.master
+    def _group_results(self, layout: Layout, u_parts: list, p_leaves: list | None, state: ZeroState, ok,
+                       masks: list) -> tuple[list, Any]:
+        """What every device receives of each group (`_groups.stepped`: the updates, or with `master_dtype` the new
+        master copies rounded to the parameter dtype), and the new master copies."""
         if not layout.groups:
-            return updates, new_master
-        if cfg.master_dtype is not None:
-            m_new = [_groups.zero_padding((m + u).astype(m.dtype), mask)
-                     for m, u, mask in zip(state.master, u_parts, masks)]
-            new_master = tuple(_reduce.skip_if_empty(ok, m_new, list(state.master)))
-            values = [m.astype(p_leaves[g.first].dtype) for m, g in zip(new_master, layout.groups)]
-        else:
-            values = _reduce.skip_if_empty(ok, u_parts, [jnp.zeros_like(u) for u in u_parts])
-        updates.update(self._gather_values(layout, values))
-        return updates, new_master
+            return [], state.master
+        masters = state.master if self.cfg.master_dtype is not None else [None] * len(layout.groups)
+        results = [_groups.stepped(u, m, mask, ok, None if p_leaves is None else p_leaves[g.first].dtype)
+                   for u, m, mask, g in zip(u_parts, masters, masks, layout.groups)]
+        new_master = state.master if self.cfg.master_dtype is None else tuple(m for m, _ in results)
+        return [v for _, v in results], new_master
 
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
-        """Every sliced leaf's full value, all-gathered in buckets from each group's part of the buffer."""
+        """Every sliced leaf's full value, all-gathered in buckets from each group's part of the buffer. Buckets are
+        planned in tree order; a run of one group's members in a bucket is one slice of the group's buffer."""
         cfg = self.cfg
         updates: dict[int, jax.Array] = {}
+        if not layout.groups:
+            return updates
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)
@@ -462,8 +433,8 @@ class Engine:
             p_view = None
         else:
             p = masters if master else {i: p_leaves[i] for i in mine}
-            p_view = _masked_tree(layout, p)
-        g_view = _masked_tree(layout, g)
+            p_view = _groups.masked_tree(layout, p)
+        g_view = _groups.masked_tree(layout, g)
         u, new = inner.update(g_view, old, p_view, **extra)
         _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
         u = dict(zip(mine, jax.tree.leaves(u)))

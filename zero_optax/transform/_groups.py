@@ -93,8 +93,9 @@ def _rank(layout: Layout, group: Group, ranks) -> jax.Array:
     return ranks[layout.zero_axes(layout.leaves[group.first])]
 
 
-def valid(layout: Layout, group: Group, rank: jax.Array) -> jax.Array | None:
-    """Which coordinates of this device's part of the buffer are real (not padding); None when all are.
+def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
+    """Which coordinates `[start, start + length)` of this device's part of the buffer (all of it by default) are
+    real, not padding; None when all are.
 
     Member `m` holds `slots` coordinates starting at `rank * slots` of its `size`, so the first
     `clip(size - rank * slots, 0, slots)` of its part are real. The mask is built from per-member numbers (its
@@ -103,17 +104,27 @@ def valid(layout: Layout, group: Group, rank: jax.Array) -> jax.Array | None:
     leaves = [layout.leaves[i] for i in group.leaves]
     if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
         return None
-    slots = np.array([leaf.slots for leaf in leaves])
-    sizes = np.array([leaf.size for leaf in leaves])
-    real = jnp.clip(jnp.asarray(sizes, jnp.int32) - rank.astype(jnp.int32) * jnp.asarray(slots, jnp.int32), 0,
-                    jnp.asarray(slots, jnp.int32))
-    ends = jnp.repeat(jnp.asarray(group.offsets, jnp.int32) + real, slots, total_repeat_length=group.size)
-    return lax.iota(jnp.int32, group.size) < ends
+    slots = jnp.asarray([leaf.slots for leaf in leaves], jnp.int32)
+    real = jnp.clip(jnp.asarray([leaf.size for leaf in leaves], jnp.int32) - rank.astype(jnp.int32) * slots, 0, slots)
+    offsets = jnp.asarray(group.offsets, jnp.int32)
+    where = start + lax.iota(jnp.int32, group.size if length is None else length)
+    member = jnp.searchsorted(offsets, where, side="right") - 1
+    return where - offsets[member] < real[member]
 
 
 def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Keeps the padded coordinates of a history at zero (some optimizers add eps to them)."""
     return x if mask is None else jnp.where(mask, x, jnp.zeros_like(x))
+
+
+def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, p_dtype) -> tuple:
+    """What a group's update `u` (a part of its buffer, or a chunk of it) leaves: without master copies, `(None,
+    the updates)`, zero where the step is skipped; with them (`master`), the new master copies (padding zeroed,
+    the old ones where the step is skipped) and their rounding to `p_dtype`, which every device receives."""
+    if master is None:
+        return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
+    new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
+    return new, new.astype(p_dtype)
 
 
 class Groups:
@@ -203,47 +214,64 @@ class Groups:
                 out[j] = piece.reshape(out[j].shape)
         return out
 
-    def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
-               stored: SlicedState, masks: list, extra: dict, inner) -> tuple[list, SlicedState, dict]:
-        """The inner update on every group's view.
-
-        `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
-        group's updates (its part of the buffer), the new stored state and the old shared values, which the owned
-        views read. The shared entries' new values are the first view's (every view computes the same).
-        """
+    def _retrying(self, layout: Layout, run):
+        """`run(invariant)`. The shared entries come back from storage typed varying; some inner updates need them
+        invariant (a `lax.cond`'s branches must agree on their types: `reduce_on_plateau`), so the first such
+        failure switches this layout to invariant shared entries for good, and `run` is traced again."""
         invariant = self._invariant.get(layout, False)
         try:
-            return self._update(layout, grads, params, stored, masks, extra, inner, invariant)
-        except TypeError as e:  # the inner update needs invariant shared state (a lax.cond's branches must agree)
+            return run(invariant)
+        except TypeError as e:
             if invariant or "manual axis types" not in str(e):
                 raise
             self._invariant[layout] = True
-            return self._update(layout, grads, params, stored, masks, extra, inner, True)
+            return run(True)
 
-    def _update(self, layout, grads, params, stored, masks, extra, inner, invariant):
+    def _run_view(self, layout: Layout, g: int | None, grads, params, shared: dict, histories: Sequence, extra,
+                  inner, with_params: bool) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
+        """The inner update on group `g`'s view holding `grads` and, `with_params`, `params` (of its whole part or a
+        chunk; None on the view of no leaf), its state the `shared` values and `histories`: the first member's
+        update (None on the view of no leaf), the new shared values and the new histories."""
+        group = None if g is None else layout.groups[g]
+
+        def view(x):
+            return masked_tree(layout, {} if group is None else {group.first: x})
+        g_view = view(grads)
+        old = self._assemble(layout, g, shared, histories)
+        u, new = inner.update(g_view, old, view(params) if with_params else None, **extra)
+        what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
+        check_returned(u, new, g_view, old, what)
+        new_shared, new_histories = self._disassemble(layout, g, new)
+        u = jax.tree.leaves(u)
+        return (u[0] if u else None), new_shared, new_histories
+
+    def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
+               stored: SlicedState, masks: list, ok, extra: dict, inner) -> tuple[list, SlicedState, dict]:
+        """The inner update on every group's view.
+
+        `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
+        group's updates (its part of the buffer), the new stored state (the old histories where the step is
+        skipped; the shared entries as computed) and the old shared values, which the owned views read. The
+        shared entries' new values are the first view's (every view computes the same).
+        """
+        return self._retrying(layout, lambda invariant: self._update(layout, grads, params, stored, masks, ok, extra,
+                                                                     inner, invariant))
+
+    def _update(self, layout, grads, params, stored, masks, ok, extra, inner, invariant):
         shared_old = self.shared_values(layout, stored, invariant)
         updates, histories = [], []
         shared_new = None
         for t, g in enumerate(self.targets(layout)):
-            group = None if g is None else layout.groups[g]
-
-            def view(x, group=group):
-                return masked_tree(layout, {} if group is None else {group.first: x})
-            g_view = view(grads[t])
-            p_view = None if params is None else view(params[t])
-            old = self._assemble(layout, g, shared_old, () if group is None else stored.histories[g])
-            u, new = inner.update(g_view, old, p_view, **extra)
-            what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
-            check_returned(u, new, g_view, old, what)
-            s, h = self._disassemble(layout, g, new)
-            shared_new = s if shared_new is None else shared_new
-            u = jax.tree.leaves(u)
-            updates.append(u[0] if u else None)
-            if group is not None:
-                histories.append(tuple(zero_padding(x, masks[g]) for x in h))
+            old = () if g is None else stored.histories[g]
+            u, shared, new = self._run_view(layout, g, grads[t], None if params is None else params[t], shared_old,
+                                            old, extra, inner, params is not None)
+            shared_new = shared if shared_new is None else shared_new
+            updates.append(u)
+            if g is not None:
+                histories.append(tuple(_reduce.skip_if_empty(ok, zero_padding(x, masks[g]), y)
+                                       for x, y in zip(new, old)))
         new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
         return updates, new, shared_old
-
 
     # ------------------------------------------------------------------ offload: streamed through the device
 
@@ -258,15 +286,8 @@ class Groups:
         results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
         which are returned with the new stored state, the new master copies and the old shared values.
         """
-        invariant = self._invariant.get(layout, False)
-        try:
-            return self._streamed(layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes,
-                                  invariant)
-        except TypeError as e:  # as in `update`: the inner update needs invariant shared state
-            if invariant or "manual axis types" not in str(e):
-                raise
-            self._invariant[layout] = True
-            return self._streamed(layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, True)
+        return self._retrying(layout, lambda invariant: self._streamed(
+            layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, invariant))
 
     def _streamed(self, layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, invariant):
         shared_old = self.shared_values(layout, state.inner_state, invariant)
@@ -306,23 +327,12 @@ class Groups:
         hist, m_old = (old[:-1], old[-1]) if master else (old, None)
         g_c = lax.dynamic_slice_in_dim(grads, start, length)
         p_c = m_old if master else (None if params is None else lax.dynamic_slice_in_dim(params, start, length))
-
-        def view(x):
-            return masked_tree(layout, {group.first: x})
-        old_state = self._assemble(layout, g, shared_old, hist)
-        u, new_state = inner.update(view(g_c), old_state, None if p_c is None else view(p_c), **extra)
-        check_returned(u, new_state, view(g_c), old_state, f"sliced leaves of `{layout.leaves[group.first].path}`'s "
-                       "group")
-        shared, h = self._disassemble(layout, g, new_state)
-        u = jax.tree.leaves(u)[0]
-        mask = chunk_valid(layout, group, rank, start, length)
+        u, shared, h = self._run_view(layout, g, g_c, p_c, shared_old, hist, extra, inner, p_c is not None)
+        mask = valid(layout, group, rank, start, length)
         results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
+        m_new, value = stepped(u, m_old, mask, ok, p_dtype)
         if master:
-            m_new = _reduce.skip_if_empty(ok, zero_padding((m_old + u).astype(m_old.dtype), mask), m_old)
             results.append(m_new)
-            value = m_new.astype(p_dtype)
-        else:
-            value = _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
         if out is None:  # typed by the update below (varying where `value` is)
             out = jnp.zeros((group.size,), value.dtype)
         out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
@@ -330,19 +340,6 @@ class Groups:
                       for a, x in zip(new_arrays, results)]
         return new_arrays, out, shared
 
-
-def chunk_valid(layout: Layout, group: Group, rank: jax.Array, start, length: int) -> jax.Array | None:
-    """`valid` for the coordinates `[start, start + length)` of this device's part of the buffer, from per-member
-    numbers (no buffer-sized mask)."""
-    leaves = [layout.leaves[i] for i in group.leaves]
-    if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
-        return None
-    slots = jnp.asarray([leaf.slots for leaf in leaves], jnp.int32)
-    real = jnp.clip(jnp.asarray([leaf.size for leaf in leaves], jnp.int32) - rank.astype(jnp.int32) * slots, 0, slots)
-    offsets = jnp.asarray(group.offsets, jnp.int32)
-    where = start + lax.iota(jnp.int32, length)
-    member = jnp.searchsorted(offsets, where, side="right") - 1
-    return where - offsets[member] < real[member]
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:
