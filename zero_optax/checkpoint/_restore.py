@@ -76,17 +76,13 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
         uses[key] -= 1
         if not uses[key]:
             del blocks[key]
-    return placed(jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles), sharding)
+    return _offload.placed(jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles),
+                           getattr(sharding, "memory_kind", None))
 
 
 def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     """`sharding` in device memory: blocks are read into device memory, then placed where the target keeps them."""
     return _offload.with_memory_kind(sharding, _offload.DEVICE if getattr(sharding, "memory_kind", None) else None)
-
-
-def placed(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
-    """`x` in the memory kind of `sharding` (`pinned_host` for an offloaded target)."""
-    return x if x.sharding.memory_kind == getattr(sharding, "memory_kind", None) else jax.device_put(x, sharding)
 
 
 class _Target(NamedTuple):
@@ -128,7 +124,8 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         got = orbax_read(path, structs)
-        got = {a.name: placed(got[a.name], s) for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
+        got = {a.name: _offload.placed(got[a.name], getattr(s, "memory_kind", None))
+               for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
         return _tree.put_back(target, parts, restored)
     restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zero_optax.transform import _offload, _specs
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState, ZeroState
 
 
 def _spec(layout: Layout, group: Group) -> P:
-    axes = layout.history_axes(layout.leaves[group.first])
-    return P(axes[0] if len(axes) == 1 else axes) if axes else P()
+    return _specs.history_spec(layout, layout.leaves[group.first])
 
 
 def _mesh_of(arrays: list[Any]) -> Any:
@@ -47,15 +47,6 @@ def _mesh_of(arrays: list[Any]) -> Any:
             return mesh
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
-
-
-def _on_device(x: Any) -> Any:
-    """A concrete array in host memory (an offloaded state) brought to device memory, to be cut or joined."""
-    sharding = getattr(x, "sharding", None)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
-            getattr(sharding, "memory_kind", None) not in (None, "device"):
-        return jax.device_put(x, sharding.with_memory_kind("device"))
-    return x
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,8 +113,8 @@ def unowned(state: ZeroState) -> dict[int, jax.Array]:
     out = dict(zip(layout.shared_entries, state.inner_state.shared))
     if not layout.groups:
         return out
-    histories = jax.tree.map(_on_device, state.inner_state.histories)
-    master = None if state.master is None else tuple(_on_device(x) for x in state.master)
+    histories = _offload.fetched(state.inner_state.histories)
+    master = _offload.fetched(state.master)
     values = _per_device(layout, "cut", master is not None, (histories, master))
     out.update(zip(_entry_order(layout), values))
     return out
@@ -166,20 +157,16 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
     has_master = template.master is not None
     if not layout.groups:
         return SlicedState(shared, ()), (() if has_master else None)
-    needed = {j: _on_device(values[j]) for j in _entry_order(layout)}
+    needed = _offload.fetched({j: values[j] for j in _entry_order(layout)})
     histories, master = _per_device(layout, "join", has_master, needed)
-    histories = tuple(tuple(_placed(x, _group_sharding(template, g)) for x in h) for g, h in enumerate(histories))
+    histories = tuple(tuple(_offload.placed(x, _memory_kind(template, g)) for x in h) for g, h in enumerate(histories))
     if master is not None:
-        master = tuple(_placed(x, _group_sharding(template, g)) for g, x in enumerate(master))
+        master = tuple(_offload.placed(x, _memory_kind(template, g)) for g, x in enumerate(master))
     return SlicedState(shared, histories), master
 
 
-def _placed(x: Any, sharding: Any) -> Any:
-    """`x` in the memory kind of `sharding` (an offloaded target's arrays live in host memory)."""
-    kind = getattr(sharding, "memory_kind", None)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and kind not in (None, x.sharding.memory_kind):
-        return jax.device_put(x, x.sharding.with_memory_kind(kind))
-    return x
+def _memory_kind(template: ZeroState, g: int) -> str | None:
+    return getattr(_group_sharding(template, g), "memory_kind", None)
 
 
 def _group_sharding(template: ZeroState, g: int) -> Any:

@@ -373,8 +373,8 @@ class Layout:
                      + (f"master bytes per device: {list(self.master_bytes_per_device)}; " if self.master_dtype
                         else "")
                      + f"stored per device: {self.stored_bytes_per_device}"
-                     + (f"; {len(self.groups)} groups of sliced leaves (largest {max(len(g.leaves) for g in self.groups)} "
-                        "leaves)" if self.groups else "")
+                     + (f"; {len(self.groups)} groups of sliced leaves (largest "
+                        f"{max(len(g.leaves) for g in self.groups)} leaves)" if self.groups else "")
                      + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
                         f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
         return "\n".join(lines)

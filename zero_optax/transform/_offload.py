@@ -124,6 +124,14 @@ def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.s
     return sharding.with_memory_kind(kind)
 
 
+def placed(x: Any, kind: str | None) -> Any:
+    """A concrete array `x` in memory `kind`, its sharding otherwise kept (None, or a traced `x`, keeps it)."""
+    if kind is None or not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or \
+            x.sharding.memory_kind == kind:
+        return x
+    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+
 def memory_kind_of(state: Any) -> str | None:
     """The memory kind every array of `state` reports, or None if they differ (or have none: tracers)."""
     kinds = {getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(state)}

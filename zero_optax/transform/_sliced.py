@@ -116,7 +116,8 @@ def reduce_scatter_rows(grads: dict[int, jax.Array], layout: Layout, buckets: Se
     for b in buckets:
         leaves = [layout.leaves[i] for i in b.leaves]
         group = leaves[0].group
-        parts = [_padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots) for i, leaf in zip(b.leaves, leaves)]
+        parts = [_padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
+                 for i, leaf in zip(b.leaves, leaves)]
         stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
         out.append(_compat.psum_scatter(stacked, b.axes)[0])
     return out
