@@ -36,8 +36,9 @@ def _require_global(state: ZeroState, what: str) -> Layout:
     return layout
 
 
-def _entry(state: ZeroState, j: int) -> jax.Array:
-    """The full value of entry `j` (a parameter-shaped history, a master copy, or a shared value)."""
+def _entry(state: ZeroState, j: int, unowned: dict[int, jax.Array]) -> jax.Array:
+    """The full value of entry `j` (a parameter-shaped history, a master copy, or a shared value); `unowned` is
+    `_entries.unowned(state)`, cut once for all entries."""
     layout = state.layout
     e = layout.entries[j]
     kind = layout.kind(e)
@@ -46,7 +47,7 @@ def _entry(state: ZeroState, j: int) -> jax.Array:
         dtype, off = layout.state_packing.offsets[leaf.owner][j]
         buffer = _compat.replicate(state.buffers[dtype])
         return jax.lax.slice_in_dim(buffer[leaf.owner], off, off + e.size).reshape(e.shape)
-    value = _compat.replicate(_entries.unowned(state)[j])
+    value = _compat.replicate(unowned[j])
     if kind == "shared":
         return value[0]
     leaf = layout.leaves[e.leaf]
@@ -56,7 +57,8 @@ def _entry(state: ZeroState, j: int) -> jax.Array:
 def _gather_one(state: ZeroState) -> Any:
     layout = _require_global(state, "zo.gather_state")
     state = _offload.fetched(state)  # an offloaded state is read on the device
-    values = [_entry(state, j) for j in layout.inner_entries]
+    unowned = _entries.unowned(state)
+    values = [_entry(state, j, unowned) for j in layout.inner_entries]
     return jax.tree.unflatten(layout.state_treedef, values)
 
 
@@ -108,7 +110,9 @@ def master_params(state: Any) -> Any:
         raise ZeroError("zo.master_params: this zero1 state keeps no master copy; create the transformation with "
                         "master_dtype=jnp.float32 (say).")
     by_leaf = {layout.entries[j].leaf: j for j, e in enumerate(layout.entries) if e.role == MASTER}
-    return jax.tree.unflatten(layout.treedef, [_entry(state, by_leaf[i]) for i in range(len(layout.leaves))])
+    unowned = _entries.unowned(state)
+    return jax.tree.unflatten(layout.treedef, [_entry(state, by_leaf[i], unowned)
+                                               for i in range(len(layout.leaves))])
 
 
 def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
