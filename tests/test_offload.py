@@ -81,16 +81,39 @@ def test_state_stays_in_host_memory_and_matches_optax(case):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=1e-6)
 
 
-def test_accumulation_with_offload():
-    inner = optax.adamw(1e-2, weight_decay=0.1)
+def moves_in_step(step, mesh, params, state, grads) -> list[dict]:
+    """The memory-kind moves inside the `shard_map` of `step`, lowered for GPU (`hlo.placement_transfers`)."""
+    traced = step.trace(jax.device_put(params, NamedSharding(mesh, P())), state,
+                        jax.device_put(grads, NamedSharding(mesh, P("data"))))
+    return [m for m in hlo.placement_transfers(traced.lower(lowering_platforms=("cuda",)).as_text())
+            if m["in_shard_map"]]
+
+
+@pytest.mark.parametrize("mode,case", [("sharded", "flat"), ("local", "flat"), ("sharded", "auto")])
+def test_accumulation_with_offload(mode, case):
+    """Accumulating micro-batches, the state (sharded accumulators included) streams through the device: no move
+    is larger than `bucket_bytes`, or one owned leaf's state; `accumulate="local"`'s sums are gradient-sized and
+    come to the device whole."""
+    inner = optax.adamw(1e-2, weight_decay=0.1) if case == "flat" else muon_recipe()
     params = h.small_params()
     grads = h.gradient_sequence(params, N, 4)
-    for mode in ("sharded", "local"):
-        tx = zo.zero1(inner, axis_name="data", accumulate_steps=2, accumulate=mode, offload=True)
-        p, s, _ = train(tx, h.mesh_of(N), params, grads)
-        ref_p, ref_s = h.run_oracle(optax.MultiSteps(inner, 2), params, grads)
-        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
+    bucket = 64
+    tx = zo.zero1(inner, axis_name="data", partition=case, accumulate_steps=2, accumulate=mode, offload=True,
+                  bucket_bytes=bucket, master_dtype=jnp.float32)
+    p, s, step = train(tx, h.mesh_of(N), params, grads)
+    ref_p, _ = h.run_oracle(optax.MultiSteps(inner, 2), params, grads)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    largest_leaf = max(x.nbytes for x in jax.tree.leaves(params))
+    # an owned leaf's state: Adam's mu and nu (or Muon's mu), its accumulator and its master copy
+    bound = bucket if case == "flat" else 4 * largest_leaf
+    stored = [x for x in jax.tree.leaves(s.inner_state.histories) + jax.tree.leaves(s.master)
+              + jax.tree.leaves(s.buffers)]
+    moves = moves_in_step(step, h.mesh_of(N), p, s, grads[0])
+    sizes = sorted(m["bytes"] for m in moves if m["to"] == "device")
+    local = sorted(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(s.local))
+    assert [x for x in sizes if x > bound] == [x for x in local if x > bound], sizes
+    assert all(x.addressable_shards[0].data.nbytes not in sizes for x in stored if x.size > bound), sizes
 
 
 @pytest.mark.parametrize("direction", ["host_to_device", "device_to_host"])
@@ -240,6 +263,35 @@ def test_groups_stream_through_the_device_in_chunks():
         sizes = sorted(m["bytes"] for m in moves if m["to"] == to)
         assert sizes.count(8 * 4) >= 3 and sizes.count(6 * 4) == 3, (to, sizes)  # chunks of 8, the tail of 6
         assert group.size * 4 not in sizes and max(sizes) <= bucket, (to, sizes)
+
+
+def test_owned_leaves_stream_through_the_device_by_bucket():
+    """With `partition="leaf"` (Muon), each device's packed buffer stays in host memory and reaches the device
+    bucket by bucket of the leaves it owns: at most `bucket_bytes` of state, or one leaf's if it has more. Every
+    stored coordinate crosses once each way, and the result is still optax's."""
+    params = {"a": jnp.linspace(-1, 1, 48).reshape(8, 6), "b": jnp.linspace(0, 1, 48).reshape(6, 8),
+              "c": jnp.linspace(-1, 0, 40).reshape(5, 8), "v": jnp.ones((7,))}
+    bucket = 400  # bytes: c (Muon's mu and a master copy, 320 bytes) and v (Adam's mu and nu, a master copy: 84)
+    inner = optax.contrib.muon(1e-2)
+    tx = zo.zero1(inner, axis_name="data", partition="leaf", offload=True, bucket_bytes=bucket,
+                  master_dtype=jnp.float32)
+    grads = h.gradient_sequence(params, N, STEPS)
+    p, s, step = train(tx, h.mesh_of(N), params, grads)
+    ref_p, ref_s = h.run_oracle(inner, params, grads)
+    h.assert_matches(p, s, ref_p, ref_s)
+    assert len({leaf.owner for leaf in zo.describe(s).leaves}) == N
+    shapes = {x.shape for x in jax.tree.leaves(params)}
+    owned = sum(x.nbytes for x in jax.tree.leaves(ref_s) if x.shape in shapes) + \
+        sum(x.nbytes for x in jax.tree.leaves(params))  # the histories and master copies of every leaf
+    row = s.buffers["float32"].addressable_shards[0].data.nbytes
+    largest = max(2 * x.nbytes for x in jax.tree.leaves(params) if x.ndim == 2)  # Muon's mu and the master copy
+    assert row > max(bucket, largest)
+    moves = moves_in_step(step, h.mesh_of(N), p, s, grads[0])
+    shared = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(s.inner_state.shared))
+    for to in ("device", HOST):
+        sizes = [m["bytes"] for m in moves if m["to"] == to]
+        assert max(sizes) <= max(bucket, largest) and row not in sizes, (to, sizes)
+        assert sum(sizes) == owned + shared, (to, sizes)  # (every device's branch appears in the program once)
 
 
 def test_a_step_of_zero_weight_leaves_the_streamed_state_as_it_was():

@@ -15,11 +15,13 @@ do not depend on any leaf.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
@@ -105,16 +107,20 @@ class Engine:
 
     # ------------------------------------------------------------------ views and bookkeeping
 
-    def _owned_entries(self, layout: Layout, r: int) -> list[int]:
-        return [j for j in layout.inner_entries
-                if layout.entries[j].leaf is None or layout.leaves[layout.entries[j].leaf].owner == r]
+    @staticmethod
+    def _owned_entries(layout: Layout, r: int, leaves: Sequence[int] | None = None) -> list[int]:
+        """The inner entries of device `r`'s owned view of `leaves` (all it owns by default): the shared entries and
+        those leaves' histories, in order."""
+        mine = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r} if leaves is None else set(leaves)
+        return [j for j in layout.inner_entries if layout.entries[j].leaf is None or layout.entries[j].leaf in mine]
 
-    def _view(self, layout: Layout, r: int):
-        """The inner state treedef of device `r`'s owned view (cached)."""
-        key = (layout, r)
+    def _view(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
+        """The inner state treedef of device `r`'s owned view of `leaves` (all it owns by default; cached)."""
+        present = frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) if leaves is None \
+            else frozenset(leaves)
+        key = (layout, r, present)
         if key not in self._views:
-            present = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
-            self._views[key] = _plan.view_treedef(self.cfg, layout, present, self._owned_entries(layout, r),
+            self._views[key] = _plan.view_treedef(self.cfg, layout, set(present), self._owned_entries(layout, r, present),
                                                   f"on device {r}")
         return self._views[key]
 
@@ -202,18 +208,17 @@ class Engine:
         """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
         calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
         cfg = self.cfg
-        if cfg.offload and hooks is None:  # the stored state comes to the device for the step, and goes back
-            streamed = cfg.accumulating is None  # the groups' arrays stay in host memory, moved chunk by chunk
-            step = functools.partial(self.on_device, streamed=streamed)
-            return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, keep_groups=streamed,
-                                   weight=weight, **extra)
-        return self.on_device(grads, state, params, weight=weight, hooks=hooks, **extra)
+        if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
+            step = functools.partial(self.on_device, streamed=True)
+            return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight, **extra)
+        return self.on_device(grads, state, params, weight=weight, hooks=hooks, streamed=cfg.offload, **extra)
 
     def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
                   streamed: bool = False, **extra):
-        """`update` on a state whose arrays are in device memory, except with `streamed` the groups' histories
-        and master copies, which stay in host memory and are streamed through the device in chunks
-        (`_groups.Groups.update_streamed`)."""
+        """`update` on a state whose arrays are in device memory, except with `streamed` the stored histories,
+        owned buffers and master copies, which stay in host memory and stream through the device: the groups'
+        arrays in chunks (`_groups.Groups.update_streamed`), the owned buffers bucket by bucket of leaves
+        (`_owned_streamed`)."""
         cfg = self.cfg
         if cfg.accumulating is not None and hooks is None:
             return _accumulate.update(self, grads, state, params, weight, extra)
@@ -231,13 +236,14 @@ class Engine:
 
         # Group views: every device, its own coordinates.
         g_parts = self._reduce_groups(layout, g_leaves, denom, inner_dt, sum_dt, ranks)
-        streamed = streamed and bool(layout.groups)
-        if streamed:
+        groups_streamed = streamed and bool(layout.groups)
+        if groups_streamed:
             params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
                 self._sliced_params(layout, p_leaves, state, ranks)
             p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
             values, new_inner, new_master, shared_old = self.groups.update_streamed(
-                layout, g_parts, params_parts, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes)
+                layout, g_parts, params_parts, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes,
+                stepping)
         else:
             masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
             p_parts = self._sliced_params(layout, p_leaves, state, ranks)
@@ -250,12 +256,12 @@ class Engine:
         new_buffers, u_owned = dict(state.buffers), {}
         if owned:
             new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
-                                                      inner_dt, sum_dt, extra, rank, inner, stepping)
+                                                      inner_dt, sum_dt, extra, rank, inner, stepping, streamed)
         if not stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
             return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
-        if not streamed:
+        if not groups_streamed:
             values, new_master = self._group_results(layout, u_parts, p_leaves, state, denom.ok, masks)
         updates = self._gather_values(layout, values)
         updates.update(u_owned)
@@ -364,12 +370,13 @@ class Engine:
         return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def _update_owned(self, layout, owned, g_leaves, p_leaves, state, shared_old, denom, inner_dt, sum_dt, extra,
-                      rank, inner, stepping=True):
+                      rank, inner, stepping=True, streamed=False):
         """The inner update on every device's owned view, in one `lax.switch` on the device index.
 
         Gradients reach the owners (`_owned_gradients`), each device updates the state packed in its row of the
-        buffers, and the owned leaves' updates (or new master values, rounded) return to every device by an
-        all-gather of one packing. Returns the new buffers and those updates.
+        buffers (with `streamed`, buffers in host memory, bucket by bucket: `_owned_streamed`), and the owned
+        leaves' updates (or new master values, rounded) return to every device by an all-gather of one packing.
+        Returns the new buffers and those updates.
         """
         cfg = self.cfg
         n = layout.world_size
@@ -391,9 +398,16 @@ class Engine:
                     g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
                 else:
                     g = {i: grad_input[i] for i in mine}
-                values, u = self._owned_view_update(layout, r, mine, g, buffers, p_leaves, shared_old, extra, inner,
-                                                    stepping)
-                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                if streamed:
+                    new_buffers, u = self._owned_streamed(layout, r, mine, g, buffers, p_leaves, shared_old, extra,
+                                                          inner, stepping, denom.ok)
+                else:
+                    stored = _owned.unpack(buffers, packing.offsets[r],
+                                           {j: layout.entries[j].shape for j in layout.rank_entries(r)})
+                    values, u = self._owned_view_update(layout, r, mine, g, stored, p_leaves, shared_old, extra,
+                                                        inner, stepping)
+                    new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes,
+                                              base=buffers if n > 1 else None)
                 if not stepping:
                     return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
                 if n == 1:
@@ -406,30 +420,62 @@ class Engine:
             new = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
             return {d: b[None] for d, b in new.items()}, {}
         new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
-        new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
+        if not streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
+            new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
         u = _gather_owned(layout, u_out, plan_u)
         if not master:
             u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
         return new_buffers, u
 
-    def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array], buffers,
-                           p_leaves: list | None, shared_old: dict[int, jax.Array], extra, inner, stepping=True):
-        """Inside device `r`'s branch: the inner update of its owned view, the leaves `mine` with gradients `g`.
+    def _owned_streamed(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array], buffers,
+                        p_leaves: list | None, shared_old, extra, inner, stepping, ok) -> tuple[dict, dict]:
+        """Inside device `r`'s branch, its packed `buffers` in host memory: the owned view's update bucket by bucket
+        of its leaves (`_owned.stream_buckets`). A bucket's stored entries come to the device (one move per
+        contiguous range of a buffer), are updated and go back into the host buffers before the next bucket is
+        read from them, so the device holds one bucket's state at a time. Returns the new buffers and the
+        updates (or rounded new master values) of `mine`."""
+        offsets = layout.state_packing.offsets[r]
+        u_all: dict[int, jax.Array] = {}
+        for bucket in _owned.stream_buckets(layout, r, mine, self.cfg.bucket_bytes):
+            entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
+                       (stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
+            ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
+            # (dynamic slices of host memory, then a move: the pattern XLA's host offloader turns into copies)
+            pieces = jax.device_put([lax.dynamic_slice_in_dim(buffers[d], lo, hi - lo) for d, lo, hi in ranges],
+                                    jax.memory.Space.Device)
+            stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
+            values, u = self._owned_view_update(layout, r, bucket, {i: g[i] for i in bucket}, stored, p_leaves,
+                                                shared_old, extra, inner, stepping)
+            values = _reduce.skip_if_empty(ok, values, stored)
+            new = jax.device_put(_owned.write(values, ranges, offsets), jax.memory.Space.Host)
+            buffers = dict(buffers)
+            for (d, lo, _), x in zip(ranges, new):
+                buffers[d] = lax.dynamic_update_slice_in_dim(buffers[d], x, lo, 0)
+            buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
+            u_all.update(u)
+        return buffers, u_all
 
-        The old state is the entries stored in `r`'s row of `buffers` and the shared entries' old values. Returns
-        the new values of `r`'s stored entries (master copies included) and what every device must receive for
-        `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype.
+    def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array],
+                           stored: dict[int, jax.Array], p_leaves: list | None, shared_old: dict[int, jax.Array],
+                           extra, inner, stepping=True):
+        """Inside device `r`'s branch: the inner update of its owned view of the leaves `mine` (all it owns, or a
+        bucket of them), with gradients `g`.
+
+        The old state is `stored` (entry -> array: the histories and master copies of `mine`, or more; without
+        `stepping` the master copies may be left out) and the shared entries' old values. Returns the new values of `mine`'s stored entries (master copies included) and
+        what every device must receive for `mine`: the updates, or with `master_dtype` the new master values
+        rounded to the parameter dtype.
         """
         cfg = self.cfg
         master = cfg.master_dtype is not None
-        entries = layout.rank_entries(r)
-        stored = _owned.unpack(buffers, layout.state_packing.offsets[r], {j: layout.entries[j].shape for j in entries})
-        b_entries = self._owned_entries(layout, r)
-        old = jax.tree_util.tree_unflatten(self._view(layout, r), [shared_old[j] if j in shared_old
-                                                                    else stored[j] for j in b_entries])
-        masters = {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER}
-        if p_leaves is None:
+        entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in set(mine)]
+        b_entries = self._owned_entries(layout, r, mine)
+        old = jax.tree_util.tree_unflatten(self._view(layout, r, mine), [shared_old[j] if j in shared_old
+                                                                          else stored[j] for j in b_entries])
+        masters = {layout.entries[j].leaf: stored[j] for j in entries
+                   if layout.entries[j].role == MASTER and j in stored}
+        if p_leaves is None or not stepping:  # (a micro-step only accumulates: it reads no parameters)
             p_view = None
         else:
             p = masters if master else {i: p_leaves[i] for i in mine}
@@ -442,7 +488,7 @@ class Engine:
         if master and stepping:
             u = _step_masters(layout, entries, masters, u, values, p_leaves)
         elif master:  # a micro-batch that only accumulates: the master copies stay as they are
-            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER})
+            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
         return values, u
 
     def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):

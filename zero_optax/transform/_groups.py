@@ -276,7 +276,8 @@ class Groups:
     # ------------------------------------------------------------------ offload: streamed through the device
 
     def update_streamed(self, layout: Layout, grads: list[jax.Array], params: list[jax.Array] | None, state,
-                        ok, ranks, extra: dict, inner, chunk_bytes: int, p_dtypes: list) -> tuple:
+                        ok, ranks, extra: dict, inner, chunk_bytes: int, p_dtypes: list, stepping: bool = True
+                        ) -> tuple:
         """The group views' update with the groups' arrays (histories, master copies) in host memory.
 
         Each group is updated chunk by chunk: a chunk of at most `chunk_bytes` of all its arrays together is
@@ -284,14 +285,17 @@ class Groups:
         chunks run in order and the device holds one chunk's state at a time, not the group's). `grads` and
         `params` (this device's parts of the buffers, without master copies) stay on the device, as do the
         results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
-        which are returned with the new stored state, the new master copies and the old shared values.
+        which are returned with the new stored state, the new master copies and the old shared values. Without
+        `stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and nothing
+        is returned for every device (None).
         """
         return self._retrying(layout, lambda invariant: self._streamed(
-            layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, invariant))
+            layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, stepping, invariant))
 
-    def _streamed(self, layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, invariant):
+    def _streamed(self, layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, stepping,
+                  invariant):
         shared_old = self.shared_values(layout, state.inner_state, invariant)
-        master = state.master is not None
+        master = state.master is not None and stepping
         values, histories, masters, shared_new = [], [], [], None
         for g, group in enumerate(layout.groups):
             arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
@@ -302,7 +306,7 @@ class Groups:
             def chunk(start, length, carry, g=g, group=group, arrays=arrays, rank=rank):
                 return self._chunk(layout, g, group, start, length, carry, arrays, grads[g],
                                    None if params is None else params[g], shared_old, ok, rank, extra, inner,
-                                   master, p_dtypes[g])
+                                   master, p_dtypes[g], stepping)
             carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
             full = group.size // size
             if full > 1:
@@ -317,10 +321,10 @@ class Groups:
                 masters.append(new_arrays[-1])
             shared_new = shared if shared_new is None else shared_new
         new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
-        return values, new, tuple(masters) if master else None, shared_old
+        return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
 
     def _chunk(self, layout, g, group, start, length, carry, arrays, grads, params, shared_old, ok, rank, extra,
-               inner, master, p_dtype):
+               inner, master, p_dtype, stepping):
         """One chunk of group `g`: `[start, start + length)` of this device's part of its buffers."""
         new_arrays, out, _ = carry
         old = [jax.device_put(lax.dynamic_slice_in_dim(a, start, length), jax.memory.Space.Device) for a in arrays]
@@ -330,12 +334,13 @@ class Groups:
         u, shared, h = self._run_view(layout, g, g_c, p_c, shared_old, hist, extra, inner, p_c is not None)
         mask = valid(layout, group, rank, start, length)
         results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
-        m_new, value = stepped(u, m_old, mask, ok, p_dtype)
-        if master:
-            results.append(m_new)
-        if out is None:  # typed by the update below (varying where `value` is)
-            out = jnp.zeros((group.size,), value.dtype)
-        out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
+        if stepping:
+            m_new, value = stepped(u, m_old, mask, ok, p_dtype)
+            if master:
+                results.append(m_new)
+            if out is None:  # typed by the update below (varying where `value` is)
+                out = jnp.zeros((group.size,), value.dtype)
+            out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
         new_arrays = [lax.dynamic_update_slice_in_dim(a, jax.device_put(x, jax.memory.Space.Host), start, 0)
                       for a, x in zip(new_arrays, results)]
         return new_arrays, out, shared

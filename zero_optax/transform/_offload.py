@@ -1,15 +1,21 @@
 """Offload: the arrays a zero1 state stores live in each device's `pinned_host` memory between steps.
 
 With `zero1(..., offload=True)` every array of the `ZeroState` (sliced histories, owned buffers, master copies,
-accumulators, step counts) is placed in host memory by `init`, and `update` brings the stored arrays to the device
-(`jax.device_put(x, jax.memory.Space.Device)` inside `shard_map`), runs the ordinary step there and returns the new
-arrays to host memory. The rule is about *where* arrays live, not about what they are, so anything a `ZeroState`
-holds follows it. The groups' arrays (the sliced leaves' histories and master copies, most of the state) are the
-exception: they stay in host memory and the step streams them through the device chunk by chunk
-(`zero_optax.transform._groups.Groups.update_streamed`), so the device never holds them whole.
+accumulators, step counts) is placed in host memory by `init`, and stays there. The rule is about *where* arrays
+live, not about what they are, so anything a `ZeroState` holds follows it. A step streams the stored state through
+the device (`jax.device_put(x, jax.memory.Space.Device)` inside `shard_map`, and back with `Space.Host`), so the
+device never holds it whole:
 
-Transfers go in buckets of at least `bucket_bytes` (the notion the collectives use): one `device_put` of several
-arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
+* the groups' arrays (the sliced leaves' histories, sharded accumulators and master copies) chunk by chunk of at
+  most `bucket_bytes` of all of a group's arrays together (`zero_optax.transform._groups.Groups.update_streamed`);
+* the owned buffers (`partition="leaf"`, `"auto"`) bucket by bucket of the leaves a device owns: at most
+  `bucket_bytes` of their state, or one leaf's if it has more, since a matrix optimizer updates a whole tensor
+  (`zero_optax.transform._engine.Engine._owned_streamed`);
+* the small arrays (step counts and other shared entries) and `accumulate="local"`'s local sums, which are
+  gradient-sized, come to the device for the step and go back (`update` below).
+
+The small arrays move in buckets of at least `bucket_bytes` (the notion the collectives use): one `device_put` of
+several arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
 XLA's host-offload passes turn into a copy; XLA:CPU lowers `device_put` between memory kinds to nothing (host and
 device memory are the same RAM), so there only the entry parameters and results are marked host (`S(5)`):
 `benchmarks/hlo.py` counts both.
@@ -98,23 +104,16 @@ def to_device(state: Any, bucket_bytes: int) -> Any:
     return _move(state, jax.memory.Space.Device, bucket_bytes)
 
 
-def update(step, grads, state, params, *, bucket_bytes: int, keep_groups: bool = False, **kwargs):
-    """`step(grads, state, params, **kwargs)` with the stored state brought to the device first and the new state
-    returned to host memory. With `keep_groups` the groups' histories and master copies stay in host memory:
-    `step` streams them through the device itself (`zero_optax.transform._groups.Groups.update_streamed`)."""
-    if keep_groups:
-        on_device = dataclasses.replace(
-            state, inner_state=state.inner_state._replace(shared=to_device(state.inner_state.shared, bucket_bytes)),
-            buffers=to_device(state.buffers, bucket_bytes), local=to_device(state.local, bucket_bytes))
-    else:
-        on_device = to_device(state, bucket_bytes)
-    updates, new_state = step(grads, on_device, params, **kwargs)
-    if keep_groups:
-        return updates, dataclasses.replace(
-            new_state, inner_state=new_state.inner_state._replace(
-                shared=to_host(new_state.inner_state.shared, bucket_bytes)),
-            buffers=to_host(new_state.buffers, bucket_bytes), local=to_host(new_state.local, bucket_bytes))
-    return updates, to_host(new_state, bucket_bytes)
+def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
+    """`step(grads, state, params, **kwargs)` with the state's small arrays (shared entries such as step counts, and
+    local accumulators, which are gradient-sized) brought to the device first and returned to host memory after.
+    The stored histories, owned buffers and master copies stay in host memory: `step` streams them through the
+    device itself (`zero_optax.transform._engine.Engine.on_device` with `streamed=True`)."""
+    def moved(state, to):
+        inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
+        return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))
+    updates, new_state = step(grads, moved(state, to_device), params, **kwargs)
+    return updates, moved(new_state, to_host)
 
 
 def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.sharding.Sharding:

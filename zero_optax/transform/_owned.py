@@ -94,3 +94,72 @@ def switch(rank: jax.Array, branches: Sequence[Callable], *operands):
     if len(branches) == 1:
         return branches[0](*operands)
     return lax.switch(rank, list(branches), *operands)
+
+
+# ---------------------------------------------------------------------- offload: streamed through the device
+
+Span = tuple[str, int, int]
+"""`(dtype, start, stop)`: a contiguous range of one of a device's packed buffers."""
+
+
+def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Device `r`'s owned `leaves`, in order, in buckets of at most `bucket_bytes` of stored state (histories and
+    master copies; a leaf with more is a bucket of its own): what an offloaded step brings to the device at once.
+
+    Examples:
+      >>> # leaves of 96, 96 and 200 bytes of state with bucket_bytes=256: [[a, b], [c]]
+    """
+    nbytes = dict.fromkeys(leaves, 0)
+    for j in layout.rank_entries(r):
+        if layout.entries[j].leaf in nbytes:
+            nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
+    out: list[list[int]] = []
+    total = 0
+    for i in leaves:
+        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += nbytes[i]
+    return out
+
+
+def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
+    """The contiguous ranges of the packed buffers that hold the items `sizes` (item -> size) placed at `offsets`:
+    one per run of items that follow each other in one buffer.
+
+    Examples:
+      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10)}, {0: 4, 1: 3, 2: 2})
+      [('float32', 0, 7), ('float32', 10, 12)]
+    """
+    out: list[Span] = []
+    for dtype, lo, hi in sorted((offsets[j][0], offsets[j][1], offsets[j][1] + n) for j, n in sizes.items()):
+        if out and out[-1][0] == dtype and out[-1][2] == lo:
+            out[-1] = (dtype, out[-1][1], hi)
+        else:
+            out.append((dtype, lo, hi))
+    return out
+
+
+def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
+    return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
+
+
+def read(pieces: Sequence[jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]],
+         shapes: dict[int, tuple[int, ...]]) -> dict[int, jax.Array]:
+    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges`."""
+    out = {}
+    for j, shape in shapes.items():
+        k = _span_of(offsets[j], ranges)
+        lo = offsets[j][1] - ranges[k][1]
+        out[j] = lax.slice_in_dim(pieces[k], lo, lo + int(np.prod(shape))).reshape(shape)
+    return out
+
+
+def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]]
+          ) -> list[jax.Array]:
+    """The contents of `ranges` holding `values` (item -> array, every item of the ranges): the inverse of `read`."""
+    parts: list[list] = [[] for _ in ranges]
+    for j in sorted(values, key=lambda j: offsets[j][1]):
+        parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
+    return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts]
