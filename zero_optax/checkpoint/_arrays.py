@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _names
-from zero_optax.transform import _entries
+from zero_optax.transform import _entries, _offload
 from zero_optax.transform._layout import MASTER, Layout, Packing
 from zero_optax.transform._state import ZeroState
 
@@ -126,14 +126,24 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
-    """A state with the structure and layout of `template` holding `values` (in `stored_arrays` order)."""
+    """A state with the structure and layout of `template` holding `values` (in `stored_arrays` order), each array
+    in the memory kind of `template`'s (`values` read into device memory move to host memory once, joined)."""
     layout = template.layout
     unowned = unowned_entries(layout)
     inner, master = _entries.stored(template, dict(zip(unowned, values)))
+    inner = inner._replace(shared=_placed_like(inner.shared, template.inner_state.shared))
     n = len(unowned)
     n_buffers = len(template.buffers)
-    buffers = dict(zip(sorted(template.buffers), values[n:n + n_buffers]))
+    buffers = _placed_like(dict(zip(sorted(template.buffers), values[n:n + n_buffers])), template.buffers)
     local = None
     if template.local is not None:
-        local = jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:])
+        local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
+                             template.local)
     return ZeroState(inner, buffers, master, layout, local)
+
+
+def _placed_like(tree: Any, template: Any) -> Any:
+    """`tree`'s arrays in the memory kinds of `template`'s (abstract or concrete)."""
+    def one(x, t):
+        return _offload.placed(x, getattr(getattr(t, "sharding", None), "memory_kind", None))
+    return jax.tree.map(one, tree, template)

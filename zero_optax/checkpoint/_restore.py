@@ -61,8 +61,9 @@ def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
 
 def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
           region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
-    """The global array `array` laid out by `sharding`, each addressable device's block computed by `region` and
-    kept in host memory only until it is on its device (devices sharing a block share one read)."""
+    """The global array `array` laid out by `sharding` in device memory (`_arrays.rebuild` places it where the
+    target keeps it), each addressable device's block computed by `region` and kept in host memory only until it
+    is on its device (devices sharing a block share one read)."""
     index_map = sharding.addressable_devices_indices_map(array.shape)
     regions = {device: tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))
                for device, index in index_map.items()}
@@ -76,8 +77,7 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
         uses[key] -= 1
         if not uses[key]:
             del blocks[key]
-    return _offload.placed(jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles),
-                           getattr(sharding, "memory_kind", None))
+    return jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles)
 
 
 def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -124,8 +124,6 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         got = orbax_read(path, structs)
-        got = {a.name: _offload.placed(got[a.name], getattr(s, "memory_kind", None))
-               for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
         return _tree.put_back(target, parts, restored)
     restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]
