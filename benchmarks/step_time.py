@@ -4,7 +4,8 @@ The tree of `benchmarks.first_step` (L leaves, half 16 x 16 matrices, half 16-ve
 devices. One process, interleaved rounds (every variant once per round), the median step of each round, then the
 median over rounds; ratios are taken within the run:
 
-* N = 1: `replicated` (plain `optax.adamw` under `jax.jit` on one device) against `zero1_flat_scatter`;
+* N = 1: `replicated` (plain `optax.adamw` under `jax.jit` on one device) against `zero1_flat_scatter` (inside a
+  `shard_map`) and `zero1_flat_bound` (mesh-bound, under plain `jax.jit`);
 * N = 8: `gspmd` (MaxText style) against `zero1_flat_scatter`.
 
 Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated.
@@ -31,7 +32,8 @@ import optax
 
 from benchmarks.variants import VARIANTS, make_mesh
 
-PAIRS = ((1, "replicated"), (1, "zero1_flat_scatter"), (8, "gspmd"), (8, "zero1_flat_scatter"))
+PAIRS = ((1, "replicated"), (1, "zero1_flat_scatter"), (1, "zero1_flat_bound"), (8, "gspmd"),
+         (8, "zero1_flat_scatter"))
 
 
 def tree(leaves: int) -> dict[str, jax.Array]:

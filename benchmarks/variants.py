@@ -19,6 +19,8 @@ Variants:
 3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf`` / ``zero1_auto``: ``zero_optax.zero1``
    under ``jax.shard_map`` (``partition="flat"`` with an all-reduce or the default reduce-scatter in buckets,
    ``zero1_flat_per_leaf`` the same with one reduce-scatter and one all-gather per leaf, ``"leaf"``, ``"auto"``).
+4. ``zero1_flat_bound``: ``zero_optax.zero1(tx, axis_name="data", mesh=mesh)`` under plain ``jax.jit``, fed the
+   global mean gradient (the mesh-bound form; it runs its own ``shard_map``).
 """
 
 from __future__ import annotations
@@ -212,6 +214,26 @@ def _zero1_builder(**zero1_kwargs: Any) -> Callable[[optax.GradientTransformatio
     return build
 
 
+def build_zero1_bound(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+    """``zo.zero1(tx, axis_name="data", mesh=mesh)`` under plain ``jax.jit``: the global mean gradient (as
+    ``jax.grad`` of a global loss gives it) goes to a mesh-bound zero1, which runs its own ``shard_map``."""
+    try:
+        import zero_optax as zo
+
+        ztx = zo.zero1(tx, axis_name=AXIS, mesh=mesh)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
+    rep, dat = _shardings(mesh)
+
+    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+        updates, state = ztx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return Built(init=ztx.init, step=jax.jit(step, donate_argnums=(0, 2)), param_sharding=rep, grad_sharding=dat,
+                 notes={"zero1_kwargs": {"mesh": "bound"}})
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("replicated", build_replicated),
     Variant("gspmd", build_gspmd),
@@ -220,4 +242,5 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zero1_flat_per_leaf", _zero1_builder(partition="flat", bucket_bytes=0), zero1=True),
     Variant("zero1_leaf", _zero1_builder(partition="leaf"), zero1=True),
     Variant("zero1_auto", _zero1_builder(partition="auto"), zero1=True),
+    Variant("zero1_flat_bound", build_zero1_bound, zero1=True),
 )

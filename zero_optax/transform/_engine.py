@@ -536,7 +536,8 @@ def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dic
 def _gather_owned(layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
     axes = layout.axes
-    if layout.world_size == 1:
-        return {i: jax.lax.psum(x, axes) for i, x in u_out.items()}  # retypes as replicated; XLA drops it
+    if layout.world_size == 1:  # a psum of one device only retypes the value as replicated, which untyped
+        # values (`check_vma=False`) need not be
+        return {i: jax.lax.psum(x, axes) for i, x in u_out.items()} if _compat.vma_enabled(axes) else u_out
     gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
     return _owned.gathered_leaves(gathered, plan_u, layout)

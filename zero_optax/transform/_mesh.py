@@ -102,9 +102,11 @@ class Bound:
             def run(grads, state, params, extra):
                 return self.mean.update(grads, state, params, **extra)
 
+            # On a one-device mesh nothing varies: untyped (check_vma=False), the step needs no collective at all,
+            # where typed values would have to be retyped replicated by one-device collectives (copies on XLA:CPU).
             self._fns[key] = jax.jit(jax.shard_map(
                 run, mesh=self.mesh, in_specs=(specs, state_specs, specs if with_params else P(), extra_specs),
-                out_specs=(specs, state_specs)))
+                out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
         grads = _placed(grads, specs, self.mesh)
         params = _placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)

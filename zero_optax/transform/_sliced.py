@@ -173,8 +173,9 @@ def gather(values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucke
         if b.axes and leaves[0].group > 1:
             out.update(gather_rows([parts[0] if len(parts) == 1 else jnp.concatenate(parts)], layout, [b]))
             continue
-        if b.axes:  # one device: a gather of one block only retypes the value as invariant; XLA:CPU keeps it as
-            parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]  # a copy, a psum costs more
+        if b.axes and _compat.vma_enabled(b.axes):  # one device: a gather of one block only retypes the value as
+            # invariant (XLA:CPU keeps it as a copy, a psum costs more); untyped (`check_vma=False`), it needs none
+            parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
         for i, leaf, x in zip(b.leaves, leaves, parts):
             out[i] = _unpadded(x, leaf)
     return out
