@@ -73,6 +73,25 @@ def test_plain_jit_step_matches_optax(partition):
                                                                                   jax.tree.leaves(params)))
 
 
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_one_device_mesh_steps_without_collectives(partition):
+    """On a one-device mesh nothing needs reducing or gathering: the compiled step has no collective (typed
+    values would need one-device collectives to become replicated, which XLA:CPU runs as copies)."""
+    m = mesh(1)
+    params = jax.device_put(init_params(), NamedSharding(m, P()))
+    x, y = jax.device_put(batch(1), NamedSharding(m, P()))
+    kwargs = {"master_dtype": jnp.float32} if partition == "flat" else {}
+    tx = zo.zero1(INNER[partition](), axis_name="data", mesh=m, partition=partition, **kwargs)
+    zp, zs = train(tx, params, x, y)
+    rp, rs = train(INNER[partition](), params, x, y)
+    assert_close(zp, rp, rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(zo.gather_state(zs)), jax.tree.leaves(rs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    g = jax.grad(loss_fn)(zp, x, y)
+    text = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(g, zs, zp).compile().as_text()
+    assert not [op for op in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute") if op in text]
+
+
 def test_init_eager_under_jit_and_on_unplaced_params():
     m = mesh()
     tx = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=m)
