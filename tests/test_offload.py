@@ -146,11 +146,12 @@ def test_checkpoints_cross_memory_kinds_and_world_sizes(tmp_path, direction):
         h.assert_matches(p2, s2, ref_p2, ref_s2)
 
 
-def test_mesh_bound_under_jit():
-    inner = optax.adamw(1e-2)
-    mesh = h.mesh_of(N)
+@pytest.mark.parametrize("case,n", [("flat", N), ("leaf", N), ("flat", 1)])
+def test_mesh_bound_under_jit(case, n):
+    inner, partition = CASES[case]()
+    mesh = h.mesh_of(n)
     params = jax.device_put(h.small_params(), NamedSharding(mesh, P()))
-    tx = zo.zero1(inner, axis_name="data", mesh=mesh, master_dtype=jnp.float32, offload=True)
+    tx = zo.zero1(inner, axis_name="data", mesh=mesh, partition=partition, master_dtype=jnp.float32, offload=True)
     state = tx.init(params)
     assert kinds(state) == {HOST}
     ref_state = inner.init(params)
