@@ -83,3 +83,13 @@ def test_a_program_that_reads_the_length_is_not_fused():
     tx = zo.zero1(optax.chain(optax.sgd(1e-2), scale_by_size()), axis_name="data")
     with pytest.raises(zo.ZeroCouplingError, match="operations to the parameters"):
         jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(params)
+
+
+def test_an_update_that_fails_on_slices_names_the_failure():
+    """An update that runs on the parameters but cannot run on 1-D slices is refused with its own error."""
+    def two_d_only():
+        return optax.stateless(lambda u, p: jax.tree.map(lambda x: x[:, :] * 2.0, u))
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones((2, 5))}
+    tx = zo.zero1(optax.chain(optax.sgd(1e-2), two_d_only()), axis_name="data")
+    with pytest.raises(zo.ZeroCouplingError, match="fails on their 1-D coordinate slices.*IndexError"):
+        jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(params)

@@ -321,7 +321,7 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         elif e.leaf in histories:
             histories[e.leaf].append(j)
     candidates = _candidates(cfg, leaves, entries, histories, programs)
-    found = _view_programs(cfg, treedef, leaves, candidates, extra, names)
+    found, failure = _view_programs(cfg, treedef, leaves, candidates, extra, names)
     groups, alone = [], []
     for members in candidates:
         if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
@@ -330,17 +330,29 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         else:
             alone += members
     if any(len(m) > 1 for m in candidates if m[0] in alone):
-        found = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names)
-    for i in alone:
-        if i in programs and found.get(i) != programs[i]:
-            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
-        groups.append([i])
+        found, failure = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names)
+    _check_alone(leaves, alone, programs, found, failure)
+    groups += [[i] for i in alone]
     out = []
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1]))
     return tuple(out)
+
+
+def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict,
+                 failure: Exception | None) -> None:
+    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`),
+    with the error the view raised (`failure`) when it could not run at all."""
+    for i in alone:
+        if i in programs and found.get(i) != programs[i]:
+            if failure is not None:
+                raise ZeroCouplingError(
+                    f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
+                    f"sliced leaves, `{leaves[i].path}` among them): {type(failure).__name__}: {failure}\n"
+                    f"{SHAPE_HELP}") from failure
+            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
 
 
 def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
@@ -357,10 +369,10 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
 
 
 def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: list[list[int]], extra,
-                   names: dict[str, str]) -> dict[int | None, tuple[str, ...]]:
+                   names: dict[str, str]) -> tuple[dict[int | None, tuple[str, ...]], Exception | None]:
     """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
-    holding all its members' slots, every other leaf masked; key None the shared state's. Empty where the view
-    cannot be traced."""
+    holding all its members' slots, every other leaf masked; key None the shared state's. Where the view cannot
+    be traced, no programs and the exception (its leaves then stay alone, or are refused with it)."""
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
     labels: list[Any] = [optax.MaskedNode()] * len(leaves)
     for members in groups:
@@ -378,9 +390,9 @@ def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: 
         state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
         return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, extra,
                                        sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=names)
-    except Exception:  # noqa: BLE001  (a view the transformation cannot run: its leaves stay alone, or are refused)
-        return {}
+                                       out_sources=(label_tree, state_labels), names=names), None
+    except Exception as e:  # noqa: BLE001  (a view the transformation cannot run: its leaves stay alone, or are
+        return {}, e      # refused)
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
