@@ -162,18 +162,20 @@ def accumulator_entries(layout) -> list[int]:
     return [j for j, e in enumerate(layout.entries) if e.leaf is not None and e.path.startswith(ACC_PREFIX)]
 
 
-def micro_step_entry(layout) -> int | None:
-    """The index of the shared cycle-position entry, or None without accumulation."""
+def _shared_entry(layout, path: str) -> int | None:
     if layout.accumulate is None:
         return None
-    return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == MICRO_STEP_PATH)
+    return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == path)
+
+
+def micro_step_entry(layout) -> int | None:
+    """The index of the shared cycle-position entry, or None without accumulation."""
+    return _shared_entry(layout, MICRO_STEP_PATH)
 
 
 def weight_sum_entry(layout) -> int | None:
     """The index of the shared entry holding the cycle's weight so far, or None without accumulation."""
-    if layout.accumulate is None:
-        return None
-    return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == WEIGHT_SUM_PATH)
+    return _shared_entry(layout, WEIGHT_SUM_PATH)
 
 
 def local_shape(layout, leaf) -> tuple[int, ...]:
