@@ -1,12 +1,15 @@
-"""Step time on a tree of many small leaves: `python -m benchmarks.step_time [--leaves 1000] [--rounds 7]`.
+"""Step time on many leaves or on the GPT tree: `python -m benchmarks.step_time [--leaves 1000 | --gpt]`.
 
-The tree of `benchmarks.first_step` (L leaves, half 16 x 16 matrices, half 16-vectors), AdamW, simulated CPU
-devices. One process, interleaved rounds (every variant once per round), the median step of each round, then the
-median over rounds; ratios are taken within the run:
+The tree of `benchmarks.first_step` (L leaves, half 16 x 16 matrices, half 16-vectors), or with `--gpt` the 99-leaf
+GPT tree of `benchmarks.run` (`gpt_params(2048, 256, 8)`, 26.1 MB), AdamW, simulated CPU devices. One process,
+interleaved rounds (every variant once per round), the median step of each round, then the median over rounds;
+ratios are taken within the run:
 
-* N = 1: `replicated` (plain `optax.adamw` under `jax.jit` on one device) against `zero1_flat_scatter` (inside a
-  `shard_map`) and `zero1_flat_bound` (mesh-bound, under plain `jax.jit`);
-* N = 8: `gspmd` (MaxText style) against `zero1_flat_scatter`.
+* N = 1: `optax_jit` (plain `optax.adamw` under `jax.jit` on one device, the reference) against `replicated`
+  (the same inside a `shard_map`, with a gradient `pmean`), `zero1_flat_scatter` (zero1 inside a `shard_map`) and
+  `zero1_flat_bound` (mesh-bound zero1 under plain `jax.jit`);
+* N = 8: `gspmd` (MaxText style) against `zero1_flat_scatter`, and with `--gpt` also `zero1_flat_psum` and
+  `zero1_flat_bound`.
 
 Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated.
 """
@@ -30,33 +33,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.model import gpt_params
 from benchmarks.variants import VARIANTS, make_mesh
 
-PAIRS = ((1, "replicated"), (1, "zero1_flat_scatter"), (1, "zero1_flat_bound"), (8, "gspmd"),
+PAIRS = ((1, "optax_jit"), (1, "replicated"), (1, "zero1_flat_scatter"), (1, "zero1_flat_bound"), (8, "gspmd"),
          (8, "zero1_flat_scatter"))
+GPT_PAIRS = PAIRS + ((8, "zero1_flat_psum"), (8, "zero1_flat_bound"))
 
 
-def tree(leaves: int) -> dict[str, jax.Array]:
-    return {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(leaves)}
+def tree(leaves: int) -> dict[str, np.ndarray]:
+    return {f"p{i:04d}": np.full((16, 16) if i % 2 == 0 else (16,), 0.01, np.float32) for i in range(leaves)}
+
+
+def gpt_tree() -> dict:
+    return jax.tree.map(np.asarray, gpt_params(2048, 256, 8, 4))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--leaves", type=int, default=1000)
+    parser.add_argument("--gpt", action="store_true", help="the GPT tree of benchmarks.run instead")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="steps per round and variant")
     args = parser.parse_args(argv)
     builders = {v.name: v.build for v in VARIANTS}
     rng = np.random.default_rng(0)
     runs = {}
-    for n, name in PAIRS:
+    for n, name in GPT_PAIRS if args.gpt else PAIRS:
         mesh = make_mesh(n, jax.devices()[:n])
-        params = tree(args.leaves)
+        params = gpt_tree() if args.gpt else tree(args.leaves)
         built = builders[name](optax.adamw(1e-3), mesh, params)
         p = jax.device_put(params, built.param_sharding)
         state = built.init(p)
-        grads = jax.device_put({k: jnp.asarray(rng.normal(size=(n, *x.shape)), jnp.float32) * 1e-3
-                                for k, x in params.items()}, built.grad_sharding)
+        grads = jax.device_put(jax.tree.map(lambda x, n=n: jnp.asarray(rng.normal(size=(n, *x.shape)) * 1e-3,
+                                                                        jnp.float32), params), built.grad_sharding)
         p, state = built.step(p, grads, state)  # compile
         jax.block_until_ready((p, state))
         runs[(n, name)] = [built.step, p, state, grads, []]
@@ -72,10 +82,11 @@ def main(argv=None) -> int:
             run[1], run[2] = p, state
             times.append(statistics.median(samples))
     ms = {key: 1e3 * statistics.median(run[4]) for key, run in runs.items()}
-    print(f"{args.leaves} leaves, AdamW, median of {args.rounds} interleaved rounds of {args.steps} steps:")
+    what = "GPT tree (99 leaves)" if args.gpt else f"{args.leaves} leaves"
+    print(f"{what}, AdamW, median of {args.rounds} interleaved rounds of {args.steps} steps:")
     print("| N | variant | step ms | ratio |")
     print("|---|---|---|---|")
-    base = {1: ms[(1, "replicated")], 8: ms[(8, "gspmd")]}
+    base = {1: ms[(1, "optax_jit")], 8: ms[(8, "gspmd")]}
     for (n, name), t in ms.items():
         ref = "optax.adamw" if n == 1 else "gspmd"
         print(f"| {n} | {name} | {t:.2f} | {t / base[n]:.2f} x {ref} |")

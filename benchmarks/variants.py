@@ -13,7 +13,8 @@ Every variant exposes the same calling convention so the harness can treat them 
 Variants:
 
 1. ``replicated``: plain data parallelism; ``pmean`` of the gradient (one all-reduce), then every
-   device runs the full optimizer on replicated params and state.
+   device runs the full optimizer on replicated params and state, inside ``shard_map``. ``optax_jit``: the
+   same under plain ``jax.jit`` (the mean gradient, no ``shard_map``): on one device, plain optax.
 2. ``gspmd``: MaxText-style; ``jax.jit`` with params replicated and every optimizer-state leaf
    sharded over "data" on its first dimension divisible by N, leaving GSPMD to partition the update.
 3. ``zero1_flat_psum`` / ``zero1_flat_scatter`` / ``zero1_leaf`` / ``zero1_auto``: ``zero_optax.zero1``
@@ -121,6 +122,24 @@ def build_replicated(tx: optax.GradientTransformation, mesh: Mesh, params: Any) 
     return Built(
         init=jax.jit(tx.init, out_shardings=rep),
         step=jax.jit(sm, donate_argnums=(0, 2)),
+        param_sharding=rep,
+        grad_sharding=dat,
+    )
+
+
+def build_optax_jit(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+    """Plain optax under ``jax.jit``, no ``shard_map``: the mean gradient, the state replicated. On one device
+    this is the program a user without zero1 runs (the reference of the one-device step targets)."""
+    rep, dat = _shardings(mesh)
+
+    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return Built(
+        init=jax.jit(tx.init, out_shardings=rep),
+        step=jax.jit(step, in_shardings=(rep, dat, rep), out_shardings=(rep, rep), donate_argnums=(0, 2)),
         param_sharding=rep,
         grad_sharding=dat,
     )
@@ -236,6 +255,7 @@ def build_zero1_bound(tx: optax.GradientTransformation, mesh: Mesh, params: Any)
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("replicated", build_replicated),
+    Variant("optax_jit", build_optax_jit),
     Variant("gspmd", build_gspmd),
     Variant("zero1_flat_psum", _zero1_builder(partition="flat", reduce="psum"), zero1=True),
     Variant("zero1_flat_scatter", _zero1_builder(partition="flat", reduce="psum_scatter"), zero1=True),

@@ -120,8 +120,8 @@ class Engine:
             else frozenset(leaves)
         key = (layout, r, present)
         if key not in self._views:
-            self._views[key] = _plan.view_treedef(self.cfg, layout, set(present), self._owned_entries(layout, r, present),
-                                                  f"on device {r}")
+            self._views[key] = _plan.view_treedef(self.cfg, layout, set(present),
+                                                  self._owned_entries(layout, r, present), f"on device {r}")
         return self._views[key]
 
     @staticmethod
@@ -463,9 +463,9 @@ class Engine:
         bucket of them), with gradients `g`.
 
         The old state is `stored` (entry -> array: the histories and master copies of `mine`, or more; without
-        `stepping` the master copies may be left out) and the shared entries' old values. Returns the new values of `mine`'s stored entries (master copies included) and
-        what every device must receive for `mine`: the updates, or with `master_dtype` the new master values
-        rounded to the parameter dtype.
+        `stepping` the master copies may be left out) and the shared entries' old values. Returns the new values
+        of `mine`'s stored entries (master copies included) and what every device must receive for `mine`: the
+        updates, or with `master_dtype` the new master values rounded to the parameter dtype.
         """
         cfg = self.cfg
         master = cfg.master_dtype is not None
