@@ -469,7 +469,8 @@ class Engine:
         """
         cfg = self.cfg
         master = cfg.master_dtype is not None
-        entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in set(mine)]
+        present = set(mine)
+        entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
         b_entries = self._owned_entries(layout, r, mine)
         old = jax.tree_util.tree_unflatten(self._view(layout, r, mine), [shared_old[j] if j in shared_old
                                                                           else stored[j] for j in b_entries])

@@ -105,9 +105,7 @@ Span = tuple[str, int, int]
 def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Device `r`'s owned `leaves`, in order, in buckets of at most `bucket_bytes` of stored state (histories and
     master copies; a leaf with more is a bucket of its own): what an offloaded step brings to the device at once.
-
-    Examples:
-      >>> # leaves of 96, 96 and 200 bytes of state with bucket_bytes=256: [[a, b], [c]]
+    Leaves with 96, 96 and 200 bytes of state and `bucket_bytes=256`, say, make the buckets `[[a, b], [c]]`.
     """
     nbytes = dict.fromkeys(leaves, 0)
     for j in layout.rank_entries(r):
