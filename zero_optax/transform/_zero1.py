@@ -128,9 +128,11 @@ def zero1(
         memory. Checkpoints of local accumulators restore at another world size only at a cycle boundary.
 
       offload: keep every array the state stores (histories, owned buffers, master copies, accumulators) in
-        each device's `pinned_host` memory between steps (ZeRO-Offload). `update` moves the stored arrays to the
-        device in buckets of `bucket_bytes`, runs the step there and moves the new state back; `init` and
-        restores place it in host memory. Refused where the devices have no `pinned_host` memory.
+        each device's `pinned_host` memory (ZeRO-Offload); `init` and restores place it there. `update` streams
+        it through the device: the sliced leaves' state in chunks of at most `bucket_bytes`, each device's owned
+        leaves in buckets of at most `bucket_bytes` of state (or one leaf, if its state is larger), each brought
+        to the device, updated and returned before the next, so the device never holds the whole shard. Refused
+        where the devices have no `pinned_host` memory.
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
