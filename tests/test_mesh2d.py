@@ -2,6 +2,7 @@
 single-device optax on the global parameters fed the global mean gradient."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -231,3 +232,19 @@ def test_2d_checkpoint_continues_exactly_at_half_the_data_size(tmp_path):
         u, ref_state = inner().update(g, ref_state, ref)
         ref = optax.apply_updates(ref, u)
     assert_params(params, ref)
+
+
+def test_offloaded_state_streams_on_a_tensor_parallel_mesh():
+    """`offload=True` beside a model axis: the state stays in `pinned_host` and the result is optax's, for flat
+    AdamW on tensor-parallel blocks (master weights, chunks of 32 bytes) and Muon owning whole leaves."""
+    mesh, zero_axes = make_mesh("4x2")
+    adamw = lambda: optax.adamw(1e-2, weight_decay=0.1)
+    cases = [(zo.zero1(adamw(), axis_name=zero_axes, offload=True, bucket_bytes=32, master_dtype=jnp.float32),
+              adamw(), TP_SPECS, {}),
+             (zo.zero1(optax.contrib.muon(1e-2), axis_name=zero_axes, partition="leaf", offload=True,
+                       bucket_bytes=64), optax.contrib.muon(1e-2), REPLICATED, {"rtol": 5e-5, "atol": 5e-6})]
+    for tx, inner, specs, tol in cases:
+        params, state, n_data = run_shard_map(tx, mesh, zero_axes, specs)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
+        ref, _ = oracle(inner, STEPS, n_data)
+        assert_params(params, ref, **tol)
