@@ -314,3 +314,14 @@ def test_a_step_of_zero_weight_leaves_the_streamed_state_as_it_was():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_before)):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_an_empty_owned_leaf_streams():
+    """An owned leaf with no elements has no range to move; the others stream as usual."""
+    params = {"a": jnp.linspace(-1, 1, 48).reshape(8, 6), "e": jnp.zeros((0, 4)), "v": jnp.ones((7,))}
+    inner = optax.adamw(1e-2)
+    tx = zo.zero1(inner, axis_name="data", partition="leaf", offload=True, bucket_bytes=64, master_dtype=jnp.float32)
+    grads = h.gradient_sequence(params, N, 2)
+    p, s, _ = train(tx, h.mesh_of(N), params, grads)
+    ref_p, ref_s = h.run_oracle(inner, params, grads)
+    h.assert_matches(p, s, ref_p, ref_s)

@@ -127,11 +127,12 @@ def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Sp
     one per run of items that follow each other in one buffer.
 
     Examples:
-      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10)}, {0: 4, 1: 3, 2: 2})
+      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
+      ...       {0: 4, 1: 3, 2: 2, 3: 0})
       [('float32', 0, 7), ('float32', 10, 12)]
     """
     out: list[Span] = []
-    for dtype, lo, hi in sorted((offsets[j][0], offsets[j][1], offsets[j][1] + n) for j, n in sizes.items()):
+    for dtype, lo, hi in sorted((offsets[j][0], offsets[j][1], offsets[j][1] + n) for j, n in sizes.items() if n):
         if out and out[-1][0] == dtype and out[-1][2] == lo:
             out[-1] = (dtype, out[-1][1], hi)
         else:
@@ -145,9 +146,12 @@ def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
 
 def read(pieces: Sequence[jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]],
          shapes: dict[int, tuple[int, ...]]) -> dict[int, jax.Array]:
-    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges`."""
+    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges` (in their buffers' dtypes)."""
     out = {}
     for j, shape in shapes.items():
+        if not int(np.prod(shape)):  # an empty item has no range
+            out[j] = jnp.zeros(shape, offsets[j][0])
+            continue
         k = _span_of(offsets[j], ranges)
         lo = offsets[j][1] - ranges[k][1]
         out[j] = lax.slice_in_dim(pieces[k], lo, lo + int(np.prod(shape))).reshape(shape)
@@ -159,5 +163,6 @@ def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[in
     """The contents of `ranges` holding `values` (item -> array, every item of the ranges): the inverse of `read`."""
     parts: list[list] = [[] for _ in ranges]
     for j in sorted(values, key=lambda j: offsets[j][1]):
-        parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
+        if values[j].size:
+            parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
     return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts]
