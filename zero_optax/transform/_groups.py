@@ -56,20 +56,9 @@ def order(layout: Layout) -> list[int]:
     return sorted(i for g in layout.groups for i in g.leaves)
 
 
-def _runs(positions: Sequence[tuple[int, int, int]]) -> list[list[int]]:
-    """`(array, start, length)` pieces in order, merged where one continues the previous one in the same array."""
-    runs: list[list[int]] = []
-    for k, start, length in positions:
-        if runs and runs[-1][0] == k and runs[-1][2] == start:
-            runs[-1][2] += length
-        else:
-            runs.append([k, start, start + length])
-    return runs
-
-
 def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
     pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
-              for k, lo, hi in _runs(positions)]
+              for k, lo, hi in _layout.runs(positions)]
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 

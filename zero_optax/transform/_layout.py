@@ -152,6 +152,23 @@ class Packing:
     used: tuple[dict[str, int], ...]
 
 
+def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
+    """`(array, start, length)` pieces in order as `(array, start, stop)` ranges, merged where one continues the
+    previous one in the same array.
+
+    Examples:
+      >>> runs([(0, 0, 4), (0, 4, 3), (1, 0, 2), (0, 9, 1)])
+      [(0, 0, 7), (1, 0, 2), (0, 9, 10)]
+    """
+    out: list[tuple[Any, int, int]] = []
+    for k, start, length in pieces:
+        if out and out[-1][0] == k and out[-1][2] == start:
+            out[-1] = (k, out[-1][1], start + length)
+        else:
+            out.append((k, start, start + length))
+    return out
+
+
 def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
     """Lays out each rank's `(item, size, dtype)` list, in order, into per-dtype buffers of one common size."""
     offsets, used = [], []

@@ -131,13 +131,7 @@ def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Sp
       ...       {0: 4, 1: 3, 2: 2, 3: 0})
       [('float32', 0, 7), ('float32', 10, 12)]
     """
-    out: list[Span] = []
-    for dtype, lo, hi in sorted((offsets[j][0], offsets[j][1], offsets[j][1] + n) for j, n in sizes.items() if n):
-        if out and out[-1][0] == dtype and out[-1][2] == lo:
-            out[-1] = (dtype, out[-1][1], hi)
-        else:
-            out.append((dtype, lo, hi))
-    return out
+    return _layout.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
 
 
 def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:

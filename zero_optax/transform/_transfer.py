@@ -36,17 +36,21 @@ def _require_global(state: ZeroState, what: str) -> Layout:
     return layout
 
 
-def _entry(state: ZeroState, j: int, unowned: dict[int, jax.Array]) -> jax.Array:
-    """The full value of entry `j` (a parameter-shaped history, a master copy, or a shared value); `unowned` is
-    `_entries.unowned(state)`, cut once for all entries."""
-    layout = state.layout
+def _sources(state: ZeroState) -> tuple[dict[int, jax.Array], dict[str, jax.Array]]:
+    """What `_entry` reads, prepared once for all entries: the unowned entries cut from the group arrays
+    (`_entries.unowned`) and the owned leaves' packed buffers, replicated."""
+    return _entries.unowned(state), {d: _compat.replicate(b) for d, b in state.buffers.items()}
+
+
+def _entry(layout: Layout, j: int, unowned: dict[int, jax.Array], buffers: dict[str, jax.Array]) -> jax.Array:
+    """The full value of entry `j` (a parameter-shaped history, a master copy, or a shared value), from a state's
+    `_sources`."""
     e = layout.entries[j]
     kind = layout.kind(e)
     if kind == "owned":
         leaf = layout.leaves[e.leaf]
         dtype, off = layout.state_packing.offsets[leaf.owner][j]
-        buffer = _compat.replicate(state.buffers[dtype])
-        return jax.lax.slice_in_dim(buffer[leaf.owner], off, off + e.size).reshape(e.shape)
+        return jax.lax.slice_in_dim(buffers[dtype][leaf.owner], off, off + e.size).reshape(e.shape)
     value = _compat.replicate(unowned[j])
     if kind == "shared":
         return value[0]
@@ -57,8 +61,8 @@ def _entry(state: ZeroState, j: int, unowned: dict[int, jax.Array]) -> jax.Array
 def _gather_one(state: ZeroState) -> Any:
     layout = _require_global(state, "zo.gather_state")
     state = _offload.fetched(state)  # an offloaded state is read on the device
-    unowned = _entries.unowned(state)
-    values = [_entry(state, j, unowned) for j in layout.inner_entries]
+    sources = _sources(state)
+    values = [_entry(layout, j, *sources) for j in layout.inner_entries]
     return jax.tree.unflatten(layout.state_treedef, values)
 
 
@@ -110,8 +114,8 @@ def master_params(state: Any) -> Any:
         raise ZeroError("zo.master_params: this zero1 state keeps no master copy; create the transformation with "
                         "master_dtype=jnp.float32 (say).")
     by_leaf = {layout.entries[j].leaf: j for j, e in enumerate(layout.entries) if e.role == MASTER}
-    unowned = _entries.unowned(state)
-    return jax.tree.unflatten(layout.treedef, [_entry(state, by_leaf[i], unowned)
+    sources = _sources(state)
+    return jax.tree.unflatten(layout.treedef, [_entry(layout, by_leaf[i], *sources)
                                                for i in range(len(layout.leaves))])
 
 
