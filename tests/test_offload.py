@@ -255,11 +255,7 @@ def test_groups_stream_through_the_device_in_chunks():
     h.assert_matches(p, s, ref_p, ref_s)
     (group,) = zo.describe(s).groups
     assert group.size == 40 + 1 + 5  # slots per device: 120 / 3, 1, ceil(13 / 3)
-    mesh = h.mesh_of(N)
-    traced = step.trace(jax.device_put(params, NamedSharding(mesh, P())), s,
-                        jax.device_put(grads[0], NamedSharding(mesh, P("data"))))
-    moves = [m for m in hlo.placement_transfers(traced.lower(lowering_platforms=("cuda",)).as_text())
-             if m["in_shard_map"]]
+    moves = moves_in_step(step, h.mesh_of(N), params, s, grads[0])
     for to in ("device", HOST):
         sizes = sorted(m["bytes"] for m in moves if m["to"] == to)
         assert sizes.count(8 * 4) >= 3 and sizes.count(6 * 4) == 3, (to, sizes)  # chunks of 8, the tail of 6
