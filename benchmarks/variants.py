@@ -102,6 +102,16 @@ def _local(grads: Any) -> Any:
     return jax.tree_util.tree_map(lambda g: g[0], grads)
 
 
+def _mean_step(tx: optax.GradientTransformation) -> Step:
+    """Outside shard_map: the step on the mean over the stacked per-device gradients (what ``jax.grad`` of a global
+    loss gives under ``jax.jit``), then ``tx``'s update and ``optax.apply_updates``."""
+    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
 def _shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
     return NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
@@ -132,10 +142,7 @@ def build_optax_jit(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -
     this is the program a user without zero1 runs (the reference of the one-device step targets)."""
     rep, dat = _shardings(mesh)
 
-    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
-        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
+    step = _mean_step(tx)
 
     return Built(
         init=jax.jit(tx.init, out_shardings=rep),
@@ -179,10 +186,7 @@ def build_gspmd(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Bu
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
-    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
-        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
+    step = _mean_step(tx)
 
     leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
     return Built(
@@ -244,13 +248,8 @@ def build_zero1_bound(tx: optax.GradientTransformation, mesh: Mesh, params: Any)
         raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
     rep, dat = _shardings(mesh)
 
-    def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
-        g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
-        updates, state = ztx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return Built(init=ztx.init, step=jax.jit(step, donate_argnums=(0, 2)), param_sharding=rep, grad_sharding=dat,
-                 notes={"zero1_kwargs": {"mesh": "bound"}})
+    return Built(init=ztx.init, step=jax.jit(_mean_step(ztx), donate_argnums=(0, 2)), param_sharding=rep,
+                 grad_sharding=dat, notes={"zero1_kwargs": {"mesh": "bound"}})
 
 
 VARIANTS: tuple[Variant, ...] = (
