@@ -441,17 +441,14 @@ class Engine:
             entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
                        (stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
             ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
-            # (dynamic slices of host memory, then a move: the pattern XLA's host offloader turns into copies)
-            pieces = jax.device_put([lax.dynamic_slice_in_dim(buffers[d], lo, hi - lo) for d, lo, hi in ranges],
-                                    jax.memory.Space.Device)
+            pieces = [_offload.fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
             stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
             values, u = self._owned_view_update(layout, r, bucket, {i: g[i] for i in bucket}, stored, p_leaves,
                                                 shared_old, extra, inner, stepping)
             values = _reduce.skip_if_empty(ok, values, stored)
-            new = jax.device_put(_owned.write(values, ranges, offsets), jax.memory.Space.Host)
             buffers = dict(buffers)
-            for (d, lo, _), x in zip(ranges, new):
-                buffers[d] = lax.dynamic_update_slice_in_dim(buffers[d], x, lo, 0)
+            for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
+                buffers[d] = _offload.store(buffers[d], x, lo)
             buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
             u_all.update(u)
         return buffers, u_all

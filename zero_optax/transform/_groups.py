@@ -25,7 +25,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _plan, _reduce, _sliced
+from zero_optax.transform import _layout, _offload, _plan, _reduce, _sliced
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
 
@@ -316,7 +316,7 @@ class Groups:
                inner, master, p_dtype, stepping):
         """One chunk of group `g`: `[start, start + length)` of this device's part of its buffers."""
         new_arrays, out, _ = carry
-        old = [jax.device_put(lax.dynamic_slice_in_dim(a, start, length), jax.memory.Space.Device) for a in arrays]
+        old = [_offload.fetch(a, start, length) for a in arrays]
         hist, m_old = (old[:-1], old[-1]) if master else (old, None)
         g_c = lax.dynamic_slice_in_dim(grads, start, length)
         p_c = m_old if master else (None if params is None else lax.dynamic_slice_in_dim(params, start, length))
@@ -330,8 +330,7 @@ class Groups:
             if out is None:  # typed by the update below (varying where `value` is)
                 out = jnp.zeros((group.size,), value.dtype)
             out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
-        new_arrays = [lax.dynamic_update_slice_in_dim(a, jax.device_put(x, jax.memory.Space.Host), start, 0)
-                      for a, x in zip(new_arrays, results)]
+        new_arrays = [_offload.store(a, x, start) for a, x in zip(new_arrays, results)]
         return new_arrays, out, shared
 
 

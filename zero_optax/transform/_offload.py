@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from zero_optax.core._errors import ZeroError
 
@@ -102,6 +103,18 @@ def to_host(state: Any, bucket_bytes: int) -> Any:
 def to_device(state: Any, bucket_bytes: int) -> Any:
     """Inside `shard_map`: every array of `state` moved to device memory, in buckets."""
     return _move(state, jax.memory.Space.Device, bucket_bytes)
+
+
+def fetch(x: jax.Array, start: Any, length: int) -> jax.Array:
+    """Inside `shard_map`: `[start, start + length)` of the host-memory 1-D array `x`, on the device. A dynamic
+    slice of host memory, then a move: the pattern XLA's host offloader turns into a copy of the piece alone."""
+    return jax.device_put(lax.dynamic_slice_in_dim(x, start, length), jax.memory.Space.Device)
+
+
+def store(x: jax.Array, value: jax.Array, start: Any) -> jax.Array:
+    """Inside `shard_map`: the host-memory 1-D array `x` with the device array `value` moved to host memory and
+    written at `start` (the inverse of `fetch`)."""
+    return lax.dynamic_update_slice_in_dim(x, jax.device_put(value, jax.memory.Space.Host), start, 0)
 
 
 def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
