@@ -79,6 +79,8 @@ def test_state_stays_in_host_memory_and_matches_optax(case):
     assert kinds(zo.gather_state(s)) <= {HOST, "device"}
     for a, b in zip(jax.tree.leaves(zo.gather_state(s)), jax.tree.leaves(ref_s)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(zo.master_params(s)), jax.tree.leaves(ref_p)):  # read on the device
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
 
 
 def moves_in_step(step, mesh, params, state, grads) -> list[dict]:

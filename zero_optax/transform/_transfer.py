@@ -38,7 +38,8 @@ def _require_global(state: ZeroState, what: str) -> Layout:
 
 def _sources(state: ZeroState) -> tuple[dict[int, jax.Array], dict[str, jax.Array]]:
     """What `_entry` reads, prepared once for all entries: the unowned entries cut from the group arrays
-    (`_entries.unowned`) and the owned leaves' packed buffers, replicated."""
+    (`_entries.unowned`) and the owned leaves' packed buffers, replicated; an offloaded state's in device memory."""
+    state = _offload.fetched(state)
     return _entries.unowned(state), {d: _compat.replicate(b) for d, b in state.buffers.items()}
 
 
@@ -60,7 +61,6 @@ def _entry(layout: Layout, j: int, unowned: dict[int, jax.Array], buffers: dict[
 
 def _gather_one(state: ZeroState) -> Any:
     layout = _require_global(state, "zo.gather_state")
-    state = _offload.fetched(state)  # an offloaded state is read on the device
     sources = _sources(state)
     values = [_entry(layout, j, *sources) for j in layout.inner_entries]
     return jax.tree.unflatten(layout.state_treedef, values)
