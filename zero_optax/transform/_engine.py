@@ -130,17 +130,23 @@ class Engine:
         return {axes: _compat.axis_index(axes) for axes in groups}
 
     def _update_dtypes(self, layout: Layout, extra: dict) -> dict[int, str]:
-        """The dtype of the inner transformation's update for each leaf (one abstract trace, cached)."""
+        """The dtype of the inner transformation's update for each leaf (cached). One abstract trace of a view of
+        one leaf per group and per stack, whose members run one program on one dtype, and every other owned leaf."""
         key = (layout, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
                                                          for x in jax.tree.leaves(extra)))
         if key not in self._udtypes:
             dt = self.cfg.inner_dtype
-            structs = _tree(layout, [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, dt(leaf.dtype))
-                                     for leaf in layout.leaves])
-            state = jax.eval_shape(self.cfg.inner.init, structs)
-            updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), structs, state,
-                                        structs, extra)
-            self._udtypes[key] = {i: np.dtype(u.dtype).name for i, u in enumerate(jax.tree.leaves(updates))}
+            first = {i: g.first for g in layout.groups for i in g.leaves}
+            first.update((i, s[0]) for s in layout.stacks for i in s)
+            present = {first.get(i, i) for i in range(len(layout.leaves))}
+            structs = [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, dt(leaf.dtype))
+                       for leaf in layout.leaves]
+            view = _tree(layout, _layout.masked_view(structs, present))
+            state = jax.eval_shape(self.cfg.inner.init, view)
+            updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), view, state, view,
+                                        extra)
+            got = {i: np.dtype(u.dtype).name for i, u in zip(sorted(present), jax.tree.leaves(updates))}
+            self._udtypes[key] = {i: got[first.get(i, i)] for i in range(len(layout.leaves))}
         return self._udtypes[key]
 
     # ------------------------------------------------------------------ init
@@ -460,34 +466,73 @@ class Engine:
         bucket of them), with gradients `g`.
 
         The old state is `stored` (entry -> array: the histories and master copies of `mine`, or more; without
-        `stepping` the master copies may be left out) and the shared entries' old values. Returns the new values
-        of `mine`'s stored entries (master copies included) and what every device must receive for `mine`: the
-        updates, or with `master_dtype` the new master values rounded to the parameter dtype.
+        `stepping` the master copies may be left out) and the shared entries' old values. The leaves of a stack
+        (`Layout.stacks`) run as one vectorised view (`_stack_update`), the others as one masked view. Returns the
+        new values of `mine`'s stored entries (master copies included) and what every device must receive for
+        `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype.
         """
-        cfg = self.cfg
-        master = cfg.master_dtype is not None
+        master = self.cfg.master_dtype is not None
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
-        b_entries = self._owned_entries(layout, r, mine)
-        old = jax.tree_util.tree_unflatten(self._view(layout, r, mine), [shared_old[j] if j in shared_old
-                                                                          else stored[j] for j in b_entries])
         masters = {layout.entries[j].leaf: stored[j] for j in entries
                    if layout.entries[j].role == MASTER and j in stored}
         if p_leaves is None or not stepping:  # (a micro-step only accumulates: it reads no parameters)
-            p_view = None
+            p = None
         else:
             p = masters if master else {i: p_leaves[i] for i in mine}
-            p_view = _groups.masked_tree(layout, p)
-        g_view = _groups.masked_tree(layout, g)
-        u, new = inner.update(g_view, old, p_view, **extra)
-        _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
-        u = dict(zip(mine, jax.tree.leaves(u)))
-        values = {j: v for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old}
+        stacks = [s for s in ([i for i in stack if i in present] for stack in layout.stacks) if len(s) > 1]
+        stacked = {i for s in stacks for i in s}
+        rest = [i for i in mine if i not in stacked]
+        u: dict[int, jax.Array] = {}
+        values: dict[int, jax.Array] = {}
+        if rest or not stacks:
+            b_entries = self._owned_entries(layout, r, rest)
+            old = jax.tree_util.tree_unflatten(self._view(layout, r, rest), [shared_old[j] if j in shared_old
+                                                                              else stored[j] for j in b_entries])
+            g_view = _groups.masked_tree(layout, {i: g[i] for i in rest})
+            p_view = None if p is None else _groups.masked_tree(layout, {i: p[i] for i in rest})
+            u_view, new = inner.update(g_view, old, p_view, **extra)
+            _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
+            u.update(zip(rest, jax.tree.leaves(u_view)))
+            values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
+        for stack in stacks:
+            u_stack, v_stack = self._stack_update(layout, r, stack, g, stored, p, shared_old, extra, inner)
+            u.update(u_stack)
+            values.update(v_stack)
         if master and stepping:
             u = _step_masters(layout, entries, masters, u, values, p_leaves)
         elif master:  # a micro-batch that only accumulates: the master copies stay as they are
             values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
         return values, u
+
+    def _stack_update(self, layout: Layout, r: int, stack: list[int], g: dict[int, jax.Array],
+                      stored: dict[int, jax.Array], p: dict[int, jax.Array] | None, shared_old: dict[int, jax.Array],
+                      extra, inner) -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
+        """Inside device `r`'s branch: the inner update of the view of `stack[0]` alone, vectorised over the
+        members of `stack` (their gradients, parameters and histories stacked; the shared entries the same for
+        all). The members run one program on one shape (`Layout.stacks`), so member `k` gets what its own view
+        would. Returns the members' updates and their new histories (entry -> array)."""
+        first = stack[0]
+        treedef = self._view(layout, r, [first])
+        views = [self._owned_entries(layout, r, [i]) for i in stack]
+        own = [k for k, j in enumerate(views[0]) if j not in shared_old]
+
+        def run(g1, histories, p1):
+            it = iter(histories)
+            old = jax.tree_util.tree_unflatten(treedef, [shared_old[j] if j in shared_old else next(it)
+                                                         for j in views[0]])
+            g_view = _groups.masked_tree(layout, {first: g1})
+            u, new = inner.update(g_view, old, None if p1 is None else _groups.masked_tree(layout, {first: p1}),
+                                  **extra)
+            _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
+            new = jax.tree.leaves(new)
+            return jax.tree.leaves(u)[0], [new[k] for k in own]
+
+        histories = [jnp.stack([stored[view[k]] for view in views]) for k in own]
+        p_stack = None if p is None else jnp.stack([p[i] for i in stack])
+        u, new = jax.vmap(run)(jnp.stack([g[i] for i in stack]), histories, p_stack)
+        values = {view[k]: x[m] for x, k in zip(new, own) for m, view in enumerate(views)}
+        return {i: u[m] for m, i in enumerate(stack)}, values
 
     def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):
         """How the owned leaves' gradients reach their owners, and the switch operand that carries them.

@@ -210,6 +210,8 @@ class Layout:
       groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
         exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
         leaf.
+      stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
+        member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
     """
 
     partition: str
@@ -226,6 +228,7 @@ class Layout:
     accumulate_steps: int = 1
     memory_kind: str = dataclasses.field(default="device", compare=False)
     groups: tuple[Group, ...] = ()
+    stacks: tuple[tuple[int, ...], ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -234,7 +237,7 @@ class Layout:
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups))
+                     self.groups, self.stacks))
 
     # Views that users read.
     @property

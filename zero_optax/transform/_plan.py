@@ -276,14 +276,15 @@ def build_layout(cfg: Config, params) -> Layout:
     owners = _leaf_owners(cfg, entries, real, owned, n, paths)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
-    inner_count = len(entries)
+    names: dict[str, str] = {}
+    programs = _leaf_programs(traced, treedef, entries, names)
     entries = entries + _master_entries(cfg, leaves)
-    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, inner_count, traced, extra)
+    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups)
+                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs))
 
 
 FUSE_BYTES = 1 << 14
@@ -293,8 +294,19 @@ but copies its slots into and out of the group's buffer every step, which for la
 saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
 
 
-def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], inner_count: int,
-            traced: _coupling.Traced, extra) -> tuple[Group, ...]:
+def _leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
+                   names: dict[str, str]) -> dict[int | None, tuple[str, ...]]:
+    """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
+    outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
+    shared state's."""
+    labels = _labels(treedef, treedef.num_leaves)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
+    return _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
+                                   out_sources=(labels, state_labels), names=names)
+
+
+def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], programs: dict,
+            extra, names: dict[str, str]) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
     each runs on its slots what it runs on the parameter.
 
@@ -306,13 +318,6 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
     transformation reads the parameters' shapes: a mask computed from `ndim`).
     """
-    n = len(leaves)
-    labels = _labels(treedef, n)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]),
-                                                [e.leaf for e in entries[:inner_count]])
-    names: dict[str, str] = {}
-    programs = _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
-                                       out_sources=(labels, state_labels), names=names)
     histories: dict[int, list[int]] = {i: [] for i, leaf in enumerate(leaves) if leaf.sliced}
     masters: dict[int, int] = {}
     for j, e in enumerate(entries):
@@ -339,6 +344,40 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1]))
     return tuple(out)
+
+
+STACK_BYTES = 1 << 24
+"""Owned leaves stacked for one vectorised update (`_stacks`) bring at most this many bytes of state, parameters
+and gradients together: the stack is a transient copy of them."""
+
+
+def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+            programs: dict) -> tuple[tuple[int, ...], ...]:
+    """The owned leaves that one device updates as one stack (`Layout.stacks`): same owner, shape, dtype and state
+    entries, and the same program in the update traced on the parameters, in tree order and cut at
+    `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
+    (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
+    keyed: dict[Any, list[int]] = {}
+    nbytes: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.sliced or i not in programs:
+            continue
+        view = [j for j, e in enumerate(entries) if e.role != MASTER and e.leaf in (None, i)]
+        own = tuple((e.leaf is None, e.shape, e.dtype) for e in (entries[j] for j in view))
+        itemsize = np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
+        nbytes[i] = sum(entries[j].size * np.dtype(entries[j].dtype).itemsize for j in view
+                        if entries[j].leaf == i) + 2 * leaf.size * itemsize
+        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, own), []).append(i)
+    stacks: list[tuple[int, ...]] = []
+    for members in keyed.values():
+        chunk: list[int] = []
+        for i in members:
+            if chunk and sum(nbytes[k] for k in chunk) + nbytes[i] > STACK_BYTES:
+                stacks.append(tuple(chunk))
+                chunk = []
+            chunk.append(i)
+        stacks.append(tuple(chunk))
+    return tuple(sorted(s for s in stacks if len(s) > 1))
 
 
 def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict,
