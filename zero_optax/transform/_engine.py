@@ -400,16 +400,16 @@ class Engine:
 
             def run(grad_input, buffers, p_leaves):
                 if mode == "psum_scatter":
-                    got = _owned.unpack(grad_input, plan_g.offsets[r], shapes)
-                    g = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in got.items()}
+                    g = _owned.Row(grad_input, plan_g.offsets[r], shapes,
+                                   lambda x, i: _reduce.divide(x, denom, inner_dt[i]))
                 else:
                     g = {i: grad_input[i] for i in mine}
                 if streamed:
                     new_buffers, u = self._owned_streamed(layout, r, mine, g, buffers, p_leaves, shared_old, extra,
                                                           inner, stepping, denom.ok)
                 else:
-                    stored = _owned.unpack(buffers, packing.offsets[r],
-                                           {j: layout.entries[j].shape for j in layout.rank_entries(r)})
+                    stored = _owned.Row(buffers, packing.offsets[r],
+                                        {j: layout.entries[j].shape for j in layout.rank_entries(r)})
                     values, u = self._owned_view_update(layout, r, mine, g, stored, p_leaves, shared_old, extra,
                                                         inner, stepping)
                     new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes,
@@ -417,7 +417,7 @@ class Engine:
                 if not stepping:
                     return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
                 if n == 1:
-                    return new_buffers, u
+                    return new_buffers, _owned.unstacked(u)
                 u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
                 return _compat.pvary((new_buffers, u_buffers), layout.axes)
             return run
@@ -451,12 +451,12 @@ class Engine:
             stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
             values, u = self._owned_view_update(layout, r, bucket, {i: g[i] for i in bucket}, stored, p_leaves,
                                                 shared_old, extra, inner, stepping)
-            values = _reduce.skip_if_empty(ok, values, stored)
+            values = _reduce.skip_if_empty(ok, _owned.unstacked(values), stored)
             buffers = dict(buffers)
             for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
                 buffers[d] = _offload.store(buffers[d], x, lo)
             buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
-            u_all.update(u)
+            u_all.update(_owned.unstacked(u))
         return buffers, u_all
 
     def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array],
@@ -469,7 +469,8 @@ class Engine:
         `stepping` the master copies may be left out) and the shared entries' old values. The leaves of a stack
         (`Layout.stacks`) run as one vectorised view (`_stack_update`), the others as one masked view. Returns the
         new values of `mine`'s stored entries (master copies included) and what every device must receive for
-        `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype.
+        `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype. A stack's
+        values are keyed by its members' entries (or leaves), stacked (`_owned.Key`).
         """
         master = self.cfg.master_dtype is not None
         present = set(mine)
@@ -483,8 +484,8 @@ class Engine:
         stacks = [s for s in ([i for i in stack if i in present] for stack in layout.stacks) if len(s) > 1]
         stacked = {i for s in stacks for i in s}
         rest = [i for i in mine if i not in stacked]
-        u: dict[int, jax.Array] = {}
-        values: dict[int, jax.Array] = {}
+        u: dict[_owned.Key, jax.Array] = {}
+        values: dict[_owned.Key, jax.Array] = {}
         if rest or not stacks:
             b_entries = self._owned_entries(layout, r, rest)
             old = jax.tree_util.tree_unflatten(self._view(layout, r, rest), [shared_old[j] if j in shared_old
@@ -500,18 +501,18 @@ class Engine:
             u.update(u_stack)
             values.update(v_stack)
         if master and stepping:
-            u = _step_masters(layout, entries, masters, u, values, p_leaves)
+            u = _step_masters(layout, entries, masters, _owned.unstacked(u), values, p_leaves)
         elif master:  # a micro-batch that only accumulates: the master copies stay as they are
             values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
         return values, u
 
-    def _stack_update(self, layout: Layout, r: int, stack: list[int], g: dict[int, jax.Array],
-                      stored: dict[int, jax.Array], p: dict[int, jax.Array] | None, shared_old: dict[int, jax.Array],
-                      extra, inner) -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
+    def _stack_update(self, layout: Layout, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None,
+                      shared_old: dict[int, jax.Array], extra, inner) -> tuple[dict, dict]:
         """Inside device `r`'s branch: the inner update of the view of `stack[0]` alone, vectorised over the
         members of `stack` (their gradients, parameters and histories stacked; the shared entries the same for
         all). The members run one program on one shape (`Layout.stacks`), so member `k` gets what its own view
-        would. Returns the members' updates and their new histories (entry -> array)."""
+        would. Returns the members' updates, keyed by `tuple(stack)`, and their new histories, keyed by the
+        members' entries, stacked."""
         first = stack[0]
         treedef = self._view(layout, r, [first])
         views = [self._owned_entries(layout, r, [i]) for i in stack]
@@ -528,11 +529,11 @@ class Engine:
             new = jax.tree.leaves(new)
             return jax.tree.leaves(u)[0], [new[k] for k in own]
 
-        histories = [jnp.stack([stored[view[k]] for view in views]) for k in own]
+        keys = [tuple(view[k] for view in views) for k in own]
+        histories = [_owned.stacked(stored, key) for key in keys]
         p_stack = None if p is None else jnp.stack([p[i] for i in stack])
-        u, new = jax.vmap(run)(jnp.stack([g[i] for i in stack]), histories, p_stack)
-        values = {view[k]: x[m] for x, k in zip(new, own) for m, view in enumerate(views)}
-        return {i: u[m] for m, i in enumerate(stack)}, values
+        u, new = jax.vmap(run)(_owned.stacked(g, stack), histories, p_stack)
+        return {tuple(stack): u}, dict(zip(keys, new))
 
     def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):
         """How the owned leaves' gradients reach their owners, and the switch operand that carries them.

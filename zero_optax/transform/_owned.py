@@ -21,40 +21,119 @@ from zero_optax.transform import _layout
 from zero_optax.transform._layout import Layout, Packing
 
 
-def pack(values: dict[int, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
+Key = int | tuple[int, ...]
+"""An item of a packing (a state entry, or a leaf's gradient or update), or the same item of the members of a stack
+(`Layout.stacks`), whose value is then their values stacked on a leading axis."""
+
+
+def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size: int) -> bool:
+    """Whether `items`, each of `size` elements, follow each other in one buffer at `offsets`."""
+    dtype, start = offsets[items[0]]
+    return all(offsets[j] == (dtype, start + k * size) for k, j in enumerate(items))
+
+
+def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
+    """`(dtype, offset, 1-D value)` for every value: a stack in one piece where its members lie side by side."""
+    for key, x in values.items():
+        members = key if isinstance(key, tuple) else (key,)
+        if not isinstance(key, tuple) or side_by_side(offsets, key, x[0].size):
+            yield (*offsets[members[0]], x.reshape(-1))
+        else:
+            for m, j in enumerate(key):
+                yield (*offsets[j], x[m].reshape(-1))
+
+
+def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
          base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
-    """Writes `values` (item -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
+    """Writes `values` (item or stack -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
 
     With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
-    XLA performs in place, so a step touches only the bytes it changes. Without it, buffers that the values fill
-    exactly are concatenated, and the others start at zero.
+    XLA performs in place, so a step touches only the bytes it changes. Without it, each buffer is one
+    concatenation of the values, with zeros where none is written.
     """
-    if base is None:
-        by_dtype: dict[str, list] = {d: [] for d in sizes}
-        for item, (dtype, off) in sorted(offsets.items(), key=lambda kv: kv[1][1]):
-            by_dtype[dtype].append(values[item].reshape(-1).astype(dtype))
-        if all(sum(x.shape[0] for x in xs) == sizes[d] for d, xs in by_dtype.items()):  # no padding: concatenate
-            return {d: jnp.concatenate(xs) if len(xs) > 1 else xs[0] for d, xs in by_dtype.items()}
-    out = {d: (jnp.zeros((size,), d) if base is None else base[d]) for d, size in sizes.items()}
-    for item, (dtype, off) in offsets.items():
-        out[dtype] = lax.dynamic_update_slice_in_dim(out[dtype], values[item].reshape(-1).astype(dtype), off, 0)
-    return out
+    pieces: dict[str, list] = {d: [] for d in sizes}
+    for dtype, off, x in _pieces(values, offsets):
+        pieces[dtype].append((off, x.astype(dtype)))
+    if base is not None:
+        out = dict(base)
+        for d, ps in pieces.items():
+            for off, x in ps:
+                out[d] = lax.dynamic_update_slice_in_dim(out[d], x, off, 0)
+        return out
+    return {d: _side_by_side(ps, sizes[d], d) for d, ps in pieces.items()}
 
 
-def unpack(buffers: dict[str, jax.Array], offsets: dict[int, tuple[str, int]], shapes: dict[int, tuple[int, ...]]
-           ) -> dict[int, jax.Array]:
-    """The inverse of `pack` for the items in `offsets`."""
-    out = {}
-    for item, (dtype, off) in offsets.items():
-        size = int(np.prod(shapes[item]))
-        out[item] = lax.slice_in_dim(buffers[dtype], off, off + size).reshape(shapes[item])
+def _side_by_side(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
+    """One buffer of `size` holding the 1-D `pieces` (offset, value; not overlapping), zeros between them."""
+    parts, at = [], 0
+    for off, x in sorted(pieces, key=lambda p: p[0]):
+        if off > at:
+            parts.append(jnp.zeros((off - at,), dtype))
+        parts.append(x)
+        at = off + x.shape[0]
+    if at < size or not parts:
+        parts.append(jnp.zeros((size - at,), dtype))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+class Row:
+    """Items packed in one device's 1-D buffers (its owned state entries, or its leaves' gradients), read on
+    demand: one item (a slice), or the same item of a stack's members (one slice where they lie side by side).
+
+    Args:
+      buffers: dtype -> this device's 1-D buffer.
+      offsets: item -> `(dtype, offset)` (`Packing.offsets` of this device).
+      shapes: item -> shape.
+      convert: applied to every value read, with its (first) item: a division, a cast.
+    """
+
+    def __init__(self, buffers: dict[str, jax.Array], offsets: dict[int, tuple[str, int]],
+                 shapes: dict[int, tuple[int, ...]], convert: Callable[[jax.Array, int], jax.Array] | None = None):
+        self.buffers, self.offsets, self.shapes = buffers, offsets, shapes
+        self.convert = convert or (lambda x, _: x)
+
+    def __contains__(self, item: int) -> bool:
+        return item in self.offsets
+
+    def _read(self, item: int, count: int) -> jax.Array:
+        dtype, off = self.offsets[item]
+        size = int(np.prod(self.shapes[item]))
+        return lax.slice_in_dim(self.buffers[dtype], off, off + count * size)
+
+    def __getitem__(self, item: int) -> jax.Array:
+        return self.convert(self._read(item, 1).reshape(self.shapes[item]), item)
+
+    def stack(self, items: Sequence[int]) -> jax.Array:
+        """The values of `items` (of one shape and dtype) stacked on a leading axis."""
+        shape = self.shapes[items[0]]
+        if side_by_side(self.offsets, items, int(np.prod(shape))):
+            return self.convert(self._read(items[0], len(items)).reshape((len(items), *shape)), items[0])
+        return jnp.stack([self[j] for j in items])
+
+
+def stacked(values: Row | dict[int, jax.Array], items: Sequence[int]) -> jax.Array:
+    """`values[j]` for `j` in `items`, stacked on a leading axis (one slice of a `Row` where it can)."""
+    return values.stack(items) if isinstance(values, Row) else jnp.stack([values[j] for j in items])
+
+
+def unstacked(values: dict[Key, jax.Array]) -> dict[int, jax.Array]:
+    """`values` item by item: a stack's value cut into its members'."""
+    out: dict[int, jax.Array] = {}
+    for key, x in values.items():
+        if isinstance(key, tuple):
+            out.update((j, x[m]) for m, j in enumerate(key))
+        else:
+            out[key] = x
     return out
 
 
 def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
-    """Where each owned leaf's gradient or update (in `dtypes[leaf]`) sits in its owner's row of a collective."""
-    return _layout.pack_plan([[(i, leaf.size, dtypes[i]) for i, leaf in enumerate(layout.leaves)
-                               if leaf.owner == r and i in dtypes] for r in range(layout.world_size)])
+    """Where each owned leaf's gradient or update (in `dtypes[leaf]`) sits in its owner's row of a collective: in
+    tree order, except that a stack's members follow its first, side by side."""
+    first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
+    return _layout.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
+                               for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
+                               if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
 
 
 def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int) -> str | None:
@@ -83,9 +162,10 @@ def gathered_leaves(gathered: dict[str, jax.Array], plan: Packing, layout: Layou
     """Each owned leaf's value from all-gathered `[n, size]` buffers, read from its owner's row."""
     out = {}
     for r, offsets in enumerate(plan.offsets):
+        rows = {d: gathered[d][r] for d in {d for d, _ in offsets.values()}}
         for i, (dtype, off) in offsets.items():
             leaf = layout.leaves[i]
-            out[i] = lax.slice_in_dim(gathered[dtype][r], off, off + leaf.size).reshape(leaf.shape)
+            out[i] = lax.slice_in_dim(rows[dtype], off, off + leaf.size).reshape(leaf.shape)
     return out
 
 
