@@ -457,3 +457,41 @@ def host_entry_buffers(hlo_text: str) -> dict[str, list[int]]:
         return [shape_bytes(part) for part in _split_top(text) if ":S(5)" in part]
 
     return {"parameters": host(params), "results": host(results)}
+
+
+_BOOKKEEPING = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "partition-id",
+                          "replica-id", "after-all", "opt-barrier"})
+
+
+def entry_traffic(hlo_text: str) -> dict[str, dict[str, int]]:
+    """What the top-level instructions of the entry computation move, by opcode (a fusion by its kind,
+    `fusion:kLoop`): `{"count", "written", "read"}`, the bytes of their results and of their operands.
+
+    Each top-level instruction is one kernel (or one collective) that reads its operands from memory and writes
+    its result; instructions that only rename a buffer (parameters, tuples, bitcasts) are left out. Two steps
+    that compute the same thing differ here by the copies and passes one of them adds.
+    """
+    start = re.search(r"^ENTRY .*\{\s*$", hlo_text, re.M)
+    if start is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    lines = hlo_text[start.end():].splitlines()
+    shapes: dict[str, str] = {}
+    out: dict[str, dict[str, int]] = {}
+    for line in lines:
+        if line.strip() == "}":
+            break
+        parsed = _parse_instruction(line)
+        if parsed is None:
+            continue
+        name, shape, opcode, operands = parsed
+        shapes[name] = shape
+        if opcode in _BOOKKEEPING:
+            continue
+        if opcode == "fusion":
+            kind = re.search(r"\bkind=(\w+)", line)
+            opcode = f"fusion:{kind.group(1) if kind else '?'}"
+        row = out.setdefault(opcode, {"count": 0, "written": 0, "read": 0})
+        row["count"] += 1
+        row["written"] += shape_bytes(shape)
+        row["read"] += _operand_bytes(operands, shapes)
+    return out

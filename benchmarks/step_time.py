@@ -11,7 +11,9 @@ ratios are taken within the run:
 * N = 8: `gspmd` (MaxText style) against `zero1_flat_scatter`, and with `--gpt` also `zero1_flat_psum` and
   `zero1_flat_bound`.
 
-Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated.
+Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated. With `--hlo`,
+also what each compiled step moves (`benchmarks.hlo.entry_traffic`: the kernels of its entry computation and the
+bytes they write and read, per device), which is exact where the times are noisy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.hlo import entry_traffic
 from benchmarks.model import gpt_params
 from benchmarks.variants import VARIANTS, make_mesh
 
@@ -55,10 +58,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gpt", action="store_true", help="the GPT tree of benchmarks.run instead")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="steps per round and variant")
+    parser.add_argument("--hlo", action="store_true", help="also count what each compiled step writes and reads")
     args = parser.parse_args(argv)
     builders = {v.name: v.build for v in VARIANTS}
     rng = np.random.default_rng(0)
-    runs = {}
+    runs, traffic = {}, {}
     for n, name in GPT_PAIRS if args.gpt else PAIRS:
         mesh = make_mesh(n, jax.devices()[:n])
         params = gpt_tree() if args.gpt else tree(args.leaves)
@@ -67,6 +71,8 @@ def main(argv=None) -> int:
         state = built.init(p)
         grads = jax.device_put(jax.tree.map(lambda x, n=n: jnp.asarray(rng.normal(size=(n, *x.shape)) * 1e-3,
                                                                         jnp.float32), params), built.grad_sharding)
+        if args.hlo:
+            traffic[(n, name)] = entry_traffic(built.step.lower(p, grads, state).compile().as_text())
         p, state = built.step(p, grads, state)  # compile
         jax.block_until_ready((p, state))
         runs[(n, name)] = [built.step, p, state, grads, []]
@@ -90,6 +96,16 @@ def main(argv=None) -> int:
     for (n, name), t in ms.items():
         ref = "optax.adamw" if n == 1 else "gspmd"
         print(f"| {n} | {name} | {t:.2f} | {t / base[n]:.2f} x {ref} |")
+    if traffic:
+        print("\nWhat each compiled step moves per device (MB written / read by the entry computation's kernels):")
+        print("| N | variant | kernels | written MB | read MB | by kind (count, MB written) |")
+        print("|---|---|---|---|---|---|")
+        for (n, name), kinds in traffic.items():
+            written, read = (sum(r[k] for r in kinds.values()) / 1e6 for k in ("written", "read"))
+            by_kind = ", ".join(f"{k} {r['count']}, {r['written'] / 1e6:.1f}" for k, r in
+                                sorted(kinds.items(), key=lambda kv: -kv[1]["written"]))
+            print(f"| {n} | {name} | {sum(r['count'] for r in kinds.values())} | {written:.1f} | {read:.1f} | "
+                  f"{by_kind} |")
     return 0
 
 

@@ -6,7 +6,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.hlo import collective_bytes, collective_ops, replica_groups, shape_bytes, wire_volume
+from benchmarks.hlo import (
+    collective_bytes,
+    collective_ops,
+    entry_traffic,
+    replica_groups,
+    shape_bytes,
+    wire_volume,
+)
 
 N = 8
 
@@ -190,3 +197,15 @@ def test_placement_transfers_and_host_entry_buffers():
     assert host_entry_buffers(hlo) == {"parameters": [8, 28], "results": [8]}
     assert host_entry_buffers("HloModule m, entry_computation_layout={(f32[2]{0})->f32[2]{0:S(5)}}\n") == {
         "parameters": [], "results": [8]}
+
+
+def test_entry_traffic_counts_what_each_kernel_writes_and_reads():
+    """A step that adds a full-size pass (a copy of its result) shows it as one more kernel writing those bytes."""
+    x = jnp.ones((16, 16))
+    plain = entry_traffic(jax.jit(lambda x: x * 2).lower(x).compile().as_text())
+    assert plain == {"fusion:kLoop": {"count": 1, "written": 1024, "read": 1024}}
+    donated = jax.jit(lambda x: (x * 2, x), donate_argnums=0).lower(x).compile().as_text()
+    total = entry_traffic(donated)
+    assert sum(r["written"] for r in total.values()) == 2 * 1024  # x is written back: its buffer went to x * 2
+    with pytest.raises(ValueError, match="ENTRY"):
+        entry_traffic("HloModule m")
