@@ -114,3 +114,28 @@ def test_stacks_with_master_weights_accumulation_and_offload(case):
     assert zo.describe(zs).stacks
     for a, b in zip(jax.tree.leaves(zp), jax.tree.leaves(rp)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-5, atol=1e-6)
+
+
+def callback_scale(factor: float) -> optax.GradientTransformation:
+    """Scales each update on the host (`jax.pure_callback`, which `jax.vmap` refuses without a `vmap_method`)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        host = lambda x: jax.pure_callback(lambda a: (np.asarray(a) * factor).astype(a.dtype),  # noqa: E731
+                                           jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.tree.map(host, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def test_an_update_that_cannot_be_vectorised_runs_leaf_by_leaf():
+    """A stack whose update `jax.vmap` cannot run (a host callback) falls back to one masked view of its members:
+    the same result as optax."""
+    params = params_with_repeats()
+    inner = optax.chain(optax.trace(0.9), callback_scale(-1e-2))
+    tx = zo.zero1(inner, axis_name="data", partition="leaf", owners=owners_list(params))
+    grads = h.gradient_sequence(params, N, steps=2)
+    zp, zs, _ = h.run_zero(tx, params, grads, N)
+    assert zo.describe(zs).stacks  # the analysis sees one program per shape; only the vectorised trace fails
+    rp, rs = h.run_oracle(inner, params, grads)
+    h.assert_matches(zp, zs, rp, rs)

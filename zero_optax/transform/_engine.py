@@ -486,6 +486,15 @@ class Engine:
         rest = [i for i in mine if i not in stacked]
         u: dict[_owned.Key, jax.Array] = {}
         values: dict[_owned.Key, jax.Array] = {}
+        for stack in stacks:
+            try:
+                u_stack, v_stack = self._stack_update(layout, r, stack, g, stored, p, shared_old, extra, inner)
+            except Exception:  # noqa: BLE001  (an update `jax.vmap` cannot run, a callback's say: its members
+                rest += stack    # run in the masked view, one program each, and raise there if it is a real error)
+                continue
+            u.update(u_stack)
+            values.update(v_stack)
+        rest.sort()
         if rest or not stacks:
             b_entries = self._owned_entries(layout, r, rest)
             old = jax.tree_util.tree_unflatten(self._view(layout, r, rest), [shared_old[j] if j in shared_old
@@ -496,10 +505,6 @@ class Engine:
             _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
             u.update(zip(rest, jax.tree.leaves(u_view)))
             values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
-        for stack in stacks:
-            u_stack, v_stack = self._stack_update(layout, r, stack, g, stored, p, shared_old, extra, inner)
-            u.update(u_stack)
-            values.update(v_stack)
         if master and stepping:
             u = _step_masters(layout, entries, masters, _owned.unstacked(u), values, p_leaves)
         elif master:  # a micro-batch that only accumulates: the master copies stay as they are
