@@ -471,7 +471,7 @@ def entry_traffic(hlo_text: str) -> dict[str, dict[str, int]]:
     its result; instructions that only rename a buffer (parameters, tuples, bitcasts) are left out. Two steps
     that compute the same thing differ here by the copies and passes one of them adds.
     """
-    start = re.search(r"^ENTRY .*\{\s*$", hlo_text, re.M)
+    start = re.search(r"^ENTRY .*\{\s*$", hlo_text, re.MULTILINE)
     if start is None:
         raise ValueError("no ENTRY computation in this HLO text")
     lines = hlo_text[start.end():].splitlines()

@@ -121,8 +121,10 @@ def callback_scale(factor: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        host = lambda x: jax.pure_callback(lambda a: (np.asarray(a) * factor).astype(a.dtype),  # noqa: E731
-                                           jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        def host(x):
+            return jax.pure_callback(lambda a: (np.asarray(a) * factor).astype(a.dtype),
+                                     jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
         return jax.tree.map(host, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -20,7 +20,6 @@ from jax import lax
 from zero_optax.transform import _layout
 from zero_optax.transform._layout import Layout, Packing
 
-
 Key = int | tuple[int, ...]
 """An item of a packing (a state entry, or a leaf's gradient or update), or the same item of the members of a stack
 (`Layout.stacks`), whose value is then their values stacked on a leading axis."""
