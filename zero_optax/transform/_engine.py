@@ -7,6 +7,8 @@ A step runs the inner transformation on `optax.masked`-style views of the parame
   advance the shared entries (step counts).
 * the *owned view* of device `r`: the leaves `r` owns, whole; everything else masked. One `lax.switch` on the
   device index runs each device's own view; its shared entries are discarded (the group views computed them).
+  The members of a stack (`Layout.stacks`: one program on one shape) run as the view of one of them, under
+  `jax.vmap`.
 
 The coupling analysis at `init` proves that this is exact: no computation mixes two leaves, and the shared entries
 do not depend on any leaf.
