@@ -141,3 +141,20 @@ def test_an_update_that_cannot_be_vectorised_runs_leaf_by_leaf():
     assert zo.describe(zs).stacks  # the analysis sees one program per shape; only the vectorised trace fails
     rp, rs = h.run_oracle(inner, params, grads)
     h.assert_matches(zp, zs, rp, rs)
+
+
+def test_stacks_are_cut_at_stack_bytes(monkeypatch):
+    """A stack brings at most `STACK_BYTES` of state, parameters and gradients: a (5, 7) Muon matrix brings 420
+    bytes (its momentum, its parameter and its gradient), so with 900 bytes device 0's three matrices make a stack
+    of two and a lone matrix."""
+    from zero_optax.transform import _plan
+
+    monkeypatch.setattr(_plan, "STACK_BYTES", 900)
+    params = params_with_repeats()
+    inner = optax.contrib.muon(2e-2)
+    tx = zo.zero1(inner, axis_name="data", partition="leaf", owners=owners_list(params))
+    grads = h.gradient_sequence(params, N, steps=2)
+    zp, zs, _ = h.run_zero(tx, params, grads, N)
+    assert zo.describe(zs).stacks == (index(params, "b0", "b1"), index(params, "w0", "w2"))
+    rp, rs = h.run_oracle(inner, params, grads)
+    h.assert_matches(zp, zs, rp, rs, rtol=5e-5, atol=1e-6)

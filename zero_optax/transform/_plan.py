@@ -357,25 +357,30 @@ def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntr
     entries, and the same program in the update traced on the parameters, in tree order and cut at
     `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
     (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
+    shared = [j for j, e in enumerate(entries) if e.leaf is None]
+    own: dict[int, list[int]] = {}
+    for j, e in enumerate(entries):
+        if e.leaf is not None and e.role != MASTER:
+            own.setdefault(e.leaf, []).append(j)
     keyed: dict[Any, list[int]] = {}
     nbytes: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
         if leaf.sliced or i not in programs:
             continue
-        view = [j for j, e in enumerate(entries) if e.role != MASTER and e.leaf in (None, i)]
-        own = tuple((e.leaf is None, e.shape, e.dtype) for e in (entries[j] for j in view))
-        itemsize = np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
-        nbytes[i] = sum(entries[j].size * np.dtype(entries[j].dtype).itemsize for j in view
-                        if entries[j].leaf == i) + 2 * leaf.size * itemsize
-        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, own), []).append(i)
+        view = tuple((entries[j].leaf is None, entries[j].shape, entries[j].dtype)
+                     for j in sorted(shared + own.get(i, [])))  # the entries of its view, in order
+        nbytes[i] = sum(entries[j].nbytes for j in own.get(i, [])) + \
+            2 * leaf.size * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
+        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, view), []).append(i)
     stacks: list[tuple[int, ...]] = []
     for members in keyed.values():
-        chunk: list[int] = []
+        chunk, total = [], 0
         for i in members:
-            if chunk and sum(nbytes[k] for k in chunk) + nbytes[i] > STACK_BYTES:
+            if chunk and total + nbytes[i] > STACK_BYTES:
                 stacks.append(tuple(chunk))
-                chunk = []
+                chunk, total = [], 0
             chunk.append(i)
+            total += nbytes[i]
         stacks.append(tuple(chunk))
     return tuple(sorted(s for s in stacks if len(s) > 1))
 
