@@ -59,10 +59,10 @@ def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], size
             for off, x in ps:
                 out[d] = lax.dynamic_update_slice_in_dim(out[d], x, off, 0)
         return out
-    return {d: _side_by_side(ps, sizes[d], d) for d, ps in pieces.items()}
+    return {d: _concatenated(ps, sizes[d], d) for d, ps in pieces.items()}
 
 
-def _side_by_side(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
+def _concatenated(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
     """One buffer of `size` holding the 1-D `pieces` (offset, value; not overlapping), zeros between them."""
     parts, at = [], 0
     for off, x in sorted(pieces, key=lambda p: p[0]):
