@@ -269,7 +269,7 @@ class Layout:
         """Per leaf, how its state is sharded: `"sliced"` or `"owned"` (what `partition="auto"` decided)."""
         return tuple("sliced" if leaf.sliced else "owned" for leaf in self.leaves)
 
-    @property
+    @functools.cached_property
     def inner_entries(self) -> tuple[int, ...]:
         """Indices of the inner optimizer's entries (not master copies), in full-state order."""
         return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
