@@ -471,16 +471,16 @@ def entry_traffic(hlo_text: str) -> dict[str, dict[str, int]]:
     its result; instructions that only rename a buffer (parameters, tuples, bitcasts) are left out. Two steps
     that compute the same thing differ here by the copies and passes one of them adds.
     """
-    start = re.search(r"^ENTRY .*\{\s*$", hlo_text, re.MULTILINE)
-    if start is None:
-        raise ValueError("no ENTRY computation in this HLO text")
-    lines = hlo_text[start.end():].splitlines()
     shapes: dict[str, str] = {}
     out: dict[str, dict[str, int]] = {}
-    for line in lines:
-        if line.strip() == "}":
-            break
-        parsed = _parse_instruction(line)
+    in_entry, seen = False, False
+    for line in hlo_text.splitlines():
+        cm = _COMP_RE.match(line)
+        if cm:
+            in_entry = bool(cm.group(1))
+            seen |= in_entry
+            continue
+        parsed = _parse_instruction(line) if in_entry else None
         if parsed is None:
             continue
         name, shape, opcode, operands = parsed
@@ -494,4 +494,6 @@ def entry_traffic(hlo_text: str) -> dict[str, dict[str, int]]:
         row["count"] += 1
         row["written"] += shape_bytes(shape)
         row["read"] += _operand_bytes(operands, shapes)
+    if not seen:
+        raise ValueError("no ENTRY computation in this HLO text")
     return out
