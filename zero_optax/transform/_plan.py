@@ -305,6 +305,18 @@ def _leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry,
                                    out_sources=(labels, state_labels), names=names)
 
 
+def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Each leaf's inner-state entries (its histories, in state order) and its master-copy entry."""
+    histories: dict[int, list[int]] = {}
+    masters: dict[int, int] = {}
+    for j, e in enumerate(entries):
+        if e.leaf is not None and e.role == MASTER:
+            masters[e.leaf] = j
+        elif e.leaf is not None:
+            histories.setdefault(e.leaf, []).append(j)
+    return histories, masters
+
+
 def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], programs: dict,
             extra, names: dict[str, str]) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
@@ -318,13 +330,9 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
     transformation reads the parameters' shapes: a mask computed from `ndim`).
     """
-    histories: dict[int, list[int]] = {i: [] for i, leaf in enumerate(leaves) if leaf.sliced}
-    masters: dict[int, int] = {}
-    for j, e in enumerate(entries):
-        if e.leaf in histories and e.role == MASTER:
-            masters[e.leaf] = j
-        elif e.leaf in histories:
-            histories[e.leaf].append(j)
+    own, master_of = _entries_by_leaf(entries)
+    histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
+    masters = {i: master_of[i] for i in histories if i in master_of}
     candidates = _candidates(cfg, leaves, entries, histories, programs)
     found, failure = _view_programs(cfg, treedef, leaves, candidates, extra, names)
     groups, alone = [], []
@@ -358,10 +366,7 @@ def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntr
     `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
     (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
     shared = [j for j, e in enumerate(entries) if e.leaf is None]
-    own: dict[int, list[int]] = {}
-    for j, e in enumerate(entries):
-        if e.leaf is not None and e.role != MASTER:
-            own.setdefault(e.leaf, []).append(j)
+    own, _ = _entries_by_leaf(entries)
     keyed: dict[Any, list[int]] = {}
     nbytes: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
