@@ -170,7 +170,7 @@ class Engine:
         buffers = self._build_owned(layout, values, full, rank)
         master = None
         if cfg.master_dtype is not None:
-            master = tuple(rows)
+            master = tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
         local = None
         if layout.accumulate == _accumulate.LOCAL:
             local = _accumulate.init_local(layout, params, layout.axes)
@@ -336,6 +336,7 @@ class Engine:
         updates: dict[int, jax.Array] = {}
         if not layout.groups:
             return updates
+        values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)

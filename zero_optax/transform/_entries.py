@@ -5,7 +5,8 @@
 array has one row of `size` elements per device (the leaf's blocks, then its ZeRO group), each row the
 concatenation of the members' `slots`; an entry's own 1-D array, `blocks * group * slots` elements laid out the
 same way, is the member's columns of every row. Both are sharded row by row over the same mesh axes, so cutting
-and joining moves no data between devices.
+and joining moves no data between devices. A group kept in its leaf's shape (`Group.shape`) holds the same
+elements in the same order, so its entry is the array flattened.
 
 Examples:
   >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -126,6 +127,9 @@ def sliced_shardings(state: ZeroState) -> dict[int, Any]:
     out = {}
     for g, group in enumerate(layout.groups):
         sharding = _group_sharding(state, g)
+        if group.shape is not None and isinstance(sharding, jax.sharding.NamedSharding):  # its rows, one dimension
+            sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[:1]),
+                                                  memory_kind=sharding.memory_kind)
         for j in [j for h in group.histories for j in h] + list(group.masters):
             out[j] = sharding
     return out
@@ -142,8 +146,8 @@ def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool):
 
 
 def _join_row(layout: Layout, group: Group, values: list[jax.Array]) -> jax.Array:
-    if len(values) == 1:
-        return values[0]
+    if len(values) == 1:  # per device or global, in the leaf's shape where the group keeps it (`Group.shape`)
+        return values[0] if group.shape is None else values[0].reshape(-1, *group.shape[1:])
     n = values[0].shape[0] // layout.leaves[group.first].slots
     return jnp.concatenate([v.reshape(n, layout.leaves[i].slots) for i, v in zip(group.leaves, values)],
                            axis=1).reshape(-1)

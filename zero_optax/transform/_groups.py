@@ -161,7 +161,7 @@ class Groups:
         for g in self.targets(layout):
             group = None if g is None else layout.groups[g]
             if full is None:
-                values = {} if group is None else {group.first: rows[g]}
+                values = {} if group is None else {group.first: rows[g].reshape(group.part_shape)}
                 s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
             else:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
@@ -178,7 +178,7 @@ class Groups:
         """This device's part of history `k` of `group`, from the full values of its members' entries."""
         values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
                   for i, entries in zip(group.leaves, group.histories)}
-        return _sliced.own_rows(values, layout, group.leaves, _rank(layout, group, ranks))
+        return _sliced.own_rows(values, layout, group.leaves, _rank(layout, group, ranks)).reshape(group.part_shape)
 
     # ------------------------------------------------------------------ update
 
@@ -220,10 +220,13 @@ class Groups:
                   inner, with_params: bool) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
         """The inner update on group `g`'s view holding `grads` and, `with_params`, `params` (of its whole part or a
         chunk; None on the view of no leaf), its state the `shared` values and `histories`: the first member's
-        update (None on the view of no leaf), the new shared values and the new histories."""
+        update (None on the view of no leaf; in the shape of the part, `Group.part_shape`, unless it is a chunk),
+        the new shared values and the new histories."""
         group = None if g is None else layout.groups[g]
 
         def view(x):
+            if group is not None and group.shape is not None:
+                x = x.reshape(group.shape)
             return masked_tree(layout, {} if group is None else {group.first: x})
         g_view = view(grads)
         old = self._assemble(layout, g, shared, histories)

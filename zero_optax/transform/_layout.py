@@ -123,6 +123,12 @@ class Group:
       masters: per member, its master-copy entry (empty without `master_dtype`).
       offsets: where each member starts in a device's part of the buffer.
       size: the length of a device's part, the sum of the members' slots.
+      shape: None, or the shape of a device's part when it is kept in the leaf's own shape: a group of one leaf
+        of two or more dimensions whose ZeRO group is one device, which holds it whole. XLA updates a donated
+        buffer in place only through its own shape, so there the parameter and its moments are updated in place,
+        not copied (`benchmarks/RESULTS.md`, issue 20). Only the stored arrays take this shape: the gradient,
+        parameter and update parts stay `(size,)`, and every view outside a step sees `(size,)`
+        (`zero_optax.transform._entries`).
     """
 
     leaves: tuple[int, ...]
@@ -130,11 +136,17 @@ class Group:
     masters: tuple[int, ...]
     offsets: tuple[int, ...]
     size: int
+    shape: tuple[int, ...] | None = None
 
     @property
     def first(self) -> int:
         """The member whose view runs the group's update."""
         return self.leaves[0]
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The shape of a device's part of the group's stored arrays: `shape`, or `(size,)`."""
+        return (self.size,) if self.shape is None else self.shape
 
 
 @dataclasses.dataclass(frozen=True)

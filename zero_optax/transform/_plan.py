@@ -350,8 +350,17 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
-                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1]))
+                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
+                         _own_shape(cfg, [leaves[i] for i in members])))
     return tuple(out)
+
+
+def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
+    """`Group.shape`: a lone leaf of two or more dimensions that one device holds whole keeps its shape, except in
+    host memory (offload streams 1-D chunks)."""
+    leaf = members[0]
+    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
+        else None
 
 
 STACK_BYTES = 1 << 24

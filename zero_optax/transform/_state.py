@@ -20,7 +20,9 @@ class SlicedState(NamedTuple):
       histories: per group of sliced leaves (`Layout.groups`), per history of its members (Adam's `mu`, `nu`):
         one 1-D array of `blocks * group * size` elements. Device `r`'s `size` elements are the concatenation of
         its `slots` coordinates of every member (padding zeroed), so one array holds that history of many leaves
-        (sharding `P((*leaf axes, *ZeRO axes))`).
+        (sharding `P((*leaf axes, *ZeRO axes))`). A group that a device holds whole, one leaf of two or more
+        dimensions (`Group.shape`), keeps it in the leaf's shape: `(blocks * shape[0], *shape[1:])`, the same
+        elements in the same order, sharded along the first dimension.
     """
 
     shared: tuple[jax.Array, ...]
