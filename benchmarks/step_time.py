@@ -9,7 +9,9 @@ ratios are taken within the run:
   (the same inside a `shard_map`, with a gradient `pmean`), `zero1_flat_scatter` (zero1 inside a `shard_map`) and
   `zero1_flat_bound` (mesh-bound zero1 under plain `jax.jit`);
 * N = 8: `gspmd` (MaxText style) against `zero1_flat_scatter`, and with `--gpt` also `zero1_flat_psum` and
-  `zero1_flat_bound`.
+  `zero1_flat_bound`;
+* with `--gpt`, also `zero1_flat_apply` at both sizes (the mesh-bound step as one `zo.apply_gradients` call, which
+  all-gathers the new parameters) and at N = 8 `zero1_flat_apply_per_leaf` (the same, one all-gather per leaf).
 
 Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated. With `--hlo`,
 also what each compiled step moves (`benchmarks.hlo.entry_traffic`: the kernels of its entry computation and the
@@ -41,7 +43,8 @@ from benchmarks.variants import VARIANTS, make_mesh
 
 PAIRS = ((1, "optax_jit"), (1, "replicated"), (1, "zero1_flat_scatter"), (1, "zero1_flat_bound"), (8, "gspmd"),
          (8, "zero1_flat_scatter"))
-GPT_PAIRS = PAIRS + ((8, "zero1_flat_psum"), (8, "zero1_flat_bound"))
+GPT_PAIRS = tuple(sorted(PAIRS + ((1, "zero1_flat_apply"), (8, "zero1_flat_psum"), (8, "zero1_flat_bound"),
+                                  (8, "zero1_flat_apply"), (8, "zero1_flat_apply_per_leaf")), key=lambda p: p[0]))
 
 
 def tree(leaves: int) -> dict[str, np.ndarray]:

@@ -237,19 +237,33 @@ def _zero1_builder(**zero1_kwargs: Any) -> Callable[[optax.GradientTransformatio
     return build
 
 
-def build_zero1_bound(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
-    """``zo.zero1(tx, axis_name="data", mesh=mesh)`` under plain ``jax.jit``: the global mean gradient (as
-    ``jax.grad`` of a global loss gives it) goes to a mesh-bound zero1, which runs its own ``shard_map``."""
-    try:
-        import zero_optax as zo
+def _bound_builder(apply: bool, **zero1_kwargs: Any) -> Callable[[optax.GradientTransformation, Mesh, Any], Built]:
+    """Builder for ``zo.zero1(tx, axis_name="data", mesh=mesh, **zero1_kwargs)`` under plain ``jax.jit``: the
+    global mean gradient (as ``jax.grad`` of a global loss gives it) goes to a mesh-bound zero1, which runs its own
+    ``shard_map``; then ``optax.apply_updates``, or with ``apply`` the one call ``zo.apply_gradients``."""
 
-        ztx = zo.zero1(tx, axis_name=AXIS, mesh=mesh)
-    except (ImportError, AttributeError, TypeError) as e:
-        raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
-    rep, dat = _shardings(mesh)
+    def build(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+        try:
+            import zero_optax as zo
 
-    return Built(init=ztx.init, step=jax.jit(_mean_step(ztx), donate_argnums=(0, 2)), param_sharding=rep,
-                 grad_sharding=dat, notes={"zero1_kwargs": {"mesh": "bound"}})
+            ztx = zo.zero1(tx, axis_name=AXIS, mesh=mesh, **zero1_kwargs)
+            apply_gradients = zo.apply_gradients if apply else None
+        except (ImportError, AttributeError, TypeError) as e:
+            raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
+        rep, dat = _shardings(mesh)
+        step = _mean_step(ztx)
+        if apply:
+            def step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+                g = jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+                return apply_gradients(ztx, g, state, params)
+
+        return Built(init=ztx.init, step=jax.jit(step, donate_argnums=(0, 2)), param_sharding=rep,
+                     grad_sharding=dat, notes={"zero1_kwargs": {"mesh": "bound", **zero1_kwargs}, "apply": apply})
+
+    return build
+
+
+build_zero1_bound = _bound_builder(False)
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -262,4 +276,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zero1_leaf", _zero1_builder(partition="leaf"), zero1=True),
     Variant("zero1_auto", _zero1_builder(partition="auto"), zero1=True),
     Variant("zero1_flat_bound", build_zero1_bound, zero1=True),
+    Variant("zero1_flat_apply", _bound_builder(True), zero1=True),
+    Variant("zero1_flat_apply_per_leaf", _bound_builder(True, bucket_bytes=0), zero1=True),
 )

@@ -40,6 +40,7 @@ from zero_optax.transform._transfer import (
     scatter_state,
 )
 from zero_optax.transform._zero1 import (
+    apply_gradients,
     as_local,
     describe,
     zero1,
@@ -65,6 +66,7 @@ __all__ = (
     "ZeroSave",
     "ZeroState",
     "ZeroStructureError",
+    "apply_gradients",
     "as_local",
     "balanced_owners",
     "describe",

@@ -46,6 +46,11 @@ def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
+def _applied(params, updates):
+    """`optax.apply_updates` on arrays or trees: `params + updates` in the promoted dtype, cast to the params'."""
+    return jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), params, updates)
+
+
 def check_layout(state, axis_name) -> Layout:
     """The state's layout, after checking its type, its axis and the world size of the enclosing mesh."""
     if not isinstance(state, ZeroState):
@@ -212,17 +217,26 @@ class Engine:
         layout = check_layout(state, self.cfg.axis_name)
         return layout, check_tree(grads, layout, "gradients")
 
-    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None, **extra):
+    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
+               apply: bool = False, **extra):
         """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
-        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step."""
+        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step.
+
+        With `apply` it returns the new parameters instead of the updates (`zero_optax.apply_gradients`): each
+        device adds its own coordinates' updates to its slice of the parameters before the all-gather. Under
+        accumulation or offload it applies the gathered updates instead (the same values)."""
         cfg = self.cfg
+        if apply and (cfg.offload or cfg.accumulating is not None):
+            updates, state = self.update(grads, state, params, weight=weight, **extra)
+            return _applied(params, updates), state
         if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
             step = functools.partial(self.on_device, streamed=True)
             return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight, **extra)
-        return self.on_device(grads, state, params, weight=weight, hooks=hooks, streamed=cfg.offload, **extra)
+        return self.on_device(grads, state, params, weight=weight, hooks=hooks, streamed=cfg.offload, apply=apply,
+                              **extra)
 
     def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-                  streamed: bool = False, **extra):
+                  streamed: bool = False, apply: bool = False, **extra):
         """`update` on a state whose arrays are in device memory, except with `streamed` the stored histories,
         owned buffers and master copies, which stay in host memory and stream through the device: the groups'
         arrays in chunks (`_groups.Groups.update_streamed`), the owned buffers bucket by bucket of leaves
@@ -271,7 +285,15 @@ class Engine:
         # New parameters (master copies) or updates, gathered to every device.
         if not groups_streamed:
             values, new_master = self._group_results(layout, u_parts, p_leaves, state, denom.ok, masks)
+            if apply and cfg.master_dtype is None:  # each device adds its part of the updates to its parameters
+                values = [None if v is None else _applied(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
         updates = self._gather_values(layout, values)
+        if apply:
+            new_params = updates if cfg.master_dtype is None else {  # the gathered, rounded master copies
+                i: _reduce.skip_if_empty(denom.ok, t, p_leaves[i]) for i, t in updates.items()}
+            new_params.update({i: _applied(p_leaves[i], u) for i, u in u_owned.items()})
+            new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
+            return _tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
             md = cfg.master_dtype

@@ -79,7 +79,8 @@ class Bound:
         """A stand-in transformation whose `init` is the unbound engine's (for tracing the state's layout)."""
         return _Tx(self.zero.engine.init)
 
-    def update(self, grads, state, params=None, *, weight=None, **extra):
+    def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
+        """`update` on global arrays (with `apply`, the new parameters: `Engine.update`)."""
         if weight is not None:
             raise WeightError(
                 "A mesh-bound zero1 used outside shard_map receives the global mean gradient (jax.grad of the global "
@@ -97,10 +98,10 @@ class Bound:
         state_specs = _specs.specs_of(state)
         extra_specs = jax.tree.map(lambda _: P(), extra)
         with_params = params is not None
-        key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, jax.tree.structure(extra))
+        key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
         if key not in self._fns:
             def run(grads, state, params, extra):
-                return self.mean.update(grads, state, params, **extra)
+                return self.mean.update(grads, state, params, apply=apply, **extra)
 
             # On a one-device mesh nothing varies: untyped (check_vma=False), the step needs no collective at all,
             # where typed values would have to be retyped replicated by one-device collectives (copies on XLA:CPU).

@@ -40,10 +40,17 @@ class Zero1:
         return self.bound.init(params) if self._outside() else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
+        return self._step(grads, state, params, weight, False, extra_args)
+
+    def apply_gradients(self, grads, state, params, *, weight=None, **extra_args):
+        """`zero_optax.apply_gradients` for this transformation: the new parameters and state."""
+        return self._step(grads, state, params, weight, True, extra_args)
+
+    def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
         if self._outside():
-            return self.bound.update(grads, state, params, weight=weight, **extra_args)
-        return self.engine.update(grads, state, params, weight=weight, **extra_args)
+            return self.bound.update(grads, state, params, weight=weight, apply=apply, **extra_args)
+        return self.engine.update(grads, state, params, weight=weight, apply=apply, **extra_args)
 
 
 def zero1(
@@ -183,6 +190,46 @@ def zero1(
     )
     z = Zero1(cfg, mesh)
     return optax.GradientTransformationExtraArgs(z.init, z.update)
+
+
+def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
+    """One optimizer step: the new parameters and state, what `tx.update` followed by `optax.apply_updates` gives.
+
+    For a zero1 transformation (`tx = zo.zero1(...)`, unbound inside `shard_map` or mesh-bound anywhere), each
+    device adds the updates of the coordinates it owns to its own slice of the parameters, and the devices
+    all-gather the *new parameters* instead of the updates (as ZeRO and DeepSpeed do), which saves the separate
+    full-size pass that `optax.apply_updates` makes over the gathered updates. The values are the same: the same
+    additions, on other devices. Under `accumulate_steps > 1` or `offload=True`, and for any other transformation
+    (a chain holding a zero1, plain optax), it runs `tx.update` and `optax.apply_updates`.
+
+    Args:
+      tx: a transformation, typically `zo.zero1(...)`.
+      grads: the gradients, as for `tx.update`.
+      opt_state: `tx`'s state.
+      params: the parameters (required).
+      weight: as for zero1's `update` (this device's sample or token count); not passed when None.
+      **extra_args: passed to `tx.update` (`value=` for `optax.contrib.reduce_on_plateau`).
+
+    Returns:
+      `(new_params, new_opt_state)`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = zo.zero1(optax.sgd(0.5), axis_name="data", mesh=mesh)
+      >>> params = {"w": jnp.ones(3)}
+      >>> params, state = zo.apply_gradients(tx, {"w": jnp.ones(3)}, tx.init(params), params)
+      >>> params["w"].tolist()
+      [0.5, 0.5, 0.5]
+    """
+    if params is None:
+        raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
+    zero = getattr(tx.init, "__self__", None)
+    if isinstance(zero, Zero1):
+        return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
+    kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
+    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _check_partition(partition, owners) -> None:
