@@ -48,7 +48,9 @@ class Bucket:
 def plan_buckets(layout: Layout, indices: Sequence[int], dtypes: Sequence[str], bucket_bytes: int) -> list[Bucket]:
     """Groups the sliced leaves `indices` (with the dtype each travels in) into buckets of at least `bucket_bytes`.
 
-    `bucket_bytes <= 0` gives one bucket per leaf.
+    A leaf of at least `bucket_bytes` travels alone, and the smaller ones around it keep filling the open bucket:
+    a leaf alone in its all-gather needs no cut out of a shared buffer, so its gathered values can be the step's
+    output (`zero_optax.apply_gradients`). `bucket_bytes <= 0` gives one bucket per leaf.
     """
     out: list[Bucket] = []
     keyed = {}
@@ -59,9 +61,13 @@ def plan_buckets(layout: Layout, indices: Sequence[int], dtypes: Sequence[str], 
         current: list[int] = []
         nbytes = 0
         for i in members:
-            current.append(i)
             leaf = layout.leaves[i]
-            nbytes += leaf.slots * leaf.group * np.dtype(dtype).itemsize
+            size = leaf.slots * leaf.group * np.dtype(dtype).itemsize
+            if size >= bucket_bytes:
+                out.append(Bucket((i,), axes, dtype))
+                continue
+            current.append(i)
+            nbytes += size
             if nbytes >= bucket_bytes or len(current) >= MAX_BUCKET_LEAVES:
                 out.append(Bucket(tuple(current), axes, dtype))
                 current, nbytes = [], 0
