@@ -1,6 +1,6 @@
 """The transformation: `zero1` and everything its `init` and `update` run. Above `zero_optax.analysis`.
 
-* `_zero1`: `zero1` itself, the optax transformation, and `describe`.
+* `_zero1`: `zero1` itself, the optax transformation, `apply_gradients` (the step in one call) and `describe`.
 * `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`).
 * `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing.
 * `_state`: the `ZeroState` pytree.
