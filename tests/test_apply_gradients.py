@@ -50,19 +50,19 @@ def test_matches_optax_in_every_partition_with_weights_and_a_skipped_step(partit
     h.assert_matches(zp, zs, rp, rs)
 
 
-@pytest.mark.parametrize("bucket_bytes", [0, 1 << 22])
-def test_mesh_bound_under_jit(bucket_bytes):
+@pytest.mark.parametrize("partition,bucket_bytes", [("flat", 0), ("flat", 1 << 22), ("auto", 1 << 22)])
+def test_mesh_bound_under_jit(partition, bucket_bytes):
     n = 8
     mesh = h.mesh_of(n)
     params = h.small_params()
     grads = h.gradient_sequence(params, n, steps=3)
-    tx = zo.zero1(INNER["flat"](), axis_name="data", mesh=mesh, bucket_bytes=bucket_bytes)
+    tx = zo.zero1(INNER[partition](), axis_name="data", mesh=mesh, partition=partition, bucket_bytes=bucket_bytes)
     p = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(mesh, P()))  # donated: not `params`
     state = tx.init(p)
     step = jax.jit(lambda p, s, g: zo.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
     for g in grads:
         p, state = step(p, state, jax.tree.map(lambda x: x.mean(0), g))
-    rp, rs = h.run_oracle(INNER["flat"](), params, grads)
+    rp, rs = h.run_oracle(INNER[partition](), params, grads)
     h.assert_matches(p, state, rp, rs)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(p))
 
