@@ -308,7 +308,8 @@ def make_plots(records: list[dict[str, Any]], ns: list[int], opt_names: list[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {v.name: f"C{i}" for i, v in enumerate(VARIANTS)}  # same colour per variant everywhere
+    palette = matplotlib.colormaps["tab20"]  # more variants than the 10 default colours, one each
+    colors = {v.name: palette(i % palette.N) for i, v in enumerate(VARIANTS)}  # same colour per variant everywhere
     platform = jax.devices()[0].platform
     paths = []
     for fname, key, ylabel, scale in (
