@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from zero_optax.core import _compat
@@ -44,11 +45,6 @@ from zero_optax.transform._state import ZeroState
 
 def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
-
-
-def _applied(params, updates):
-    """`optax.apply_updates` on arrays or trees: `params + updates` in the promoted dtype, cast to the params'."""
-    return jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), params, updates)
 
 
 def check_layout(state, axis_name) -> Layout:
@@ -222,13 +218,10 @@ class Engine:
         """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
         calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step.
 
-        With `apply` it returns the new parameters instead of the updates (`zero_optax.apply_gradients`): each
-        device adds its own coordinates' updates to its slice of the parameters before the all-gather. Under
-        accumulation or offload it applies the gathered updates instead (the same values)."""
+        With `apply` (`zero_optax.apply_gradients`, which passes it only without accumulation or offload) it
+        returns the new parameters instead of the updates: each device adds its own coordinates' updates to its
+        slice of the parameters before the all-gather."""
         cfg = self.cfg
-        if apply and (cfg.offload or cfg.accumulating is not None):
-            updates, state = self.update(grads, state, params, weight=weight, **extra)
-            return _applied(params, updates), state
         if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
             step = functools.partial(self.on_device, streamed=True)
             return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight, **extra)
@@ -286,12 +279,12 @@ class Engine:
         if not groups_streamed:
             values, new_master = self._group_results(layout, u_parts, p_leaves, state, denom.ok, masks)
             if apply and cfg.master_dtype is None:  # each device adds its part of the updates to its parameters
-                values = [None if v is None else _applied(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
+                values = [None if v is None else optax.apply_updates(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
         updates = self._gather_values(layout, values)
         if apply:
             new_params = updates if cfg.master_dtype is None else {  # the gathered, rounded master copies
                 i: _reduce.skip_if_empty(denom.ok, t, p_leaves[i]) for i, t in updates.items()}
-            new_params.update({i: _applied(p_leaves[i], u) for i, u in u_owned.items()})
+            new_params.update({i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()})
             new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
             return _tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
         updates.update(u_owned)

@@ -42,8 +42,14 @@ class Zero1:
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self._step(grads, state, params, weight, False, extra_args)
 
+    @property
+    def gathers_parameters(self) -> bool:
+        """Whether `apply_gradients` can gather new parameters: not under accumulation or offload, whose steps
+        gather the updates (`zero_optax.apply_gradients` then applies them)."""
+        return self.cfg.accumulating is None and not self.cfg.offload
+
     def apply_gradients(self, grads, state, params, *, weight=None, **extra_args):
-        """`zero_optax.apply_gradients` for this transformation: the new parameters and state."""
+        """`zero_optax.apply_gradients` for this transformation (`gathers_parameters`): new parameters and state."""
         return self._step(grads, state, params, weight, True, extra_args)
 
     def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
@@ -225,7 +231,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     if params is None:
         raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
     zero = getattr(tx.init, "__self__", None)
-    if isinstance(zero, Zero1):
+    if isinstance(zero, Zero1) and zero.gathers_parameters:
         return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
