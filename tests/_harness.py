@@ -84,12 +84,16 @@ def run_oracle(inner, params, grads_seq, weights_seq=None, reduce_dtype=jnp.floa
     return params, state
 
 
-def zero_fns(tx, mesh, weighted: bool = False):
+def zero_fns(tx, mesh, weighted: bool = False, one_call: bool = False):
+    """The shard_map'ed init and step of `tx`; the step is `tx.update` + `optax.apply_updates`, or with `one_call`
+    `zo.apply_gradients`."""
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
 
     def step(params, state, grads, *weight):
         grads = jax.tree.map(lambda g: g[0], grads)
         kw = {"weight": weight[0][0]} if weight else {}
+        if one_call:
+            return zo.apply_gradients(tx, grads, state, params, **kw)
         updates, state = tx.update(grads, state, params, **kw)
         return optax.apply_updates(params, updates), state
 
@@ -98,9 +102,9 @@ def zero_fns(tx, mesh, weighted: bool = False):
     return init, step
 
 
-def run_zero(tx, params, grads_seq, n, weights_seq=None):
+def run_zero(tx, params, grads_seq, n, weights_seq=None, one_call: bool = False):
     mesh = mesh_of(n)
-    init, step = zero_fns(tx, mesh, weighted=weights_seq is not None)
+    init, step = zero_fns(tx, mesh, weighted=weights_seq is not None, one_call=one_call)
     params = jax.device_put(params, NamedSharding(mesh, P()))
     state = init(params)
     shard = NamedSharding(mesh, P("data"))

@@ -21,21 +21,7 @@ INNER = {"flat": lambda: optax.adamw(1e-2, weight_decay=0.1), "leaf": lambda: op
 
 def run_in_shard_map(tx, params, grads_seq, n=N, weights_seq=None):
     """`zo.apply_gradients` inside `shard_map` on per-device gradients (and weights)."""
-    mesh = h.mesh_of(n)
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
-
-    def step(p, s, g, w):
-        kw = {} if weights_seq is None else {"weight": w[0]}
-        return zo.apply_gradients(tx, jax.tree.map(lambda x: x[0], g), s, p, **kw)
-
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                                 out_specs=(P(), P("data"))))
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    state = init(params)
-    shard = NamedSharding(mesh, P("data"))
-    for t, g in enumerate(grads_seq):
-        w = jnp.ones((n,)) if weights_seq is None else jnp.asarray(weights_seq[t], jnp.float32)
-        params, state = step(params, state, jax.device_put(g, shard), jax.device_put(w, shard))
+    params, state, _ = h.run_zero(tx, params, grads_seq, n, weights_seq, one_call=True)
     return params, state
 
 

@@ -3,7 +3,6 @@
 device, through checkpoints that change the world size, and on a tensor-parallel mesh."""
 
 import math
-import os
 import re
 
 import _zero_setup as zs
@@ -11,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
+from tests import test_restore_reshard as rr
 
 # "w" and "t" are over `_plan.FUSE_BYTES` (16 KiB), so each is a group of its own; "b" and "s" are fused.
 SHAPES = {"w": (72, 64), "t": (3, 40, 40), "b": (13,), "s": ()}
@@ -89,27 +88,15 @@ def test_eight_devices_keep_the_one_dimensional_layout():
     assert set(group_shapes(zo.describe(state)).values()) == {None}
 
 
-def _save(directory, state) -> str:
-    with ocp.CheckpointManager(directory) as mngr:
-        mngr.save(1, args=ocp.args.Composite(opt_state=zo.ZeroSave(state)))
-        mngr.wait_until_finished()
-    return os.path.join(directory, "1", "opt_state")
-
-
-def _restore(item, target):
-    with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
-        return ckpt.restore(item, args=zo.ZeroRestore(target, reshard=True))
-
-
 @pytest.mark.parametrize("n,m", [(1, 3), (3, 1)])
 def test_checkpoints_move_between_one_device_and_several(tmp_path, n, m):
     """Two steps at n devices, saved, restored at m (load-time resharding), one more step: plain optax's result."""
     first = zs.Trainer(zs.make_tx("adamw"), zs.mesh(n))
     p, s = first.train(zs.params(first.mesh, SHAPES), first.init(zs.params(first.mesh, SHAPES)), 0, 2, SHAPES)
-    item = _save(str(tmp_path / "ckpt"), s)
+    item = rr.save(str(tmp_path / "ckpt"), s)
     second = zs.Trainer(zs.make_tx("adamw"), zs.mesh(m))
     p = jax.device_put(jax.tree.map(np.asarray, p), NamedSharding(second.mesh, P()))
-    restored = _restore(item, second.abstract(p))
+    restored = rr.restore(item, second.abstract(p), reshard=True)
     shapes = group_shapes(zo.describe(restored))
     if m == 1:
         assert {k: shapes[k] for k in BIG} == {"['t']": (3, 40, 40), "['w']": (72, 64)}
