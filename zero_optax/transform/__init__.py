@@ -6,6 +6,7 @@
 * `_state`: the `ZeroState` pytree.
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
 * `_groups`: sliced leaves that run one program, stored and updated as one buffer per group.
+* `_varying`: the inner update with every value typed varying, so it runs whatever it branches on.
 * `_sliced`: sliced leaves: coordinate slices, reduce-scatter and all-gather in buckets.
 * `_owned`: owned leaves: whole tensors, packed per owner, one `lax.switch`.
 * `_owners`: which device owns which leaf (`balanced_owners`).

@@ -519,7 +519,7 @@ class Engine:
                                                                               else stored[j] for j in b_entries])
             g_view = _groups.masked_tree(layout, {i: g[i] for i in rest})
             p_view = None if p is None else _groups.masked_tree(layout, {i: p[i] for i in rest})
-            u_view, new = inner.update(g_view, old, p_view, **extra)
+            u_view, new = _groups.run_inner(inner, g_view, old, p_view, extra, layout.axes)
             _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
             u.update(zip(rest, jax.tree.leaves(u_view)))
             values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
@@ -546,8 +546,8 @@ class Engine:
             old = jax.tree_util.tree_unflatten(treedef, [shared_old[j] if j in shared_old else next(it)
                                                          for j in views[0]])
             g_view = _groups.masked_tree(layout, {first: g1})
-            u, new = inner.update(g_view, old, None if p1 is None else _groups.masked_tree(layout, {first: p1}),
-                                  **extra)
+            u, new = _groups.run_inner(inner, g_view, old, None if p1 is None else _groups.masked_tree(
+                layout, {first: p1}), extra, layout.axes)
             _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
             new = jax.tree.leaves(new)
             return jax.tree.leaves(u)[0], [new[k] for k in own]

@@ -25,7 +25,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _offload, _plan, _reduce, _sliced
+from zero_optax.transform import _layout, _offload, _plan, _reduce, _sliced, _varying
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
 
@@ -34,6 +34,15 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
     leaves = _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values)
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def run_inner(inner, grads, state, params, extra: dict, axes) -> tuple[Any, Any]:
+    """`inner.update(grads, state, params, **extra)`, every value typed varying across the ZeRO `axes`, so the
+    inner update runs whatever it branches on (`zero_optax.transform._varying`). The updates come back typed at
+    least as their gradients, the new state at least as the old one (a history of a leaf sharded over a tensor
+    axis varies across it, even where the inner update builds it from a constant)."""
+    u, new = _varying.run(lambda g, s, p, e: inner.update(g, s, p, **e), (grads, state, params, extra), axes)
+    return _varying.like(u, grads), _varying.like(new, state)
 
 
 def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
@@ -117,12 +126,11 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
 
 
 class Groups:
-    """`init`, `update` and the invariance bookkeeping of the groups of one `Config`'s layouts."""
+    """`init` and `update` of the groups of one `Config`'s layouts."""
 
     def __init__(self, cfg: _plan.Config):
         self.cfg = cfg
         self._views: dict = {}
-        self._invariant: dict = {}
 
     def view(self, layout: Layout, g: int | None) -> tuple[Any, list[int]]:
         """The inner state treedef of group `g`'s view (of no leaf when `g` is None: a layout without sliced
@@ -182,39 +190,11 @@ class Groups:
 
     # ------------------------------------------------------------------ update
 
-    def shared_values(self, layout: Layout, stored: SlicedState, invariant: bool) -> dict[int, jax.Array]:
-        """The shared entries' values from storage (one copy per device -> the value).
-
-        They come back typed varying. With `invariant`, they are made invariant again, as the inner transformation
-        had them, by one tiny all-gather per dtype: some transformations (`reduce_on_plateau`'s `lax.cond`s) need
-        that, which `update` learns the first time their trace fails without it.
-        """
-        out = {j: x[0] for j, x in zip(layout.shared_entries, stored.shared)}
-        if not invariant or not out or not _compat.vma_enabled(layout.axes):
-            return out
-        by_dtype: dict[str, list[int]] = {}
-        for j, x in out.items():
-            by_dtype.setdefault(np.dtype(x.dtype).name, []).append(j)
-        for js in by_dtype.values():
-            flat = jnp.concatenate([out[j].reshape(-1) for j in js])
-            first = _compat.all_gather_invariant(flat, layout.axes)[0]
-            cuts = np.cumsum([out[j].size for j in js])[:-1]
-            for j, piece in zip(js, jnp.split(first, cuts)):
-                out[j] = piece.reshape(out[j].shape)
-        return out
-
-    def _retrying(self, layout: Layout, run):
-        """`run(invariant)`. The shared entries come back from storage typed varying; some inner updates need them
-        invariant (a `lax.cond`'s branches must agree on their types: `reduce_on_plateau`), so the first such
-        failure switches this layout to invariant shared entries for good, and `run` is traced again."""
-        invariant = self._invariant.get(layout, False)
-        try:
-            return run(invariant)
-        except TypeError as e:
-            if invariant or "manual axis types" not in str(e):
-                raise
-            self._invariant[layout] = True
-            return run(True)
+    @staticmethod
+    def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:
+        """The shared entries' values from storage (one copy per device -> the value, typed varying as every input
+        of the inner update is: `run_inner`)."""
+        return {j: x[0] for j, x in zip(layout.shared_entries, stored.shared)}
 
     def _run_view(self, layout: Layout, g: int | None, grads, params, shared: dict, histories: Sequence, extra,
                   inner, with_params: bool) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
@@ -230,7 +210,7 @@ class Groups:
             return masked_tree(layout, {} if group is None else {group.first: x})
         g_view = view(grads)
         old = self._assemble(layout, g, shared, histories)
-        u, new = inner.update(g_view, old, view(params) if with_params else None, **extra)
+        u, new = run_inner(inner, g_view, old, view(params) if with_params else None, extra, layout.axes)
         what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
         check_returned(u, new, g_view, old, what)
         new_shared, new_histories = self._disassemble(layout, g, new)
@@ -246,11 +226,7 @@ class Groups:
         skipped; the shared entries as computed) and the old shared values, which the owned views read. The
         shared entries' new values are the first view's (every view computes the same).
         """
-        return self._retrying(layout, lambda invariant: self._update(layout, grads, params, stored, masks, ok, extra,
-                                                                     inner, invariant))
-
-    def _update(self, layout, grads, params, stored, masks, ok, extra, inner, invariant):
-        shared_old = self.shared_values(layout, stored, invariant)
+        shared_old = self.shared_values(layout, stored)
         updates, histories = [], []
         shared_new = None
         for t, g in enumerate(self.targets(layout)):
@@ -281,12 +257,7 @@ class Groups:
         `stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and nothing
         is returned for every device (None).
         """
-        return self._retrying(layout, lambda invariant: self._streamed(
-            layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, stepping, invariant))
-
-    def _streamed(self, layout, grads, params, state, ok, ranks, extra, inner, chunk_bytes, p_dtypes, stepping,
-                  invariant):
-        shared_old = self.shared_values(layout, state.inner_state, invariant)
+        shared_old = self.shared_values(layout, state.inner_state)
         master = state.master is not None and stepping
         values, histories, masters, shared_new = [], [], [], None
         for g, group in enumerate(layout.groups):

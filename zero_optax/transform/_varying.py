@@ -1,0 +1,142 @@
+"""The inner update with every value typed varying across the ZeRO axes, whatever it branches on.
+
+Inside `jax.shard_map` (`check_vma=True`) JAX types each value as varying across the mesh axes or invariant, and
+refuses a `lax.cond` / `lax.switch` whose branches return differently typed values, or a loop whose carry changes
+type. zero1 hands the inner update a mix: sliced gradients and stored histories differ between devices, while an
+owned leaf's reduced gradient, the extra arguments and injected hyperparameters are the same on all. Typed as
+they come, an optax transformation that returns a constant in one branch and a value derived from its state in
+the other (`optax.contrib.reduce_on_plateau`'s cooldown), or its gradient in one branch and its state in the
+other (`optax.novograd`'s first step), cannot run.
+
+`run` therefore traces the inner update once on untyped (invariant) stand-ins, where every branch agrees, and
+evaluates the traced program on the real inputs with every operand and result cast to varying: each primitive
+then sees operands of one type, and each branch, loop body and called function (whose own programs are evaluated
+the same way) returns varying values. The casts are types only; the compiled program is the inner update's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+
+from zero_optax.core import _compat
+
+# Primitives that call one program on their operands: evaluated inline, by the parameter that holds it.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def run(fn: Callable, args: Sequence[Any], axes) -> Any:
+    """`fn(*args)`, every value typed varying across `axes` (as is, where values carry no such types)."""
+    if not _compat.vma_enabled(axes):
+        return fn(*args)
+    axes = frozenset(_compat.as_tuple(axes))
+    flat, tree = jax.tree.flatten(args)
+    stand_ins = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
+    closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*stand_ins)
+    out = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+
+def like(tree: Any, reference: Any) -> Any:
+    """`tree` with each leaf typed varying across at least the axes of the same leaf of `reference` (`tree` as
+    it is where the two are structured differently: the caller refuses that)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    ref, ref_def = jax.tree.flatten(reference)
+    if treedef != ref_def:
+        return tree
+    return jax.tree.unflatten(treedef, [_cast(x, _axes_of(r)) for x, r in zip(leaves, ref)])
+
+
+def _axes_of(x) -> frozenset:
+    """The axes a value, or an abstract value, is typed varying across."""
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _cast(x, axes: frozenset):
+    """`x` typed varying across `axes` (and whatever it already varies across)."""
+    x = jnp.asarray(x)
+    missing = tuple(sorted(axes - _axes_of(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _joined(xs: Sequence[Any], axes: frozenset) -> list:
+    """`xs` cast to one type: varying across `axes` and every axis any of them varies across. Tensor-parallel
+    leaves vary across more axes than the ZeRO ones, and an operation must see its operands typed alike."""
+    union = frozenset(axes).union(*(_axes_of(x) for x in xs))
+    return [_cast(x, union) for x in xs]
+
+
+def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset) -> list:
+    """Evaluates `jaxpr`, each equation's operands cast to one varying type (`_joined`)."""
+    env: dict = {}
+
+    def read(v):
+        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, [_cast(x, axes) for x in consts]))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        outs = _apply(eqn, _joined([read(v) for v in eqn.invars], axes), axes)
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [_cast(read(v), axes) for v in jaxpr.outvars]
+
+
+def _closed(closed, axes: frozenset) -> Callable:
+    """A function evaluating a closed jaxpr (or an open one without constants) the same way."""
+    jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    return lambda *xs: _eval(jaxpr, consts, xs, axes)
+
+
+def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
+    """`fns` (the branches of a `lax.switch`) with each output cast to the union of its types over the branches,
+    so that every branch returns the same types."""
+    outs = [jax.make_jaxpr(f)(*ins).out_avals for f in fns]
+    types = [frozenset().union(*(_axes_of(o[k]) for o in outs)) for k in range(len(outs[0]))]
+    return [lambda *xs, f=f: [_cast(x, t) for x, t in zip(f(*xs), types)] for f in fns]
+
+
+def _apply(eqn, ins: list, axes: frozenset):
+    name = eqn.primitive.name
+    p = eqn.params
+    if name in _CALLS:
+        return _closed(p[_CALLS[name]], axes)(*ins)
+    if name == "cond":
+        branches = _agreeing([_closed(b, axes) for b in p["branches"]], ins[1:])
+        return lax.switch(ins[0], branches, *ins[1:])
+    if name == "while":  # (the operands are cast alike, so the carry keeps its type)
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = _closed(p["cond_jaxpr"], axes), _closed(p["body_jaxpr"], axes)
+        cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+        return lax.while_loop(lambda c: cond(*cc, *c)[0], lambda c: _joined(body(*bc, *c), _axes_of(ins[0])),
+                              init)
+    if name == "scan":
+        return _scan(eqn, ins, axes)
+    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(p))
+
+
+def _scan(eqn, ins: list, axes: frozenset) -> list:
+    p = eqn.params
+    body = _closed(p["jaxpr"], axes)
+    if "num_consts" in p:  # JAX 0.10 and 0.11
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    else:  # JAX 0.12: the operands' (consts, carry, xs) split is a flat tree
+        consts, init, xs = map(list, p["ft_in"].update(ins).unpack())
+    nk = len(init)
+    union = _axes_of(ins[0]) if ins else axes  # (the operands are cast alike, so the carry keeps its type)
+
+    def step(carry, x):
+        out = body(*consts, *carry, *x)
+        return _joined(out[:nk], union), out[nk:]
+
+    carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
