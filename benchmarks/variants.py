@@ -22,6 +22,12 @@ Variants:
    ``zero1_flat_per_leaf`` the same with one reduce-scatter and one all-gather per leaf, ``"leaf"``, ``"auto"``).
 4. ``zero1_flat_bound``: ``zero_optax.zero1(tx, axis_name="data", mesh=mesh)`` under plain ``jax.jit``, fed the
    global mean gradient (the mesh-bound form; it runs its own ``shard_map``).
+5. ``FLAX_VARIANTS`` (``benchmarks.step_time --flax`` only): the same mesh-bound zero1 with one all-gather per leaf
+   (``bucket_bytes=0``), stepped by Flax's classes: ``nnx_optimizer`` (``nnx.Optimizer.update``: ``tx.update`` +
+   ``optax.apply_updates``) against ``nnx_zero_optimizer`` (``zero_optax.ZeroOptimizer``), ``train_state``
+   (``TrainState.apply_gradients``) against ``zero_train_state`` (``zero_optax.ZeroTrainState``), each under
+   ``jax.jit`` with the NNX model built from the parameters inside the step (NNX objects are pytrees) and the
+   optimizer object, or the ``TrainState`` without its parameters, as the state.
 """
 
 from __future__ import annotations
@@ -278,4 +284,71 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zero1_flat_bound", build_zero1_bound, zero1=True),
     Variant("zero1_flat_apply", _bound_builder(True), zero1=True),
     Variant("zero1_flat_apply_per_leaf", _bound_builder(True, bucket_bytes=0), zero1=True),
+)
+
+
+# ----------------------------------------------------------------------------- 5. Flax
+
+
+def _flax_builder(kind: str, fast: bool) -> Callable[[optax.GradientTransformation, Mesh, Any], Built]:
+    """Builder for mesh-bound zero1 (``bucket_bytes=0``) stepped by ``nnx.Optimizer`` / ``zero_optax.ZeroOptimizer``
+    (``kind="nnx"``) or ``TrainState`` / ``zero_optax.ZeroTrainState`` (``kind="train_state"``), under ``jax.jit``.
+
+    The harness's parameters stay a dict: the NNX step wraps them in a module (one ``nnx.Param`` per leaf) inside
+    the jitted step, and the state is the optimizer object (which holds no model since Flax 0.11); the TrainState
+    step puts them into the state's ``params`` and returns the state without them, so nothing is donated twice.
+    """
+
+    def build(tx: optax.GradientTransformation, mesh: Mesh, params: Any) -> Built:
+        try:
+            from flax import nnx
+            from flax.training import train_state
+
+            import zero_optax as zo
+
+            ztx = zo.zero1(tx, axis_name=AXIS, mesh=mesh, bucket_bytes=0)
+            optimizer_cls = zo.ZeroOptimizer if fast else nnx.Optimizer
+            state_cls = zo.ZeroTrainState if fast else train_state.TrainState
+        except (ImportError, AttributeError, TypeError) as e:
+            raise VariantUnavailable(f"{type(e).__name__}: {e}") from e
+        rep, dat = _shardings(mesh)
+
+        def mean(grads: Any) -> Any:
+            return jax.tree_util.tree_map(lambda x: x.mean(axis=0), grads)
+
+        if kind == "nnx":
+            class Model(nnx.Module):
+                def __init__(self, tree: Any):
+                    self.params = nnx.data(jax.tree_util.tree_map(nnx.Param, tree))
+
+            def values(model: Any) -> Any:
+                return jax.tree_util.tree_map(lambda v: v[...], model.params,
+                                              is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+            def init(p: Any) -> Any:
+                return optimizer_cls(Model(p), ztx, wrt=nnx.Param)
+
+            def step(p: Any, grads: Any, optimizer: Any) -> tuple[Any, Any]:
+                model = Model(p)
+                optimizer.update(model, nnx.state(Model(mean(grads))))
+                return values(model), optimizer
+        else:
+            def init(p: Any) -> Any:
+                return state_cls.create(apply_fn=None, params=p, tx=ztx).replace(params=None)
+
+            def step(p: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+                state = state.replace(params=p).apply_gradients(grads=mean(grads))
+                return state.params, state.replace(params=None)
+
+        return Built(init=init, step=jax.jit(step, donate_argnums=(0, 2)), param_sharding=rep, grad_sharding=dat,
+                     notes={"zero1_kwargs": {"mesh": "bound", "bucket_bytes": 0}, "flax": kind, "apply": fast})
+
+    return build
+
+
+FLAX_VARIANTS: tuple[Variant, ...] = (
+    Variant("nnx_optimizer", _flax_builder("nnx", fast=False), zero1=True),
+    Variant("nnx_zero_optimizer", _flax_builder("nnx", fast=True), zero1=True),
+    Variant("train_state", _flax_builder("train_state", fast=False), zero1=True),
+    Variant("zero_train_state", _flax_builder("train_state", fast=True), zero1=True),
 )

@@ -1,5 +1,9 @@
 """zero_optax: ZeRO stage 1 optimizer-state sharding for JAX, as an optax GradientTransformation."""
 
+from zero_optax._flax import (
+    ZeroOptimizer,
+    ZeroTrainState,
+)
 from zero_optax.checkpoint._handler import (
     ZeroCheckpointHandler,
     ZeroRestore,
@@ -62,10 +66,12 @@ __all__ = (
     "ZeroFlatState",
     "ZeroGradientError",
     "ZeroLeafState",
+    "ZeroOptimizer",
     "ZeroRestore",
     "ZeroSave",
     "ZeroState",
     "ZeroStructureError",
+    "ZeroTrainState",
     "apply_gradients",
     "as_local",
     "balanced_owners",
