@@ -3,11 +3,16 @@
 Public APIs only: the oldest supported release has every primitive used here under its public name. A
 difference that a release makes is handled here and nowhere else, and is tested on the oldest and the newest
 release (`.ci/run`).
+
+Importing it sets the environment variable NPROC where jaxlib's CPU client can deadlock an unblocked training loop
+(`widen_cpu_client_pool`, issue 29).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -187,3 +192,65 @@ def scan_counts(eqn) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
     return len(list(consts)), len(list(carry))
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    import jaxlib
+
+    return tuple(int(p) for p in re.findall(r"\d+", jaxlib.__version__)[:3])
+
+
+def cpu_client_can_deadlock() -> bool:
+    """Whether this jaxlib's CPU client can deadlock a program with a collective that is dispatched far ahead.
+
+    jaxlib 0.10 (seen on 0.10.2; fixed by 0.12, 0.11 untested) runs each device's launch and each device's
+    execution on one pool of max(cores, devices) threads, and a launch that finds 32 executions in flight on its
+    device waits for one of them to finish, holding its pool thread. When N - 1 executions wait in a collective
+    for the N-th and launches hold the other threads, the N-th execution never runs: XLA aborts the process after 40 s
+    ("Termination timeout for all gather ... Expected 8 threads to join the rendezvous"). Any collective does it
+    (a shard_map `all_gather` or `psum`, a GSPMD reshard), in a loop that does not block within 32 steps, on a
+    machine with fewer than 2N cores for N simulated CPU devices (issue 29).
+    """
+    return _jaxlib_version() < (0, 12)
+
+
+def requested_cpu_devices() -> int:
+    """The CPU device count the JAX backend will start with: `jax_num_cpu_devices`, else XLA_FLAGS' forced count."""
+    n = getattr(jax.config, "jax_num_cpu_devices", -1)
+    if n is not None and n >= 1:
+        return int(n)
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1
+
+
+def _schedulable_cpus() -> int:
+    """The core count XLA sizes its thread pools by (the CPUs this process may run on)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def widen_cpu_client_pool() -> int | None:
+    """Where `cpu_client_can_deadlock`, sets NPROC=2N for a backend of N CPU devices on fewer than 2N cores, so
+    that its pool holds N waiting launches and N executions (returns the value set; None where nothing is set).
+
+    XLA reads NPROC (its core count override) when the CPU backend starts, so this works only when zero_optax is
+    imported before the first JAX computation, after the device count is set (XLA_FLAGS, JAX_NUM_CPU_DEVICES or
+    `jax.config.update("jax_num_cpu_devices", N)`). It leaves NPROC and PORTABLE_NPROC alone when either is set:
+    set NPROC yourself to opt out. No program-level change avoids the deadlock: it needs only one collective per
+    step and an unblocked loop. Blocking every 30 steps or fewer (`jax.block_until_ready`) avoids it too.
+    """
+    if not cpu_client_can_deadlock() or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
+        return None
+    platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.replace(" ", "").split(","):
+        return None
+    threads = 2 * requested_cpu_devices()
+    if threads < 4 or threads <= _schedulable_cpus():
+        return None
+    os.environ["NPROC"] = str(threads)
+    return threads
+
+
+widen_cpu_client_pool()
