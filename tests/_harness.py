@@ -118,13 +118,14 @@ def run_zero(tx, params, grads_seq, n, weights_seq=None, one_call: bool = False)
 
 def stored_entries(state) -> dict[int, np.ndarray]:
     """Entry index -> its stored values, read straight from a zero1 state's arrays as `zero_optax.transform._state`
-    documents them: a shared entry as `[N, *shape]`; a sliced history or master copy as its 1-D padded,
+    documents them: a shared entry as `[N, *shape]` (the leaves of the inner state's tree); a sliced history or master copy as its 1-D padded,
     flattened coordinates of every device (`blocks * group * slots`): a group's array has one row of `size` per
     device, each row its members' slots one after the other, so a member's values are its columns of the rows."""
     layout = zo.describe(state)
     shared = [j for j in layout.inner_entries if layout.entries[j].leaf is None]
-    assert len(state.inner_state.shared) == len(shared)
-    out = {j: np.asarray(x) for j, x in zip(shared, state.inner_state.shared)}
+    stored = jax.tree.leaves(state.inner_state.shared)  # the inner state's tree: one array per shared field
+    assert len(stored) == len(shared)
+    out = {j: np.asarray(x) for j, x in zip(shared, stored)}
     masters = [None] * len(layout.groups) if state.master is None else state.master
     for group, histories, master in zip(layout.groups, state.inner_state.histories, masters, strict=True):
         arrays = list(zip(zip(*group.histories), histories))

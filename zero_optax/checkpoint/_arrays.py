@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from zero_optax.core import _names
 from zero_optax.transform import _entries, _offload
 from zero_optax.transform._layout import MASTER, Layout, Packing
-from zero_optax.transform._state import ZeroState
+from zero_optax.transform._state import ZeroState, canonical, shared_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
     abstract), without reading or cutting its arrays."""
     layout = state.layout
     shardings = _entries.sliced_shardings(state)
-    shared = dict(zip(layout.shared_entries, state.inner_state.shared))
+    shared = shared_arrays(canonical(state))
     out = []
     for j in unowned_entries(layout):
         if j in shared:

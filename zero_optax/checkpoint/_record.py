@@ -43,6 +43,7 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
 from zero_optax.transform._layout import Layout
+from zero_optax.transform._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"
 FORMAT_VERSION = 2
@@ -113,7 +114,7 @@ def clock_entries(layout: Layout) -> list[int]:
 def read_clocks(state) -> dict[str, Any]:
     """The values of a state's clocks (`clock_entries`), from this host's first device."""
     layout = state.layout
-    values = dict(zip(layout.shared_entries, state.inner_state.shared))
+    values = shared_arrays(canonical(state))
     clocks = {}
     for j in clock_entries(layout):
         shard = values[j].addressable_shards[0]

@@ -10,6 +10,7 @@ Importing it sets the environment variable NPROC where jaxlib's CPU client can d
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
@@ -156,6 +157,15 @@ def reshard(x, sharding):
     if isinstance(x, jax.core.Tracer):
         return lax.with_sharding_constraint(x, sharding)
     return jax.device_put(x, sharding)
+
+
+_PLACEHOLDER = getattr(importlib.import_module("optax.tree_utils._state_utils"), "_ParamsPlaceholder", ())
+
+
+def is_params_placeholder(params) -> bool:
+    """Whether `params` is the stand-in `optax.tree_map_params` passes to `init` (a private optax class; no
+    optax release we support lacks it, and without it nothing is one)."""
+    return bool(_PLACEHOLDER) and isinstance(params, _PLACEHOLDER)
 
 
 def pure(tree):

@@ -4,6 +4,7 @@
 * `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`).
 * `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing.
 * `_state`: the `ZeroState` pytree.
+* `_shared`: the inner state's own tree inside it (shared fields as values, per-parameter fields as markers), for optax's tree utilities.
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
 * `_groups`: sliced leaves that run one program, stored and updated as one buffer per group.
 * `_varying`: the inner update with every value typed varying, so it runs whatever it branches on.

@@ -30,8 +30,9 @@ from jax import lax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroError
-from zero_optax.transform import _reduce
+from zero_optax.transform import _reduce, _shared
 from zero_optax.transform._layout import ACC_PREFIX
+from zero_optax.transform._state import shared_arrays
 
 SHARDED = "sharded"
 LOCAL = "local"
@@ -192,7 +193,7 @@ def update(engine, grads, state, params, weight, extra):
     w = _call_weight(cfg.reduce is not None, weight, layout)
     acc.cast = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
     sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
-    shared = dict(zip(layout.shared_entries, state.inner_state.shared))
+    shared = shared_arrays(state)
     position = shared[micro_step_entry(layout)][0]
     if _compat.vma_enabled(axes):
         position = lax.pmax(position, axes)  # the same on every device; typed invariant for the branch
@@ -220,8 +221,9 @@ def update(engine, grads, state, params, weight, extra):
         if local:
             step, total = micro_step_entry(layout), weight_sum_entry(layout)
             inner = state.inner_state
-            inner = inner._replace(shared=tuple(x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
-                                                for j, x in zip(layout.shared_entries, inner.shared)))
+            inner = inner._replace(shared=_shared.tree(layout, [
+                x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
+                for j, x in shared_arrays(state).items()]))
             new_local = _tree_add(grads, state.local, keep_lead=True)
             return zeros, dataclasses.replace(state, inner_state=inner, local=new_local)
         hooks = Hooks(acc.transformation("add"), False, sums)

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.transform import _offload, _specs
+from zero_optax.transform import _offload, _shared, _specs
 from zero_optax.transform._layout import Group, Layout
-from zero_optax.transform._state import SlicedState, ZeroState
+from zero_optax.transform._state import SlicedState, ZeroState, canonical, shared_arrays
 
 
 def _spec(layout: Layout, group: Group) -> P:
@@ -111,7 +111,7 @@ def unowned(state: ZeroState) -> dict[int, jax.Array]:
     histories and master copies (`(blocks * group * slots,)`), cut from the group arrays on each device (an
     offloaded state's in device memory)."""
     layout = state.layout
-    out = dict(zip(layout.shared_entries, state.inner_state.shared))
+    out = shared_arrays(canonical(state))
     if not layout.groups:
         return out
     histories = _offload.fetched(state.inner_state.histories)
@@ -157,7 +157,7 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
     """The inverse of `unowned`: the stored inner state and master copies of a state like `template` holding the
     entries' global arrays `values` (entry index -> array), in the shardings (and memory) of `template`'s."""
     layout = template.layout
-    shared = tuple(values[j] for j in layout.shared_entries)
+    shared = _shared.tree(layout, [values[j] for j in layout.shared_entries])
     has_master = template.master is not None
     if not layout.groups:
         return SlicedState(shared, ()), (() if has_master else None)

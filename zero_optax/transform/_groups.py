@@ -25,7 +25,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _offload, _plan, _reduce, _sliced, _varying
+from zero_optax.transform import _layout, _offload, _plan, _reduce, _shared, _sliced, _varying
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
 
@@ -179,7 +179,7 @@ class Groups:
             if group is not None:
                 mask = valid(layout, group, _rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
-        return SlicedState(tuple(shared[j][None] for j in layout.shared_entries), tuple(histories))
+        return SlicedState(_shared.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
@@ -194,7 +194,7 @@ class Groups:
     def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:
         """The shared entries' values from storage (one copy per device -> the value, typed varying as every input
         of the inner update is: `run_inner`)."""
-        return {j: x[0] for j, x in zip(layout.shared_entries, stored.shared)}
+        return {j: x[0] for j, x in zip(layout.shared_entries, _shared.items(stored.shared))}
 
     def _run_view(self, layout: Layout, g: int | None, grads, params, shared: dict, histories: Sequence, extra,
                   inner, with_params: bool) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
@@ -238,7 +238,8 @@ class Groups:
             if g is not None:
                 histories.append(tuple(_reduce.skip_if_empty(ok, zero_padding(x, masks[g]), y)
                                        for x, y in zip(new, old)))
-        new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
+        new = SlicedState(_shared.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                          tuple(histories))
         return updates, new, shared_old
 
     # ------------------------------------------------------------------ offload: streamed through the device
@@ -283,7 +284,8 @@ class Groups:
             if master:
                 masters.append(new_arrays[-1])
             shared_new = shared if shared_new is None else shared_new
-        new = SlicedState(tuple(shared_new[j][None] for j in layout.shared_entries), tuple(histories))
+        new = SlicedState(_shared.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                          tuple(histories))
         return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
 
     def _chunk(self, layout, g, group, start, length, carry, arrays, grads, params, shared_old, ok, rank, extra,

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
+from zero_optax.transform import _shared
 from zero_optax.transform._layout import Layout, ParamLeaf
 from zero_optax.transform._state import SlicedState, ZeroState, is_state
 
@@ -29,7 +30,7 @@ def specs_of(state: ZeroState) -> ZeroState:
     """`state` with every array replaced by its `PartitionSpec` (the same layout, so a valid `out_specs`)."""
     layout = state.layout
     groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
-    inner = SlicedState(tuple(_spec(layout.axes) for _ in layout.shared_entries),
+    inner = SlicedState(_shared.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]),
                         tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
     buffers = {d: _spec(layout.axes) for d in state.buffers}
     master = None if state.master is None else tuple(groups)

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from zero_optax.transform import _shared
 from zero_optax.transform._layout import Layout
 
 
@@ -15,8 +16,10 @@ class SlicedState(NamedTuple):
     """How `ZeroState.inner_state` stores the inner optimizer's state of the sliced leaves.
 
     Attributes:
-      shared: one `[N, *shape]` array per shared entry (`Layout.shared_entries`: step counts, schedules), one
-        identical copy per device (sharding `P(ZeRO axes)`).
+      shared: the inner optimizer's state tree (`zero_optax.transform._shared`), so optax's tree utilities find
+        its fields: each field shared across parameters (`Layout.shared_entries`: step counts, injected
+        hyperparameters) a `_shared.Shared` holding one `[N, *shape]` array, one identical copy per device
+        (sharding `P(ZeRO axes)`); each per-parameter field a `_shared.Sharded` marker without values.
       histories: per group of sliced leaves (`Layout.groups`), per history of its members (Adam's `mu`, `nu`):
         one 1-D array of `blocks * group * size` elements. Device `r`'s `size` elements are the concatenation of
         its `slots` coordinates of every member (padding zeroed), so one array holds that history of many leaves
@@ -25,7 +28,7 @@ class SlicedState(NamedTuple):
         elements in the same order, sharded along the first dimension.
     """
 
-    shared: tuple[jax.Array, ...]
+    shared: Any
     histories: tuple[tuple[jax.Array, ...], ...]
 
 
@@ -55,12 +58,51 @@ class ZeroState:
     layout: Layout
     local: Any = None
 
+    def __getattr__(self, name: str) -> Any:
+        """A field of the inner state's top level, as plain optax's state has it, for code that reads the state by
+        attribute (`optax.contrib.schedule_free_eval_params` reads `state.b1` and `state.z`): a shared field's
+        value, and a per-parameter field gathered from the devices (`zo.gather_state`, on a global state)."""
+        top = self.inner_state.shared if not name.startswith("_") and "inner_state" in vars(self) else None
+        if name not in getattr(top, "_fields", ()):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        field = getattr(top, name)
+        if any(isinstance(x, _shared.Sharded) for x in jax.tree.leaves(field, is_leaf=_is_marker)):
+            return getattr(GATHER[0](self), name)
+        return jax.tree.map(lambda x: x.value if isinstance(x, _shared.Shared) else x, field,
+                            is_leaf=lambda x: isinstance(x, _shared.Shared))
+
+
+GATHER: list = []
+"""`zero_optax.transform._transfer`'s gather of one state, which it registers here when it is imported (it sits
+above this module): `ZeroState.__getattr__` reads per-parameter fields with it."""
+
+
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, _shared.Sharded)
+
 
 ZeroFlatState = ZeroState
 """Alias kept from zero_optax 0.1 (the flat partition's state is a `ZeroState`)."""
 
 ZeroLeafState = ZeroState
 """Alias kept from zero_optax 0.1 (the leaf partition's state is a `ZeroState`)."""
+
+
+def canonical(state: ZeroState, rows: int | None = None, place=None) -> ZeroState:
+    """`state` with every shared field of its inner state stored, one copy per device: a value that
+    `optax.tree.set` put there is broadcast to `rows` copies (the world size by default: a global state) and given
+    to `place`, if given (`_shared.arrays`)."""
+    layout, inner = state.layout, state.inner_state
+    old = _shared.items(inner.shared)
+    new = _shared.arrays(layout, inner.shared, layout.world_size if rows is None else rows, place)
+    if all(a is b for a, b in zip(old, new)):
+        return state
+    return dataclasses.replace(state, inner_state=inner._replace(shared=_shared.tree(layout, new)))
+
+
+def shared_arrays(state: ZeroState) -> dict[int, Any]:
+    """Shared entry -> its stored `[N, *shape]` array (the state must be `canonical`)."""
+    return dict(zip(state.layout.shared_entries, _shared.items(state.inner_state.shared)))
 
 
 def is_state(x: Any) -> bool:

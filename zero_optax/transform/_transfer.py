@@ -17,7 +17,7 @@ from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.transform import _entries, _mesh, _offload, _specs
 from zero_optax.transform._layout import MASTER, Layout
-from zero_optax.transform._state import ZeroState, is_state
+from zero_optax.transform._state import GATHER, ZeroState, is_state
 from zero_optax.transform._zero1 import Zero1
 
 
@@ -64,6 +64,9 @@ def _gather_one(state: ZeroState) -> Any:
     sources = _sources(state)
     values = [_entry(layout, j, *sources) for j in layout.inner_entries]
     return jax.tree.unflatten(layout.state_treedef, values)
+
+
+GATHER.append(_gather_one)
 
 
 def gather_state(state: Any) -> Any:

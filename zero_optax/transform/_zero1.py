@@ -8,14 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.transform import _accumulate, _engine, _mesh, _offload, _plan, _sliced
 from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
-from zero_optax.transform._state import ZeroState, find_states
+from zero_optax.transform._state import ZeroState, canonical, find_states
 
 _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
+
+
+class _NoParameterTrees:
+    """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree
+    shaped like the parameters (their state is stored sliced and packed; its inner state's per-parameter fields
+    are `Sharded` markers without values), so `tree_map_params` maps its function over nothing and hands the
+    state whole to `transform_non_params`, if given. `zo.state_specs` gives a zero1 state's shardings."""
+
+    def __repr__(self) -> str:
+        return "<zero1: no parameter-shaped trees>"
+
+
+NO_PARAMETER_TREES = _NoParameterTrees()
 
 
 class Zero1:
@@ -36,6 +51,8 @@ class Zero1:
         return self.bound is not None and not _compat.is_bound(self.cfg.axes)
 
     def init(self, params) -> ZeroState:
+        if _compat.is_params_placeholder(params):
+            return NO_PARAMETER_TREES
         params = _compat.pure(params)
         return self.bound.init(params) if self._outside() else self.engine.init(params)
 
@@ -54,7 +71,12 @@ class Zero1:
 
     def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
-        if self._outside():
+        outside = self._outside()
+        if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
+            axes = state.layout.axes
+            state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(self.mesh, P(axes))))
+                     if outside else canonical(state, rows=1, place=lambda x: _compat.pvary(x, axes)))
+        if outside:
             return self.bound.update(grads, state, params, weight=weight, apply=apply, **extra_args)
         return self.engine.update(grads, state, params, weight=weight, apply=apply, **extra_args)
 
