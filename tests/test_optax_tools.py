@@ -48,7 +48,7 @@ def _close(a, b, rtol=1e-6, atol=1e-7):
 def test_tree_get_and_set_reach_shared_fields(partition):
     """The injected learning rate and the step count read as plain optax's; setting the learning rate between
     steps (outside and inside `jax.jit`) changes the run as it changes plain optax's."""
-    make = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.1)  # noqa: E731
+    make = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
     tx, ref = _zero(make(), partition), make()
     params = _params()
     z_params, r_params = _on_mesh(params), params
@@ -110,7 +110,7 @@ def test_tree_map_params():
 def test_schedule_free_eval_params():
     """optax.contrib.schedule_free_eval_params reads `state.b1` and `state.z`: the same evaluation parameters as
     plain optax's after several steps."""
-    make = lambda: optax.contrib.schedule_free_adamw(0.1, warmup_steps=2)  # noqa: E731
+    make = lambda: optax.contrib.schedule_free_adamw(0.1, warmup_steps=2)
     tx, ref = _zero(make()), make()
     params = _params()
     z_params, r_params = _on_mesh(params), params

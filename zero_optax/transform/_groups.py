@@ -22,10 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.transform import _layout, _offload, _plan, _reduce, _shared, _sliced, _varying
+from zero_optax.transform import (
+    _layout,
+    _offload,
+    _plan,
+    _reduce,
+    _shared,
+    _sliced,
+    _varying,
+)
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
 

@@ -89,7 +89,7 @@ class Shared:
     def __repr__(self) -> str:
         return f"Shared({self.value!r})" if hasattr(self.stored, "shape") else f"Shared({self.stored!r})"
 
-    def _op(name):  # noqa: N805  (builds the arithmetic operators below)
+    def _op(name):  # the arithmetic operators below, on the value
         return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
 
     __add__, __radd__, __sub__, __rsub__ = _op("__add__"), _op("__radd__"), _op("__sub__"), _op("__rsub__")
@@ -105,7 +105,7 @@ class Sharded:
     """A per-parameter field of the inner state, which zero1 stores sharded elsewhere: its path, logical shape and
     dtype, and no values (`zero_optax.gather_state` gives them)."""
 
-    __slots__ = ("path", "shape", "dtype")
+    __slots__ = ("dtype", "path", "shape")
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype: str):
         self.path, self.shape, self.dtype = path, tuple(shape), np.dtype(dtype)
