@@ -28,7 +28,8 @@ INNER = {  # the inner transformation, and how "auto" shards emb, w, b, s
     "contrib_muon": (lambda: optax.contrib.muon(1e-2), (O, O, O, O)),
     "muon_recipe": (muon_recipe, (S, O, O, O)),  # the embedding (AdamW) is larger than w: sliced
     "adamw": (lambda: optax.adamw(1e-2), (S, S, S, S)),  # nothing needs an owner: everything sliced
-    "lamb": (lambda: optax.lamb(1e-2), (O, O, O, O)),
+    # LAMB's trust ratios reduce each leaf to scalars, which run as collectives on slices (issue 29)
+    "lamb": (lambda: optax.lamb(1e-2), (S, S, S, S)),
 }
 
 

@@ -151,11 +151,22 @@ class LeafAnalysis:
         location, reason) of the first equation that mixes its coordinates.
       output_taints: For each flattened output of ``fn``, the labels of the
         leaves it depends on.
+      reductions: With ``collective``, the labels of the leaves whose
+        coordinates a full reduction sums (or maxes, mins) into a scalar: on
+        slices of the leaf that is a local reduction and a collective.
+      crossing: None, or where a scalar reduced from one leaf first meets
+        another leaf's values or reductions (a global norm): the leaves'
+        reductions must then all run on every device.
+      output_reductions: For each flattened output, the labels of the leaves
+        whose reductions it depends on.
     """
 
     coupled: frozenset[int]
     reasons: Mapping[int, str]
     output_taints: tuple[frozenset[int], ...]
+    reductions: frozenset[int] = frozenset()
+    crossing: str | None = None
+    output_reductions: tuple[frozenset[int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,6 +193,8 @@ class _Fact(NamedTuple):
     coords: Taint = _NONE  # Leaves (of more than one element) it depends on coordinate by coordinate.
     random: _Origin | None = None  # Set if it derives from a random primitive.
     positional: _Origin | None = None  # Set if, not being parameter-derived, it may vary by position.
+    reduced: Taint = _NONE  # Leaves whose full (collective) reductions the value depends on.
+    control: bool = False  # Set if it passed through control flow (its coordinates are no longer reduced exactly).
 
 
 _CLEAN = _Fact()
@@ -208,7 +221,7 @@ def _traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
     return fn if isinstance(fn, Traced) else trace(fn, *args)
 
 
-def find_coordinate_coupling(fn: Callable[..., Any], *args: Any) -> str | None:
+def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False) -> str | None:
     """Finds a computation in ``fn`` that mixes coordinates of an input array.
 
     Every input array leaf with more than one element is a taint source; scalars
@@ -224,6 +237,9 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any) -> str | None:
     Args:
       fn: The function to analyse, e.g. ``lambda g, s, p: tx.update(g, s, p)``.
       *args: Pytrees of arrays or ``jax.ShapeDtypeStruct`` to trace ``fn`` on.
+      collective: Accept full reductions (:func:`collective_kind`) of
+        coordinate-wise values outside control flow: on slices they are a
+        local reduction followed by a collective over the devices.
 
     Returns:
       None if ``fn`` is elementwise in all its non-scalar inputs, otherwise a
@@ -237,10 +253,20 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any) -> str | None:
     tainted = _Fact(frozenset({0}), frozenset({0}))
     facts = [tainted if _size(v) > 1 else _CLEAN for v in closed.jaxpr.invars]
     try:
-        _Analysis(strict=True).check(closed, facts, None)
+        _Analysis(strict=True, collective=collective).check(closed, facts, None)
     except CouplingError as e:
         return str(e)
     return None
+
+
+def coordinate_reductions(fn: Callable[..., Any], *args: Any) -> bool:
+    """Whether ``fn``, elementwise but for full reductions (:func:`find_coordinate_coupling` with
+    ``collective=True`` finds nothing), has any: on coordinate slices it then needs collectives."""
+    closed, _, args = _traced(fn, args)
+    tainted = _Fact(frozenset({0}), frozenset({0}))
+    analysis = _Analysis(strict=True, collective=True)
+    analysis.check(closed, [tainted if _size(v) > 1 else _CLEAN for v in closed.jaxpr.invars], None)
+    return bool(analysis.reduced)
 
 
 def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None) -> str | None:
@@ -275,7 +301,8 @@ def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sou
     return None
 
 
-def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None) -> LeafAnalysis:
+def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None,
+                   collective: bool = False) -> LeafAnalysis:
     """Tells, per labelled leaf, whether ``fn`` mixes its coordinates; refuses leaf mixing.
 
     Like :func:`find_leaf_coupling`, but an equation that mixes coordinates of
@@ -291,6 +318,9 @@ def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources
         None per leaf or subtree, as for :func:`find_leaf_coupling`.
       out_sources: Optionally, which outputs of ``fn`` belong to a leaf, as for
         :func:`find_leaf_coupling`.
+      collective: Accept full reductions of a leaf's coordinate-wise values
+        (:func:`collective_kind`): the leaf is not coupled by them, and their
+        scalar results may meet other leaves (``LeafAnalysis.crossing``).
 
     Returns:
       The coupled labels, why, and the labels each output of ``fn`` depends on.
@@ -309,9 +339,10 @@ def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources
             facts.append(_Fact(positional=_SHARED) if big else _CLEAN)
         else:
             facts.append(_Fact(frozenset({lab}), frozenset({lab}) if big else _NONE))
-    analysis = _Analysis(strict=False)
+    analysis = _Analysis(strict=False, collective=collective)
     outs = analysis.check(closed, facts, _output_labels(closed, out_sources, out_shape))
-    return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs))
+    return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs),
+                        frozenset(analysis.reduced), analysis.crossing, tuple(f.reduced for f in outs))
 
 
 class _Labels:
@@ -351,7 +382,7 @@ def _output_labels(closed: jcore.ClosedJaxpr, out_sources: Any, out_shape: Any) 
 
 # Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
 _SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
-                         "copy_p", "pjit", "jit", "closed_call"})
+                         "copy_p", "pjit", "jit", "closed_call", "reshard"})
 # Equation parameters that describe shapes, axes or program structure: they differ between a tensor and its slice.
 _SHAPE_PARAMS = frozenset({
     "shape", "dimensions", "broadcast_dimensions", "axes", "axis", "dimension", "sizes", "new_sizes",
@@ -399,7 +430,7 @@ def _walk_bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None
 
 
 def leaf_programs(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any,
-                  names: dict[str, str] | None = None) -> dict[int | None, tuple[str, ...]]:
+                  names: dict[str, str] | None = None, collective: bool = False) -> dict[int | None, tuple[str, ...]]:
     """What `fn` computes for each labelled leaf, as a text that is equal for two leaves, or for one leaf in two
     traces, exactly when the same program runs on them (whatever their shapes).
 
@@ -418,21 +449,25 @@ def leaf_programs(fn: Callable[..., Any], *args: Any, sources: Any, out_sources:
       sources: A pytree prefix of ``args`` with an ``int`` label or None per leaf or subtree.
       out_sources: The same for the output of ``fn``.
       names: Shared across calls, so that the same shared computation has the same name in several traces.
+      collective: A full reduction of one leaf's values (:func:`collective_kind`) belongs to its program, but its
+        result is named by the leaf and its position there and carries no label, as every device computes it
+        (a global norm then adds shared values, not leaves).
 
     Returns:
       Label (or None) -> its program, for every label whose values no equation mixes with another label's.
     """
     closed, out_shape, args = _traced(fn, args)
-    walker = _LeafPrograms(closed, {} if names is None else names)
+    walker = _LeafPrograms(closed, {} if names is None else names, collective)
     return walker.run(_input_labels(closed, sources, args), _output_labels(closed, out_sources, out_shape))
 
 
 class _LeafPrograms:
     """The walk of :func:`leaf_programs`: per variable its label and its name, per label its program."""
 
-    def __init__(self, closed: jcore.ClosedJaxpr, names: dict[str, str]):
+    def __init__(self, closed: jcore.ClosedJaxpr, names: dict[str, str], collective: bool = False):
         self.closed = closed
         self.names = names
+        self.collective = collective
         self.label_of: dict[Any, int] = {}
         self.name: dict[Any, str] = {v: "c?" for v in closed.jaxpr.constvars}
         self.name.update((v, f"k{x}") for v, x in _known_consts(closed).items())
@@ -512,6 +547,12 @@ class _LeafPrograms:
                 self.name[out] = self.names.setdefault(f"{entry}#{i}", f"s{len(self.names)}")
             return
         self.programs[lab].append(entry)
+        if self.collective and collective_kind(eqn) is not None:  # the same scalar on every device
+            for out in eqn.outvars:
+                self.label_of.pop(out, None)
+                self.name[out] = f"r{lab}.{self.counts.get(lab, 0)}"
+                self.counts[lab] = self.counts.get(lab, 0) + 1
+            return
         for out in eqn.outvars:
             self._own(out, lab)
 
@@ -672,6 +713,30 @@ def _made_here(name: str) -> str:
     return _opaque(name) + "; its result may depend on positions"
 
 
+_COLLECTIVE_KINDS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "dot_general": "sum"}
+
+
+def collective_kind(eqn: Any) -> str | None:
+    """``"sum"``, ``"max"`` or ``"min"`` if ``eqn`` reduces whole arrays to one element, else None.
+
+    A full reduction is `reduce_sum`, `reduce_max` or `reduce_min` whose result has one element, or a
+    `dot_general` of two operands of one shape contracting all their axes in the same order (`jnp.vdot`). On
+    coordinate slices it is the reduction of each device's slice (its padding set to the reduction's identity)
+    followed by `psum`, `pmax` or `pmin` over the devices: the same scalar on every device.
+    """
+    name = eqn.primitive.name
+    kind = _COLLECTIVE_KINDS.get(name)
+    if kind is None or not eqn.outvars or _size(eqn.outvars[0]) != 1:
+        return None
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        dims = tuple(range(len(_shape(lhs))))
+        if lb or rb or _shape(lhs) != _shape(rhs) or tuple(lc) != dims or tuple(rc) != dims:
+            return None
+    return kind
+
+
 def _structural_violation(eqn: Any, tainted: Sequence[Any]) -> str | None:
     """Why a known first-order equation with the operands ``tainted`` mixes coordinates, or None."""
     name = eqn.primitive.name
@@ -705,16 +770,19 @@ def _structural_violation(eqn: Any, tainted: Sequence[Any]) -> str | None:
 
 def _join(facts: Sequence[_Fact]) -> _Fact:
     """The fact of a value computed from values with ``facts``: unions, and the first origins."""
-    labels = coords = _NONE
+    labels = coords = reduced = _NONE
     random = positional = None
+    control = False
     for f in facts:
         if f is _CLEAN:
             continue
+        control = control or f.control
         labels = labels | f.labels if labels else f.labels
         coords = coords | f.coords if coords else f.coords
+        reduced = reduced | f.reduced if reduced else f.reduced
         random = random or f.random
         positional = positional or f.positional
-    return _Fact(labels, coords, random, positional)
+    return _Fact(labels, coords, random, positional, reduced, control)
 
 
 def _fit(var: Any, fact: _Fact) -> _Fact:
@@ -726,7 +794,7 @@ def _fit(var: Any, fact: _Fact) -> _Fact:
 
 def _key(facts: Sequence[_Fact]) -> list[tuple[Any, ...]]:
     """What a loop's fixed point compares (origins are kept from the first iteration that sets them)."""
-    return [(f.labels, f.coords, f.random is None, f.positional is None) for f in facts]
+    return [(f.labels, f.coords, f.random is None, f.positional is None, f.reduced, f.control) for f in facts]
 
 
 class _Analysis:
@@ -735,11 +803,19 @@ class _Analysis:
     Mixing of two labels and random values meeting parameter data always raise
     :class:`CouplingError`. Mixing coordinates of a leaf raises in ``strict``
     mode, and is otherwise recorded in ``reasons`` (first reason per label).
+    With ``collective``, a full reduction (:func:`collective_kind`) of
+    coordinate-wise values outside control flow mixes nothing: its scalar is
+    what a collective over the slices gives every device, so it carries no
+    label (``reduced`` records the leaves whose reductions it depends on, and
+    ``crossing`` whether such a scalar meets another leaf).
     """
 
-    def __init__(self, strict: bool):
+    def __init__(self, strict: bool, collective: bool = False):
         self.strict = strict
+        self.collective = collective
         self.reasons: dict[int, str] = {}
+        self.reduced: set[int] = set()
+        self.crossing: str | None = None  # where a reduction of one leaf first meets another leaf
         self._stack: list[Any] = []  # Enclosing equations, for source locations.
 
     def check(self, closed: jcore.ClosedJaxpr, facts: Sequence[_Fact], out_labels: Sequence[int | None] | None
@@ -780,12 +856,9 @@ class _Analysis:
         name = eqn.primitive.name
         if name in _SINKS:
             return [_CLEAN] * len(eqn.outvars)
-        if name == "cond":
-            return self._cond(eqn, facts)
-        if name == "while":
-            return self._while(eqn, facts)
-        if name == "scan":
-            return self._scan(eqn, facts)
+        if name in _CONTROL:
+            outs = {"cond": self._cond, "while": self._while, "scan": self._scan}[name](eqn, facts)
+            return [f._replace(control=True) if self.collective and f.coords else f for f in outs]
         body = _call_body(eqn)
         if body is not None:
             return self._nested(eqn, body, facts)
@@ -799,6 +872,13 @@ class _Analysis:
         out = _join(facts)
         if len(out.labels) > 1:
             raise self._error(eqn, f"mixes parameter leaves {sorted(out.labels)}")
+        if not self.crossing and len(out.labels | out.reduced) > 1:
+            self.crossing = _describe([*self._stack, eqn], "combines full reductions of parameter leaves "
+                                      f"{sorted(out.labels | out.reduced)} (a global norm)")
+        if (out.coords or out.labels) and self._collective(eqn, facts, out):
+            # (a scalar leaf's value counts too: on slices one device holds it, the others padding)
+            self.reduced.update(out.coords | out.labels)
+            return [_Fact(reduced=out.reduced | out.coords | out.labels)] * len(eqn.outvars)
         if out.coords:
             self._check_coordinates(eqn, facts, out.coords)
         if name in _RANDOM:
@@ -810,6 +890,18 @@ class _Analysis:
         if out.random is not None and out.labels:
             raise self._random(out.random, f"meet parameter-derived values in `{name}`")
         return [out] * len(eqn.outvars)
+
+    def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
+        """Whether ``eqn`` is a full reduction that runs as a collective on slices: outside control flow (the
+        evaluator reduces only there), of values that are neither random nor position-dependent."""
+        if not self.collective or collective_kind(eqn) is None or out.random is not None or out.control:
+            return False
+        if any(f.positional is not None for f in facts):
+            return False
+        return not self._in_control()
+
+    def _in_control(self) -> bool:
+        return any(e.primitive.name in _CONTROL for e in self._stack)
 
     def _check_coordinates(self, eqn: Any, facts: Sequence[_Fact], coords: Taint) -> None:
         """Records (or raises) coordinate mixing by ``eqn`` of the leaves ``coords``, if it mixes them."""
@@ -827,6 +919,9 @@ class _Analysis:
                 self._couple(coords, chain, f"combines a parameter-derived value with {positional.what}: {wrong}")
         else:
             reason = _structural_violation(eqn, [v for v, f in zip(eqn.invars, facts) if f.coords])
+            if reason is not None and self.collective and collective_kind(eqn) is not None:
+                reason += (" inside control flow (a `cond`, `while` or `scan`), or of a value computed there: zero1 "
+                           "runs full reductions on slices as collectives only outside control flow")
             if reason is not None:
                 self._couple(coords, chain, reason)
 
@@ -862,6 +957,10 @@ class _Analysis:
         if pred is _CLEAN:
             return outs
         outs = [_join((t, pred)) for t in outs]
+        crossed = next((t.labels | t.reduced for t in outs if len(t.labels | t.reduced) > 1), None)
+        if not self.crossing and crossed is not None:
+            self.crossing = _describe([*self._stack, eqn], f"{what} combines full reductions of parameter leaves "
+                                      f"{sorted(crossed)}")
         mixed = next((t.labels for t in outs if len(t.labels) > 1), None)
         if mixed is not None:
             raise self._error(eqn, f"{what} depends on a leaf and selects values of parameter leaves {sorted(mixed)}")

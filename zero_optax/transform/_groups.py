@@ -14,6 +14,7 @@ depend on no leaf, and every member's program is the first member's, independent
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,12 +44,14 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 
-def run_inner(inner, grads, state, params, extra: dict, axes) -> tuple[Any, Any]:
+def run_inner(inner, grads, state, params, extra: dict, axes, slices: list | None = None) -> tuple[Any, Any]:
     """`inner.update(grads, state, params, **extra)`, every value typed varying across the ZeRO `axes`, so the
     inner update runs whatever it branches on (`zero_optax.transform._varying`). The updates come back typed at
     least as their gradients, the new state at least as the old one (a history of a leaf sharded over a tensor
-    axis varies across it, even where the inner update builds it from a constant)."""
-    u, new = _varying.run(lambda g, s, p, e: inner.update(g, s, p, **e), (grads, state, params, extra), axes)
+    axis varies across it, even where the inner update builds it from a constant). `slices`: per leaf of the
+    arguments, None or the `_reduce.Coordinates` it holds (its full reductions then run across the devices)."""
+    u, new = _varying.run(lambda g, s, p, e: inner.update(g, s, p, **e), (grads, state, params, extra), axes,
+                          slices)
     return _varying.like(u, grads), _varying.like(new, state)
 
 
@@ -130,6 +133,17 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
         return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
     new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
     return new, new.astype(p_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class JointRun:
+    """The inputs of one step's joint view (`Groups.joint_view`): per group, its part of the reduced gradient,
+    of the parameters (or master copies; `params` None without them) and its padding mask; the extra arguments."""
+
+    grads: list
+    params: list | None
+    masks: list
+    extra: dict
 
 
 class Groups:
@@ -224,6 +238,44 @@ class Groups:
         u = jax.tree.leaves(u)
         return (u[0] if u else None), new_shared, new_histories
 
+    def joint_view(self, layout: Layout) -> tuple[Any, list[int]]:
+        """The inner state treedef of the view holding every sliced leaf (`Layout.reductions`), and the entries
+        its leaves stand for, in order (cached)."""
+        key = (layout, "joint")
+        if key not in self._views:
+            order = sorted(layout.shared_entries + tuple(j for g in layout.groups for j in g.histories[0]))
+            present = {g.first for g in layout.groups}
+            self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
+        return self._views[key]
+
+    def _run_joint(self, layout: Layout, run: "JointRun", shared: dict, stored: SlicedState, inner
+                   ) -> tuple[list, dict[int, Any], list[tuple]]:
+        """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
+        one: `Layout.reductions`), whose full reductions run across the devices: the updates of each group, the
+        new shared values and each group's new histories."""
+        treedef, order = self.joint_view(layout)
+        slices = {g.first: _reduce.Coordinates(mask, layout.zero_axes(layout.leaves[g.first])
+                                               if layout.leaves[g.first].group > 1 else ())
+                  for g, mask in zip(layout.groups, run.masks)}
+
+        def view(parts):
+            return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
+                                        for g, x in zip(layout.groups, parts)})
+        own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
+        old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+        g_view = view(run.grads)
+        p_view = None if run.params is None else view(run.params)
+        firsts = sorted(slices)
+        tags = [slices[i] for i in firsts]
+        tags += [None if layout.entries[j].leaf is None else slices[layout.entries[j].leaf] for j in order]
+        tags += ([] if p_view is None else [slices[i] for i in firsts]) + [None] * len(jax.tree.leaves(run.extra))
+        u, new = run_inner(inner, g_view, old, p_view, run.extra, layout.axes, tags)
+        check_returned(u, new, g_view, old, "sliced leaves")
+        values = dict(zip(order, jax.tree.leaves(new)))
+        updates = dict(zip(firsts, jax.tree.leaves(u)))
+        return ([updates[g.first] for g in layout.groups], {j: values[j] for j in layout.shared_entries},
+                [tuple(values[j] for j in g.histories[0]) for g in layout.groups])
+
     def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
                stored: SlicedState, masks: list, ok, extra: dict, inner) -> tuple[list, SlicedState, dict]:
         """The inner update on every group's view.
@@ -234,6 +286,14 @@ class Groups:
         shared entries' new values are the first view's (every view computes the same).
         """
         shared_old = self.shared_values(layout, stored)
+        if layout.reductions:
+            updates, shared_new, new = self._run_joint(layout, JointRun(grads, params, masks, extra), shared_old,
+                                                       stored, inner)
+            histories = [tuple(_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, old))
+                         for h, old, mask in zip(new, stored.histories, masks)]
+            new = SlicedState(_shared.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                              tuple(histories))
+            return updates, new, shared_old
         updates, histories = [], []
         shared_new = None
         for t, g in enumerate(self.targets(layout)):

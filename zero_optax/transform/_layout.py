@@ -224,6 +224,9 @@ class Layout:
         leaf.
       stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
         member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
+      reductions: whether the inner update reduces sliced leaves' coordinates to scalars (a global norm, a trust
+        ratio: issue 29). Each sliced leaf is then a group of its own, and all run in one view, whose full
+        reductions run across the devices (`zero_optax.transform._varying`). How they are updated, not stored.
     """
 
     partition: str
@@ -241,6 +244,7 @@ class Layout:
     memory_kind: str = dataclasses.field(default="device", compare=False)
     groups: tuple[Group, ...] = ()
     stacks: tuple[tuple[int, ...], ...] = ()
+    reductions: bool = False
 
     def __hash__(self) -> int:
         return self._hash
@@ -249,7 +253,7 @@ class Layout:
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks))
+                     self.groups, self.stacks, self.reductions))
 
     # Views that users read.
     @property

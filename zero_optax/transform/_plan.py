@@ -166,39 +166,94 @@ def _labels(treedef, n: int):
     return jax.tree_util.tree_unflatten(treedef, list(range(n)))
 
 
-def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, n_leaves: int, state, entries_leaf) -> set[int]:
-    """Leaves whose coordinates the inner update mixes (they need whole tensors); raises where it mixes two leaves,
-    draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
+REDUCTIONS_HELP = """\
+zero1 computes full reductions of sliced leaves (a global norm, a trust ratio) exactly, with a collective over
+the devices, but a leaf that needs whole tensors on an owner cannot join the collective of the sliced ones.
+Either move the global operation before zero1, on the reduced gradient:
+    optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                zo.zero1(inner, axis_name="{axis}", partition="auto", reduce=False))
+or give those leaves an elementwise optimizer, or use partition="leaf" on a transformation that does not combine
+leaves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """What the analysis of the inner update decides for the layout.
+
+    Attributes:
+      coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
+      reductions: whether it reduces sliced leaves' coordinates to scalars (`Layout.reductions`).
+    """
+
+    coupled: frozenset[int]
+    reductions: bool = False
+
+
+def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries) -> Coupling:
+    """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
+    reductions, draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
     axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
-            return set()
-        where = _coupling.find_coordinate_coupling(traced)
+            return Coupling(frozenset())
+        where = _coupling.find_coordinate_coupling(traced, collective=True)
         if where is not None:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{where}.\n{FLAT_HELP.format(axis=axis)}")
-        return set()
+        return Coupling(frozenset(), _coupling.coordinate_reductions(traced))
+    n_leaves = treedef.num_leaves
     labels = _labels(treedef, n_leaves)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), list(entries_leaf))
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
     try:
         found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
-                                         out_sources=(labels, state_labels))
+                                         out_sources=(labels, state_labels), collective=cfg.partition == AUTO)
     except _coupling.CouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
             f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws "
             f"random numbers that devices holding different leaves would not draw as one device does.\n"
             f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
-    for path, taint, leaf in zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries_leaf):
-        if leaf is None and taint:
+    outputs = zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries)
+    for path, taint, entry in outputs:
+        if entry.leaf is None and taint:
             raise ZeroCouplingError(
                 f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it "
                 f"belongs to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
                 f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
-        return set(range(n_leaves))
-    return set(found.coupled)
+        return Coupling(frozenset(range(n_leaves)))
+    # A leaf whose state is not per coordinate (novograd's per-leaf scalar) is kept whole, on an owner.
+    coupled = found.coupled | _not_per_coordinate(traced, entries)
+    return _check_reductions(cfg, found, frozenset(coupled), state, entries)
+
+
+def _not_per_coordinate(traced: _coupling.Traced, entries) -> frozenset[int]:
+    """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): they cannot be sliced."""
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    return frozenset(e.leaf for e in entries if e.leaf is not None and tuple(e.shape) != shapes[e.leaf])
+
+
+def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
+                      ) -> Coupling:
+    """`partition="auto"`: refuses full reductions that owned leaves would have to join (a global norm over a
+    leaf that needs an owner, or a shared state entry computed from an owned leaf's reduction)."""
+    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    owned_reduced = found.reductions & coupled
+    if found.crossing is not None and coupled and found.reductions:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"auto\") cannot run this inner transformation: it applies {found.crossing}, "
+            f"while leaves {sorted(coupled)} need whole tensors on an owner (the first applies "
+            f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}).\n"
+            f"{REDUCTIONS_HELP.format(axis=axis)}")
+    n_leaves = len(found.output_taints) - len(entries)
+    for path, reduced, entry in zip(_names.leaf_paths(state), found.output_reductions[n_leaves:], entries):
+        if entry.leaf is None and reduced & coupled:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"auto\"): the inner state `{path}` is shared by all parameters, but its new "
+                f"value depends on reductions of leaves {sorted(reduced & coupled)}, which need whole tensors on an "
+                f"owner: devices would disagree on it.\n{REDUCTIONS_HELP.format(axis=axis)}")
+    return Coupling(coupled, bool(found.reductions - owned_reduced))
 
 
 def _check_slices(real_state, mixed_state) -> None:
@@ -248,7 +303,14 @@ def build_layout(cfg: Config, params) -> Layout:
     else:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
-    coupled = _coupled_leaves(cfg, traced, treedef, len(real), real_state, [e.leaf for e in real_entries])
+    found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries)
+    coupled = found.coupled
+    if found.reductions and cfg.offload:
+        raise ZeroCouplingError(
+            "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
+            "transformation reduces whole leaves to scalars (a global norm, a trust ratio), which a chunk cannot "
+            "compute. Use offload=False, or move the global operation before zero1 (zo.reduce_gradients, then "
+            "zero1(..., reduce=False)).")
 
     for i in coupled:
         if placement[i][0]:
@@ -277,14 +339,16 @@ def build_layout(cfg: Config, params) -> Layout:
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
     names: dict[str, str] = {}
-    programs = _leaf_programs(traced, treedef, entries, names)
+    programs = _leaf_programs(traced, treedef, entries, names, found.reductions)
     entries = entries + _master_entries(cfg, leaves)
-    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names)
+    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names,
+                                           found.reductions)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs))
+                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
+                  found.reductions and bool(groups))
 
 
 FUSE_BYTES = 1 << 14
@@ -295,14 +359,14 @@ saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (
 
 
 def _leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
-                   names: dict[str, str]) -> dict[int | None, tuple[str, ...]]:
+                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
     """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
     outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
     shared state's."""
     labels = _labels(treedef, treedef.num_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
     return _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
-                                   out_sources=(labels, state_labels), names=names)
+                                   out_sources=(labels, state_labels), names=names, collective=reductions)
 
 
 def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -318,7 +382,7 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
 
 
 def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], programs: dict,
-            extra, names: dict[str, str]) -> tuple[Group, ...]:
+            extra, names: dict[str, str], reductions: bool = False) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
     each runs on its slots what it runs on the parameter.
 
@@ -328,13 +392,14 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
     is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
     alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
-    transformation reads the parameters' shapes: a mask computed from `ndim`).
+    transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
+    leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
     """
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
     masters = {i: master_of[i] for i in histories if i in master_of}
-    candidates = _candidates(cfg, leaves, entries, histories, programs)
-    found, failure = _view_programs(cfg, treedef, leaves, candidates, extra, names)
+    candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
+    found, failure = _view_programs(cfg, treedef, leaves, candidates, extra, names, reductions)
     groups, alone = [], []
     for members in candidates:
         if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
@@ -343,7 +408,7 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         else:
             alone += members
     if any(len(m) > 1 for m in candidates if m[0] in alone):
-        found, failure = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names)
+        found, failure = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names, reductions)
     _check_alone(leaves, alone, programs, found, failure)
     groups += [[i] for i in alone]
     out = []
@@ -427,7 +492,8 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
 
 
 def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: list[list[int]], extra,
-                   names: dict[str, str]) -> tuple[dict[int | None, tuple[str, ...]], Exception | None]:
+                   names: dict[str, str], reductions: bool = False
+                   ) -> tuple[dict[int | None, tuple[str, ...]], Exception | None]:
     """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
     holding all its members' slots, every other leaf masked; key None the shared state's. Where the view cannot
     be traced, no programs and the exception (its leaves then stay alone, or are refused with it)."""
@@ -448,7 +514,8 @@ def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: 
         state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
         return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, extra,
                                        sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=names), None
+                                       out_sources=(label_tree, state_labels), names=names,
+                                       collective=reductions), None
     except Exception as e:  # noqa: BLE001  (a view the transformation cannot run: its leaves stay alone, or are
         return {}, e      # refused)
 

@@ -178,3 +178,46 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
+
+
+# ---------------------------------------------------------------------- reductions inside the inner update
+
+class Coordinates(NamedTuple):
+    """A value of the inner update that holds this device's coordinate slice of one sliced leaf (issue 29).
+
+    Attributes:
+      valid: which of its coordinates are real (the leaf's slots past its size, on the last devices, are
+        padding), in the slice's own shape or flat; None when all are.
+      axes: the leaf's ZeRO axes, across which the devices hold its other coordinates; empty where one device
+        holds the leaf whole.
+    """
+
+    valid: jax.Array | None
+    axes: tuple[str, ...]
+
+
+_COLLECTIVES = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def _identity(kind: str, dtype) -> jax.Array:
+    """The value that leaves a `kind` reduction unchanged, in `dtype`."""
+    dtype = np.dtype(dtype)
+    if kind == "sum" or dtype == np.bool_:
+        return jnp.asarray(kind == "min" and dtype == np.bool_, dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.asarray(-np.inf if kind == "max" else np.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if kind == "max" else info.max, dtype)
+
+
+def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
+    """`x` (a value on `where`'s coordinates) with its padding set to the identity of a `kind` reduction."""
+    if where.valid is None:
+        return x
+    return jnp.where(where.valid.reshape(x.shape), x, _identity(kind, x.dtype))
+
+
+def across_slices(local: jax.Array, where: Coordinates, kind: str) -> jax.Array:
+    """The reduction of a whole leaf from each device's reduction of its slice (`without_padding`): `psum`,
+    `pmax` or `pmin` over the leaf's ZeRO axes, a few bytes on the wire. Every device gets the same value."""
+    return _COLLECTIVES[kind](local, where.axes) if where.axes else local

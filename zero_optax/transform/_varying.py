@@ -12,6 +12,14 @@ other (`optax.novograd`'s first step), cannot run.
 evaluates the traced program on the real inputs with every operand and result cast to varying: each primitive
 then sees operands of one type, and each branch, loop body and called function (whose own programs are evaluated
 the same way) returns varying values. The casts are types only; the compiled program is the inner update's.
+
+With `slices` (issue 29), `run` also knows which inputs hold this device's coordinate slice of a sliced leaf
+(`_reduce.Coordinates`) and follows them through the program: a result of the size of such an operand holds the
+same coordinates (the coupling analysis proved the update elementwise in them, but for full reductions outside
+control flow). A full reduction of such a value (`_coupling.collective_kind`: a sum, max or min of all its
+elements, or `jnp.vdot`) reduces the slice with its padding set to the reduction's identity and then reduces
+across the leaf's devices (`_reduce.across_slices`), so every device gets what the update computes on the whole
+leaf: a global norm, a trust ratio.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
+from zero_optax.transform import _reduce
 
 # Primitives that call one program on their operands: evaluated inline, by the parameter that holds it.
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -32,15 +42,21 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 
-def run(fn: Callable, args: Sequence[Any], axes) -> Any:
-    """`fn(*args)`, every value typed varying across `axes` (as is, where values carry no such types)."""
-    if not _compat.vma_enabled(axes):
+def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
+    """`fn(*args)`, every value typed varying across `axes` (as is, where values carry no such types).
+
+    `slices`, if given, has one entry per leaf of `args` (in `jax.tree.leaves` order): None, or the
+    `_reduce.Coordinates` of a leaf's slice it holds; full reductions of those then run across the devices.
+    """
+    vma = _compat.vma_enabled(axes)
+    if not vma and slices is None:
         return fn(*args)
-    axes = frozenset(_compat.as_tuple(axes))
+    axes = frozenset(_compat.as_tuple(axes)) if vma else frozenset()
     flat, tree = jax.tree.flatten(args)
     stand_ins = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*stand_ins)
-    out = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes)
+    tags = list(slices) if slices is not None else [None] * len(flat)
+    out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes, tags)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
 
@@ -75,25 +91,57 @@ def _joined(xs: Sequence[Any], axes: frozenset) -> list:
     return [_cast(x, union) for x in xs]
 
 
-def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset) -> list:
-    """Evaluates `jaxpr`, each equation's operands cast to one varying type (`_joined`)."""
+def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
+          tags: Sequence[Any] | None = None) -> tuple[list, list]:
+    """Evaluates `jaxpr`, each equation's operands cast to one varying type (`_joined`); with `tags` (an input's
+    `_reduce.Coordinates` or None), also the results' tags, and full reductions of tagged values across the
+    devices (see the module docstring). Returns the results and their tags."""
     env: dict = {}
+    tag: dict = {}
 
     def read(v):
         return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, [_cast(x, axes) for x in consts]))
     env.update(zip(jaxpr.invars, args))
+    tag.update((v, t) for v, t in zip(jaxpr.invars, tags or ()) if t is not None)
     for eqn in jaxpr.eqns:
-        outs = _apply(eqn, _joined([read(v) for v in eqn.invars], axes), axes)
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-    return [_cast(read(v), axes) for v in jaxpr.outvars]
+        ins = _joined([read(v) for v in eqn.invars], axes)
+        in_tags = [None if isinstance(v, jex_core.Literal) else tag.get(v) for v in eqn.invars]
+        outs, out_tags = _tagged(eqn, ins, in_tags, axes)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+        tag.update((v, t) for v, t in zip(eqn.outvars, out_tags) if t is not None)
+    return ([_cast(read(v), axes) for v in jaxpr.outvars],
+            [None if isinstance(v, jex_core.Literal) else tag.get(v) for v in jaxpr.outvars])
+
+
+def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
+    """One equation and its results' tags: a call evaluates its program with the tags, a full reduction of a
+    tagged value reduces across the devices, and any other result holds the coordinates of an operand of its
+    size."""
+    if not any(t is not None for t in in_tags):
+        return _apply(eqn, ins, axes), [None] * len(eqn.outvars)
+    name = eqn.primitive.name
+    if name in _CALLS:
+        closed = eqn.params[_CALLS[name]]
+        jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+        return _eval(jaxpr, consts, ins, axes, in_tags)
+    kind = _coupling.collective_kind(eqn)
+    if kind is not None:
+        where = next(t for t in in_tags if t is not None)
+        ins = [_reduce.without_padding(x, where, kind) for x in ins]  # (a dot's operands both: 0 * inf is nan)
+        local = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+        return _reduce.across_slices(local, where, kind), [None]
+    out = _apply(eqn, ins, axes)
+    sized = [(jnp.size(x), t) for x, t in zip(ins, in_tags) if t is not None]
+    return out, [next((t for n, t in sized if n == v.aval.size), None) for v in eqn.outvars]
 
 
 def _closed(closed, axes: frozenset) -> Callable:
     """A function evaluating a closed jaxpr (or an open one without constants) the same way."""
     jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
-    return lambda *xs: _eval(jaxpr, consts, xs, axes)
+    return lambda *xs: _eval(jaxpr, consts, xs, axes)[0]
 
 
 def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
