@@ -116,6 +116,28 @@ def run_zero(tx, params, grads_seq, n, weights_seq=None, one_call: bool = False)
     return params, state, step
 
 
+def run_mesh_bound(tx, ref, params, steps: int, mesh):
+    """`steps` jitted `update` + `apply_updates` steps of `tx`, bound to `mesh`, on its devices (the parameters
+    replicated) and of plain `ref` on one device, both fed the global mean of `gradient_sequence`'s per-device
+    gradients: `(zero params, zero state, optax params, optax state)`."""
+    n = mesh.devices.size
+    grads = [jax.tree.map(lambda g: g.mean(0), g) for g in gradient_sequence(params, n, steps)]
+
+    def step_of(tx):
+        def step(params, state, g):
+            u, state = tx.update(g, state, params)
+            return optax.apply_updates(params, u), state
+        return jax.jit(step)
+
+    z_step, r_step = step_of(tx), step_of(ref)
+    z_params = jax.device_put(params, NamedSharding(mesh, P()))
+    z_state, r_params, r_state = tx.init(z_params), params, ref.init(params)
+    for g in grads:
+        z_params, z_state = z_step(z_params, z_state, jax.device_put(g, NamedSharding(mesh, P())))
+        r_params, r_state = r_step(r_params, r_state, g)
+    return z_params, z_state, r_params, r_state
+
+
 def stored_entries(state) -> dict[int, np.ndarray]:
     """Entry index -> its stored values, read straight from a zero1 state's arrays as `zero_optax.transform._state`
     documents them: a shared entry as `[N, *shape]` (the leaves of the inner state's tree); a sliced history or master copy as its 1-D padded,

@@ -8,8 +8,6 @@ import jax.numpy as jnp
 import optax
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
@@ -85,22 +83,5 @@ def test_novograd_mesh_bound(partition):
     """Mesh-bound on 8 devices under `jax.jit`: the owned leaves' reduced gradients are the same on every device
     while their stored state is not, which novograd's first-step `lax.cond` used to refuse."""
     mesh = h.mesh_of(8)
-    params = jax.device_put(h.small_params(), NamedSharding(mesh, P()))
-    grads = [jax.tree.map(lambda g: g.mean(0), g) for g in h.gradient_sequence(params, 8, 3)]
     tx = zo.zero1(optax.novograd(1e-2), axis_name="data", mesh=mesh, partition=partition)
-    ref = optax.novograd(1e-2)
-
-    def step_of(tx):
-        def step(params, state, g):
-            u, state = tx.update(g, state, params)
-            return optax.apply_updates(params, u), state
-        return jax.jit(step)
-
-    z_step, r_step = step_of(tx), step_of(ref)
-    z_params, z_state = params, tx.init(params)
-    r_params = h.small_params()
-    r_state = ref.init(r_params)
-    for g in grads:
-        z_params, z_state = z_step(z_params, z_state, jax.device_put(g, NamedSharding(mesh, P())))
-        r_params, r_state = r_step(r_params, r_state, g)
-    h.assert_matches(z_params, z_state, r_params, r_state)
+    h.assert_matches(*h.run_mesh_bound(tx, optax.novograd(1e-2), h.small_params(), 3, mesh))

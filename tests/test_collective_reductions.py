@@ -93,26 +93,10 @@ def test_state_is_sharded():
 
 
 def test_mesh_bound_on_8_devices():
-    mesh = h.mesh_of(8)
-    params = jax.device_put(h.small_params(), NamedSharding(mesh, P()))
-    grads = [jax.tree.map(lambda g: g.mean(0), g) for g in h.gradient_sequence(params, 8, 3)]
     make = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.lamb(1e-2))
-    tx = zo.zero1(make(), axis_name="data", mesh=mesh)
-    ref = make()
-
-    def step_of(tx):
-        def step(params, state, g):
-            u, state = tx.update(g, state, params)
-            return optax.apply_updates(params, u), state
-        return jax.jit(step)
-
-    z_step, r_step = step_of(tx), step_of(ref)
-    z_params, z_state = params, tx.init(params)
-    r_params = h.small_params()
-    r_state = ref.init(r_params)
-    for g in grads:
-        z_params, z_state = z_step(z_params, z_state, jax.device_put(g, NamedSharding(mesh, P())))
-        r_params, r_state = r_step(r_params, r_state, g)
+    mesh = h.mesh_of(8)
+    z_params, z_state, r_params, r_state = h.run_mesh_bound(zo.zero1(make(), axis_name="data", mesh=mesh), make(),
+                                                            h.small_params(), 3, mesh)
     h.assert_matches(z_params, z_state, r_params, r_state, rtol=1e-5)
     assert zo.describe(z_state).reductions
 
