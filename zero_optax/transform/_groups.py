@@ -248,7 +248,7 @@ class Groups:
             self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
         return self._views[key]
 
-    def _run_joint(self, layout: Layout, run: "JointRun", shared: dict, stored: SlicedState, inner
+    def _run_joint(self, layout: Layout, run: JointRun, shared: dict, stored: SlicedState, inner
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
         """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
         one: `Layout.reductions`), whose full reductions run across the devices: the updates of each group, the
