@@ -174,12 +174,8 @@ def _apply(eqn, ins: list, axes: frozenset):
 def _scan(eqn, ins: list, axes: frozenset) -> list:
     p = eqn.params
     body = _closed(p["jaxpr"], axes)
-    if "num_consts" in p:  # JAX 0.10 and 0.11
-        nc, nk = p["num_consts"], p["num_carry"]
-        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-    else:  # JAX 0.12: the operands' (consts, carry, xs) split is a flat tree
-        consts, init, xs = map(list, p["ft_in"].update(ins).unpack())
-    nk = len(init)
+    nc, nk = _compat.scan_counts(eqn)
+    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     union = _axes_of(ins[0]) if ins else axes  # (the operands are cast alike, so the carry keeps its type)
 
     def step(carry, x):
