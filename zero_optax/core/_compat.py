@@ -204,6 +204,19 @@ def scan_counts(eqn) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+         "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+         "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+"""Primitives that call one program on their operands, by the parameter that holds it (named differently across
+JAX releases: `pjit` / `jit`, `custom_vjp_call` / `custom_vjp_call_jaxpr`)."""
+
+
+def jaxpr_parts(program) -> tuple:
+    """A program's jaxpr and constants: a ClosedJaxpr's (JAX 0.10, 0.11), JAX 0.12's Jaxpr that holds its own, or
+    an open jaxpr's (none)."""
+    return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
+
+
 def _jaxlib_version() -> tuple[int, ...]:
     import jaxlib
 

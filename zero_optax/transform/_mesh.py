@@ -274,23 +274,11 @@ def _per_device(value: Any) -> Any:
     return value
 
 
-# Primitives that call one program on their operands (by the parameter that holds it): evaluated inline.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
-
-
-def _parts(program) -> tuple[Any, Any]:
-    """A program's jaxpr and constants (a ClosedJaxpr, or JAX 0.12's Jaxpr that holds its own; an open jaxpr has
-    none)."""
-    return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
-
-
 def _evaluate(program, args: list, consts=None) -> list:
     """Evaluates `program` on `args` (with `consts` in place of its own constants, if given) in the current trace,
     tracing again each program it calls, branches on or loops over, so that every value is typed where it is
     computed: as tracing the inner transformation there would type it."""
-    jaxpr, own = _parts(program)
+    jaxpr, own = _compat.jaxpr_parts(program)
     env = dict(zip(jaxpr.constvars, own if consts is None else consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -304,8 +292,8 @@ def _evaluate(program, args: list, consts=None) -> list:
 
 def _equation(eqn, ins: list):
     name, p = eqn.primitive.name, eqn.params
-    if name in _CALLS:
-        return _evaluate(p[_CALLS[name]], ins)
+    if name in _compat.CALLS:
+        return _evaluate(p[_compat.CALLS[name]], ins)
     if name == "cond":
         return lax.switch(ins[0], [functools.partial(_branch, b) for b in p["branches"]], *ins[1:])
     if name == "while":
@@ -401,7 +389,8 @@ class _Hoisted:
             raise RuntimeError("zero1 (mesh-bound): the inner transformation was called outside its shard_map.")
         closed, out_shape, flat = _trace(fn, args)
         closed = _per_device(closed)
-        consts = [self._reading[self._index[id(c)]] if id(c) in self._index else c for c in _parts(closed)[1]]
+        consts = [self._reading[self._index[id(c)]] if id(c) in self._index else c
+                  for c in _compat.jaxpr_parts(closed)[1]]
         out = _evaluate(closed, flat, consts)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 

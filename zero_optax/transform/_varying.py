@@ -36,11 +36,6 @@ from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
 from zero_optax.transform import _reduce
 
-# Primitives that call one program on their operands: evaluated inline, by the parameter that holds it.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
-
 
 def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
     """`fn(*args)`, every value typed varying across `axes` (as is, where values carry no such types).
@@ -123,9 +118,8 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
     if not any(t is not None for t in in_tags):
         return _apply(eqn, ins, axes), [None] * len(eqn.outvars)
     name = eqn.primitive.name
-    if name in _CALLS:
-        closed = eqn.params[_CALLS[name]]
-        jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    if name in _compat.CALLS:
+        jaxpr, consts = _compat.jaxpr_parts(eqn.params[_compat.CALLS[name]])
         return _eval(jaxpr, consts, ins, axes, in_tags)
     kind = _coupling.collective_kind(eqn)
     if kind is not None:
@@ -140,7 +134,7 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
 
 def _closed(closed, axes: frozenset) -> Callable:
     """A function evaluating a closed jaxpr (or an open one without constants) the same way."""
-    jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    jaxpr, consts = _compat.jaxpr_parts(closed)
     return lambda *xs: _eval(jaxpr, consts, xs, axes)[0]
 
 
@@ -155,8 +149,8 @@ def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
 def _apply(eqn, ins: list, axes: frozenset):
     name = eqn.primitive.name
     p = eqn.params
-    if name in _CALLS:
-        return _closed(p[_CALLS[name]], axes)(*ins)
+    if name in _compat.CALLS:
+        return _closed(p[_compat.CALLS[name]], axes)(*ins)
     if name == "cond":
         branches = _agreeing([_closed(b, axes) for b in p["branches"]], ins[1:])
         return lax.switch(ins[0], branches, *ins[1:])
