@@ -195,13 +195,18 @@ def _tol(dtype, rtol, atol):
     return (max(rtol, 1e-2), max(atol, 1e-2)) if np.dtype(dtype).itemsize == 2 else (rtol, atol)
 
 
+def key_data(x):
+    """A typed PRNG key's data (what zero1 stores), anything else as it is."""
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
 def assert_matches(zero_params, zero_state, ref_params, ref_state, rtol=2e-5, atol=1e-6):
     for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(ref_params)):
         assert a.dtype == b.dtype
         r, t = _tol(a.dtype, rtol, atol)
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=r, atol=t)
     got = full_state(zero_state)
-    want = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(ref_state)}
+    want = {jax.tree_util.keystr(p): np.asarray(key_data(x)) for p, x in jax.tree_util.tree_leaves_with_path(ref_state)}
     assert set(got) == set(want), (sorted(got), sorted(want))
     for path, x in want.items():
         assert got[path].dtype == x.dtype, path

@@ -64,7 +64,7 @@ def test_matches_single_device_optax(name, partition):
     rp, rs = _run_oracle(make(), params, grads, extra)
     h.assert_matches(zp, zs, rp, rs, rtol=1e-5)
     layout = zo.describe(zs)
-    assert layout.reductions and all(s == "sliced" for s in layout.sharding)
+    assert layout.joint and all(s == "sliced" for s in layout.sharding)
     assert all(len(g.leaves) == 1 for g in layout.groups)  # a norm of a group's buffer would mix its members
 
 
@@ -98,7 +98,7 @@ def test_mesh_bound_on_8_devices():
     z_params, z_state, r_params, r_state = h.run_mesh_bound(zo.zero1(make(), axis_name="data", mesh=mesh), make(),
                                                             h.small_params(), 3, mesh)
     h.assert_matches(z_params, z_state, r_params, r_state, rtol=1e-5)
-    assert zo.describe(z_state).reductions
+    assert zo.describe(z_state).joint
 
 
 def _init(tx, params, n=3):

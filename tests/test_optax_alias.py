@@ -142,16 +142,7 @@ def _case_key(partition: str, method: str, params: dict) -> str:
 # Cases that fail through zero1 today, by category: (reason, fnmatch patterns over `_case_key`); the first category
 # with a matching pattern gives a case its reason. Each is a strict xfail: a case that starts to pass fails the
 # suite until its pattern goes.
-_XFAIL: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        (
-            "noisy_sgd: zero1 refuses the typed PRNG key in its state (ZeroCouplingError: The inner optimizer's "
-            "state `[0].rng_key` holds a typed PRNG key (key<fry>); zero1 cannot shard, reduce or checkpoint typed "
-            "keys)"
-        ),
-        ("auto * noisy_sgd(*",),
-    ),
-)
+_XFAIL: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def _marks(key: str) -> list:

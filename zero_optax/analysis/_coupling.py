@@ -159,6 +159,9 @@ class LeafAnalysis:
         reductions must then all run on every device.
       output_reductions: For each flattened output, the labels of the leaves
         whose reductions it depends on.
+      draws: With ``collective``, the labels of the leaves whose values meet
+        random numbers drawn in their shape (``optax.add_noise``): on slices
+        each device draws the whole leaf's numbers and keeps its slice.
     """
 
     coupled: frozenset[int]
@@ -167,6 +170,7 @@ class LeafAnalysis:
     reductions: frozenset[int] = frozenset()
     crossing: str | None = None
     output_reductions: tuple[frozenset[int], ...] = ()
+    draws: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,11 +183,17 @@ class _Origin:
         or empty for a function input or constant.
       number: For a random value, whether it holds random numbers rather than
         a PRNG key.
+      aligned: For random numbers, whether they are still the draw's array
+        position by position (only elementwise operations since
+        ``random_bits``): meeting a leaf's values elementwise, each pairs
+        with the coordinate plain optax pairs it with, which a device holding
+        a slice reproduces by drawing the whole leaf and keeping its slice.
     """
 
     what: str
     eqns: tuple[Any, ...] = ()
     number: bool = False
+    aligned: bool = False
 
 
 class _Fact(NamedTuple):
@@ -221,7 +231,9 @@ def _traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
     return fn if isinstance(fn, Traced) else trace(fn, *args)
 
 
-def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False) -> str | None:
+def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False,
+                             untainted: frozenset[int] = frozenset(),
+                             scalar_leaves: frozenset[int] = frozenset()) -> str | None:
     """Finds a computation in ``fn`` that mixes coordinates of an input array.
 
     Every input array leaf with more than one element is a taint source; scalars
@@ -240,6 +252,11 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: boo
       collective: Accept full reductions (:func:`collective_kind`) of
         coordinate-wise values outside control flow: on slices they are a
         local reduction followed by a collective over the devices.
+      untainted: Positions (among the flattened inputs) of non-scalar inputs
+        that are no parameter data, e.g. a PRNG key's data.
+      scalar_leaves: Positions of one-element inputs that are parameter data
+        (a scalar parameter and its gradient): random numbers may meet them
+        as they meet other leaves.
 
     Returns:
       None if ``fn`` is elementwise in all its non-scalar inputs, otherwise a
@@ -250,23 +267,32 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: boo
       Exception: Whatever tracing ``fn`` raises.
     """
     closed, _, args = _traced(fn, args)
-    tainted = _Fact(frozenset({0}), frozenset({0}))
-    facts = [tainted if _size(v) > 1 else _CLEAN for v in closed.jaxpr.invars]
     try:
-        _Analysis(strict=True, collective=collective).check(closed, facts, None)
+        _Analysis(strict=True, collective=collective).check(
+            closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
     except CouplingError as e:
         return str(e)
     return None
 
 
-def coordinate_reductions(fn: Callable[..., Any], *args: Any) -> bool:
-    """Whether ``fn``, elementwise but for full reductions (:func:`find_coordinate_coupling` with
-    ``collective=True`` finds nothing), has any: on coordinate slices it then needs collectives."""
+def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int], scalar_leaves: frozenset[int]
+                      ) -> list[_Fact]:
+    """One label for every non-scalar input but the `untainted` ones, and for the `scalar_leaves`
+    (:func:`find_coordinate_coupling`)."""
+    tainted, scalar = _Fact(frozenset({0}), frozenset({0})), _Fact(frozenset({0}))
+    return [tainted if _size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
+            for k, v in enumerate(closed.jaxpr.invars)]
+
+
+def needs_joint_view(fn: Callable[..., Any], *args: Any, untainted: frozenset[int] = frozenset(),
+                     scalar_leaves: frozenset[int] = frozenset()) -> bool:
+    """Whether ``fn``, elementwise but for full reductions and random draws in a leaf's shape
+    (:func:`find_coordinate_coupling` with ``collective=True`` finds nothing), has any: on coordinate slices it
+    then needs every leaf's slice at once (collectives over the slices, one key split over all leaves)."""
     closed, _, args = _traced(fn, args)
-    tainted = _Fact(frozenset({0}), frozenset({0}))
     analysis = _Analysis(strict=True, collective=True)
-    analysis.check(closed, [tainted if _size(v) > 1 else _CLEAN for v in closed.jaxpr.invars], None)
-    return bool(analysis.reduced)
+    analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
+    return bool(analysis.reduced or analysis.draws)
 
 
 def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None) -> str | None:
@@ -342,7 +368,8 @@ def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources
     analysis = _Analysis(strict=False, collective=collective)
     outs = analysis.check(closed, facts, _output_labels(closed, out_sources, out_shape))
     return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs),
-                        frozenset(analysis.reduced), analysis.crossing, tuple(f.reduced for f in outs))
+                        frozenset(analysis.reduced), analysis.crossing, tuple(f.reduced for f in outs),
+                        frozenset(analysis.draws))
 
 
 class _Labels:
@@ -422,7 +449,7 @@ def _walk(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
 
 def _walk_bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
     body = _call_body(eqn)
-    for sub in _subjaxprs(eqn.params):
+    for sub in subjaxprs(eqn.params):
         inner = _known_consts(sub)
         if sub is body:
             inner.update((v, x) for v, x in zip(_open(sub).invars, values) if x is not None)
@@ -593,7 +620,7 @@ def _known_consts(jaxpr: Any) -> dict[Any, str]:
     return {v: x for v, x in found if x is not None}
 
 
-def _subjaxprs(params: dict[str, Any]) -> list[Any]:
+def subjaxprs(params: dict[str, Any]) -> list[Any]:
     """Every sub-jaxpr in an equation's params (ClosedJaxpr or Jaxpr, possibly in tuples), as found."""
     found: list[Any] = []
     for value in params.values():
@@ -616,7 +643,7 @@ def _call_body(eqn: Any) -> Any:
     elif name in _KNOWN or name in _KERNELS or name in _CALLBACKS:
         return None  # E.g. the reducer of `reduce` or `reduce_window`, or a Pallas kernel body, is no call.
     else:  # Unknown higher-order primitive (shard_map, composite, ...): accept only an exact fit.
-        candidates = _subjaxprs(eqn.params)
+        candidates = subjaxprs(eqn.params)
         if len(candidates) != 1:
             return None
     for sub in candidates:
@@ -815,6 +842,7 @@ class _Analysis:
         self.collective = collective
         self.reasons: dict[int, str] = {}
         self.reduced: set[int] = set()
+        self.draws: set[int] = set()  # leaves whose values met random numbers drawn in their shape
         self.crossing: str | None = None  # where a reduction of one leaf first meets another leaf
         self._stack: list[Any] = []  # Enclosing equations, for source locations.
 
@@ -884,12 +912,30 @@ class _Analysis:
         if name in _RANDOM:
             number = name in _RANDOM_NUMBERS
             what = "draws random numbers" if number else "makes or transforms a PRNG key"
-            out = out._replace(random=_Origin(what, (*self._stack, eqn), number))
+            out = out._replace(random=_Origin(what, (*self._stack, eqn), number, name == "random_bits"))
         elif out.positional is None and (name in _POSITIONAL or name not in _KNOWN):
             out = out._replace(positional=_Origin(_made_here(name), (*self._stack, eqn)))
-        if out.random is not None and out.labels:
-            raise self._random(out.random, f"meet parameter-derived values in `{name}`")
+        if out.random is not None:
+            out = self._drawn(eqn, facts, out)
         return [out] * len(eqn.outvars)
+
+    def _drawn(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> _Fact:
+        """``out`` for an equation consuming random values: still aligned with the draw if it is elementwise in
+        them (`_Origin.aligned`); where aligned numbers meet a leaf's values outside control flow in a collective
+        analysis, the result is that leaf's data (its draws recorded), which slices reproduce exactly; any other
+        meeting of random values and parameter data is refused."""
+        randoms = [v for v, f in zip(eqn.invars, facts) if f.random is not None]
+        aligned = out.random.aligned and (eqn.primitive.name == "random_bits" or (
+            all(f.random is None or f.random.aligned for f in facts)
+            and _structural_violation(eqn, randoms) is None))
+        if not aligned and out.random.aligned:
+            out = out._replace(random=dataclasses.replace(out.random, aligned=False))
+        if not out.labels:
+            return out
+        if aligned and self.collective and not self._in_control() and not out.control:
+            self.draws.update(out.labels)
+            return out._replace(random=None)
+        raise self._random(out.random, f"meet parameter-derived values in `{eqn.primitive.name}`")
 
     def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
         """Whether ``eqn`` is a full reduction that runs as a collective on slices: outside control flow (the

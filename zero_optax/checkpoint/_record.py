@@ -20,7 +20,7 @@ The record (format version 2)::
         "owners": null | [int or null per leaf],
         "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"}],
         "state_tree": "<tree_signature of the inner optimizer's state>",
-        "entries": [{"path", "leaf", "shape", "dtype", "role"}],
+        "entries": [{"path", "leaf", "shape", "dtype", "role"[, "key_impl"]}],   # key_impl: a typed key's data
         "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
         "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax.checkpoint._arrays
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
@@ -89,8 +89,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
         "leaves": [{"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
                     "axes": list(x.axes), "blocks": x.blocks, "group": x.group} for x in layout.leaves],
         "state_tree": layout.state_tree,
-        "entries": [{"path": e.path, "leaf": e.leaf, "shape": list(e.shape), "dtype": e.dtype, "role": e.role}
-                    for e in layout.entries],
+        "entries": [entry_json(e) for e in layout.entries],
         "clocks": dict(clocks or {}),
         "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
         "packing": packing_json(layout, pack),
@@ -103,6 +102,14 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
 def new_record(tree: str, states: list[dict[str, Any]], storage: str) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "zero_optax_version": __version__,
             "storage": storage, "tree": tree, "states": states}
+
+
+def entry_json(e) -> dict:
+    """One `StateEntry` as the record shows it; `key_impl` only for a typed PRNG key (stored as key data)."""
+    out = {"path": e.path, "leaf": e.leaf, "shape": list(e.shape), "dtype": e.dtype, "role": e.role}
+    if e.key_impl is not None:
+        out["key_impl"] = e.key_impl
+    return out
 
 
 def clock_entries(layout: Layout) -> list[int]:

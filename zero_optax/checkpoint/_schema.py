@@ -285,7 +285,7 @@ def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], maste
     out = []
     for j, e in enumerate(c.list(rec, f"{f}.entries")):
         g = f"{f}.entries[{j}]"
-        c.dict(e, g, _ENTRY)
+        c.dict(e, g, _ENTRY | ({"key_impl"} if isinstance(e, dict) and "key_impl" in e else set()))
         path = c.str(e["path"], f"{g}.path", empty=True)
         leaf = e["leaf"]
         if leaf is not None:
@@ -297,7 +297,13 @@ def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], maste
             c.fail(f"{g}.role", f"is {_record.short(role)}, not \"state\" or \"master\"")
         if leaf is not None and leaves[leaf].sliced and shape != (leaves[leaf].slots,):
             c.fail(f"{g}.shape", f"is {list(shape)}, but a history of leaf {leaf} holds [{leaves[leaf].slots}]")
-        out.append(StateEntry(path, leaf, shape, dtype, role))
+        key_impl = None
+        if "key_impl" in e:
+            key_impl = c.str(e["key_impl"], f"{g}.key_impl")
+            if leaf is not None or not dtype.startswith("uint"):
+                c.fail(f"{g}.key_impl", "names a PRNG key implementation, but the entry is not a shared unsigned "
+                       "integer array (a key's data)")
+        out.append(StateEntry(path, leaf, shape, dtype, role, key_impl))
     if len({e.path for e in out}) != len(out):
         c.fail(f"{f}.entries", "repeats an entry path")
     states = [e for e in out if e.role == STATE]

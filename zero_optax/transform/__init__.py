@@ -7,7 +7,9 @@
 * `_shared`: the inner state's own tree inside it (shared fields as values, per-parameter fields as markers), for optax's tree utilities.
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
 * `_groups`: sliced leaves that run one program, stored and updated as one buffer per group.
-* `_varying`: the inner update with every value typed varying, so it runs whatever it branches on.
+* `_varying`: the inner update with every value typed varying, so it runs whatever it branches on; its full
+  reductions and random draws on slices, exact.
+* `_keys`: typed PRNG keys of the inner state, held as key data.
 * `_sliced`: sliced leaves: coordinate slices, reduce-scatter and all-gather in buckets.
 * `_owned`: owned leaves: whole tensors, packed per owner, one `lax.switch`.
 * `_owners`: which device owns which leaf (`balanced_owners`).

@@ -263,7 +263,7 @@ class Engine:
             masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
             p_parts = self._sliced_params(layout, p_leaves, state, ranks)
             u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
-                                                                denom.ok, extra, inner)
+                                                                denom.ok, extra, inner, ranks)
         new_inner = new_inner._replace(shared=_reduce.skip_if_empty(denom.ok, new_inner.shared,
                                                                     state.inner_state.shared))
 

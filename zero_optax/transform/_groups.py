@@ -138,12 +138,22 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
 @dataclasses.dataclass(frozen=True)
 class JointRun:
     """The inputs of one step's joint view (`Groups.joint_view`): per group, its part of the reduced gradient,
-    of the parameters (or master copies; `params` None without them) and its padding mask; the extra arguments."""
+    of the parameters (or master copies; `params` None without them) and its padding mask; the extra arguments;
+    this device's ranks (`Engine._ranks`)."""
 
     grads: list
     params: list | None
     masks: list
     extra: dict
+    ranks: Any
+
+
+def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinates:
+    """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
+    leaf = layout.leaves[group.first]
+    return _reduce.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
+                               leaf.shape if leaf.blocks == 1 else None, _rank(layout, group, ranks), leaf.slots,
+                               leaf.group)
 
 
 class Groups:
@@ -239,7 +249,7 @@ class Groups:
         return (u[0] if u else None), new_shared, new_histories
 
     def joint_view(self, layout: Layout) -> tuple[Any, list[int]]:
-        """The inner state treedef of the view holding every sliced leaf (`Layout.reductions`), and the entries
+        """The inner state treedef of the view holding every sliced leaf (`Layout.joint`), and the entries
         its leaves stand for, in order (cached)."""
         key = (layout, "joint")
         if key not in self._views:
@@ -251,12 +261,10 @@ class Groups:
     def _run_joint(self, layout: Layout, run: JointRun, shared: dict, stored: SlicedState, inner
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
         """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
-        one: `Layout.reductions`), whose full reductions run across the devices: the updates of each group, the
+        one: `Layout.joint`), whose full reductions run across the devices: the updates of each group, the
         new shared values and each group's new histories."""
         treedef, order = self.joint_view(layout)
-        slices = {g.first: _reduce.Coordinates(mask, layout.zero_axes(layout.leaves[g.first])
-                                               if layout.leaves[g.first].group > 1 else ())
-                  for g, mask in zip(layout.groups, run.masks)}
+        slices = {g.first: _coordinates(layout, g, mask, run.ranks) for g, mask in zip(layout.groups, run.masks)}
 
         def view(parts):
             return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
@@ -277,7 +285,7 @@ class Groups:
                 [tuple(values[j] for j in g.histories[0]) for g in layout.groups])
 
     def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
-               stored: SlicedState, masks: list, ok, extra: dict, inner) -> tuple[list, SlicedState, dict]:
+               stored: SlicedState, masks: list, ok, extra: dict, inner, ranks) -> tuple[list, SlicedState, dict]:
         """The inner update on every group's view.
 
         `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
@@ -286,8 +294,8 @@ class Groups:
         shared entries' new values are the first view's (every view computes the same).
         """
         shared_old = self.shared_values(layout, stored)
-        if layout.reductions:
-            updates, shared_new, new = self._run_joint(layout, JointRun(grads, params, masks, extra), shared_old,
+        if layout.joint:
+            updates, shared_new, new = self._run_joint(layout, JointRun(grads, params, masks, extra, ranks), shared_old,
                                                        stored, inner)
             histories = [tuple(_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, old))
                          for h, old, mask in zip(new, stored.histories, masks)]

@@ -91,6 +91,8 @@ class StateEntry:
         for shared entries.
       dtype: dtype name.
       role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
+      key_impl: for a typed PRNG key of the inner state, stored as its key data (`shape` and `dtype` are the
+        data's), the key's implementation (`"threefry2x32"`); None for any other array (`_keys`).
     """
 
     path: str
@@ -98,6 +100,7 @@ class StateEntry:
     shape: tuple[int, ...]
     dtype: str
     role: str = STATE
+    key_impl: str | None = None
 
     @property
     def size(self) -> int:
@@ -224,9 +227,11 @@ class Layout:
         leaf.
       stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
         member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
-      reductions: whether the inner update reduces sliced leaves' coordinates to scalars (a global norm, a trust
-        ratio: issue 29). Each sliced leaf is then a group of its own, and all run in one view, whose full
-        reductions run across the devices (`zero_optax.transform._varying`). How they are updated, not stored.
+      joint: whether the sliced leaves' update runs in one view of them all (issue 29): the inner update reduces
+        their coordinates to scalars (a global norm, a trust ratio), which then run across the devices, or draws
+        random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
+        draws whole and keeps its slice of (`zero_optax.transform._varying`). Each sliced leaf is then a group of
+        its own. How they are updated, not stored.
     """
 
     partition: str
@@ -244,7 +249,7 @@ class Layout:
     memory_kind: str = dataclasses.field(default="device", compare=False)
     groups: tuple[Group, ...] = ()
     stacks: tuple[tuple[int, ...], ...] = ()
-    reductions: bool = False
+    joint: bool = False
 
     def __hash__(self) -> int:
         return self._hash
@@ -253,7 +258,7 @@ class Layout:
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks, self.reductions))
+                     self.groups, self.stacks, self.joint))
 
     # Views that users read.
     @property
@@ -426,16 +431,6 @@ def masked_view(values: Sequence[Any], present) -> list[Any]:
     return [v if i in present else optax.MaskedNode() for i, v in enumerate(values)]
 
 
-def check_dtypes(state) -> None:
-    """Refuses state leaves zero1 cannot shard or checkpoint (typed PRNG keys)."""
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            raise ZeroCouplingError(
-                f"The inner optimizer's state `{_names.key_path(path)}` holds a typed PRNG key ({x.dtype}); "
-                "zero1 cannot shard, reduce or checkpoint typed keys. Use a transformation that keeps a raw "
-                "uint32 key (`jax.random.PRNGKey`), or keep it outside zero1.")
-
-
 _MARKER = 1_000_000_007
 """Sliced leaves are traced with the distinct, implausible lengths `_MARKER + i`, so their histories name them."""
 
@@ -473,7 +468,6 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
 
     marked = [jax.ShapeDtypeStruct((_MARKER + i,), x.dtype) if i in sliced else x for i, x in enumerate(leaf_structs)]
     marked_state = state_of(marked)
-    check_dtypes(marked_state)
     full = list(zip(_names.leaf_paths(marked_state), jax.tree.leaves(marked_state)))
     shared = paths_of(())
     owner_of: dict[str, int] = {}

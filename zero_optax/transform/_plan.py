@@ -19,7 +19,7 @@ import optax
 from zero_optax.analysis import _coupling
 from zero_optax.core import _compat, _names
 from zero_optax.core._errors import ZeroAxisError, ZeroCouplingError, ZeroStructureError
-from zero_optax.transform import _layout, _owners
+from zero_optax.transform import _keys, _layout, _owners
 from zero_optax.transform._layout import (
     AUTO,
     FLAT,
@@ -80,6 +80,7 @@ class Config:
     bucket_bytes: int
     accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
     offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
+    typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
 
     @property
     def accumulate(self) -> str | None:
@@ -182,26 +183,33 @@ class Coupling:
 
     Attributes:
       coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
-      reductions: whether it reduces sliced leaves' coordinates to scalars (`Layout.reductions`).
+      joint: whether the sliced leaves run in one view (`Layout.joint`): the update reduces their coordinates to
+        scalars, or draws random numbers in their shapes.
     """
 
     coupled: frozenset[int]
-    reductions: bool = False
+    joint: bool = False
 
 
 def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries) -> Coupling:
     """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
-    reductions, draws random numbers into them, or (flat) mixes any coordinates or cannot be proven not to."""
+    reductions, draws random numbers into them other than in their own shapes, or (flat) mixes any coordinates or
+    cannot be proven not to."""
     axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
             return Coupling(frozenset())
-        where = _coupling.find_coordinate_coupling(traced, collective=True)
+        # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
+        n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
+        keys = frozenset(n + k for k in _keys.positions(cfg.typed_init, traced.args[0]))
+        scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
+                            if np.size(x) == 1)
+        where = _coupling.find_coordinate_coupling(traced, collective=True, untainted=keys, scalar_leaves=scalars)
         if where is not None:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{where}.\n{FLAT_HELP.format(axis=axis)}")
-        return Coupling(frozenset(), _coupling.coordinate_reductions(traced))
+        return Coupling(frozenset(), _coupling.needs_joint_view(traced, untainted=keys, scalar_leaves=scalars))
     n_leaves = treedef.num_leaves
     labels = _labels(treedef, n_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
@@ -253,7 +261,31 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
                 f"zero1(partition=\"auto\"): the inner state `{path}` is shared by all parameters, but its new "
                 f"value depends on reductions of leaves {sorted(reduced & coupled)}, which need whole tensors on an "
                 f"owner: devices would disagree on it.\n{REDUCTIONS_HELP.format(axis=axis)}")
-    return Coupling(coupled, bool(found.reductions - owned_reduced))
+    if found.draws and coupled:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"auto\") cannot run this inner transformation: it adds random numbers to leaves "
+            f"{sorted(found.draws)} (optax.add_noise, optax.noisy_sgd) from one key split over every leaf, which "
+            f"devices reproduce only when they hold slices of every leaf, while leaves {sorted(coupled)} need whole "
+            f"tensors on an owner (the first applies "
+            f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}). Use partition=\"flat\" with "
+            f"an elementwise optimizer, or add the noise outside zero1.")
+    return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
+
+
+def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
+    """The typed PRNG keys the inner state holds, by path: their implementations (`StateEntry.key_impl`; zero1
+    stores their key data, `_keys`). Refuses a key per parameter, which devices holding slices cannot keep."""
+    impls = {} if cfg.typed_init is None else _keys.impls(cfg.typed_init, params)
+    if impls:
+        masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
+        shared = set(_names.leaf_paths(jax.eval_shape(cfg.typed_init, masked)))
+        for path, impl in impls.items():
+            if path not in shared:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` holds a typed PRNG key ({impl}) for one parameter; "
+                    "zero1 keeps typed keys in state shared by all parameters (optax.noisy_sgd's), the same on "
+                    "every device. Keep one key for all parameters, or keep this transformation outside zero1.")
+    return impls
 
 
 def _check_slices(real_state, mixed_state) -> None:
@@ -297,20 +329,20 @@ def build_layout(cfg: Config, params) -> Layout:
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
+    keys = _typed_keys(cfg, treedef, real_tree)
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
-        _layout.check_dtypes(real_state)
     else:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries)
     coupled = found.coupled
-    if found.reductions and cfg.offload:
+    if found.joint and cfg.offload:
         raise ZeroCouplingError(
             "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
-            "transformation reduces whole leaves to scalars (a global norm, a trust ratio), which a chunk cannot "
-            "compute. Use offload=False, or move the global operation before zero1 (zo.reduce_gradients, then "
-            "zero1(..., reduce=False)).")
+            "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
+            "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
+            "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
 
     for i in coupled:
         if placement[i][0]:
@@ -335,20 +367,21 @@ def build_layout(cfg: Config, params) -> Layout:
                 f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
+    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
     owners = _leaf_owners(cfg, entries, real, owned, n, paths)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
     names: dict[str, str] = {}
-    programs = _leaf_programs(traced, treedef, entries, names, found.reductions)
+    programs = _leaf_programs(traced, treedef, entries, names, found.joint)
     entries = entries + _master_entries(cfg, leaves)
     groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names,
-                                           found.reductions)
+                                           found.joint)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
                   "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.reductions and bool(groups))
+                  found.joint and bool(groups))
 
 
 FUSE_BYTES = 1 << 14

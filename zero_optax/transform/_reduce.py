@@ -190,10 +190,19 @@ class Coordinates(NamedTuple):
         padding), in the slice's own shape or flat; None when all are.
       axes: the leaf's ZeRO axes, across which the devices hold its other coordinates; empty where one device
         holds the leaf whole.
+      shape: the leaf's shape, as plain optax sees it; None for a block of a tensor-parallel leaf.
+      rank: this device's position among the leaf's ZeRO axes: it holds the flattened leaf's coordinates
+        `[rank * slots, (rank + 1) * slots)`.
+      slots: how many coordinates each device holds.
+      group: how many devices share the leaf.
     """
 
     valid: jax.Array | None
     axes: tuple[str, ...]
+    shape: tuple[int, ...] | None = None
+    rank: Any = 0
+    slots: int = 0
+    group: int = 1
 
 
 _COLLECTIVES = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}

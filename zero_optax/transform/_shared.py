@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
+from zero_optax.transform import _keys
 from zero_optax.transform._layout import Layout
 
 
@@ -35,21 +36,21 @@ class Shared:
     """A field the inner state shares across parameters, as zero1 stores it: `stored`, one copy per device.
 
     It reads as the value: `value`, `shape`, `dtype`, `float(...)`, `jnp.asarray(...)` and arithmetic give what the
-    plain optax state holds.
+    plain optax state holds. A typed PRNG key is stored as its key data and read as the key of implementation
+    `key_impl` (`_keys`).
     """
 
-    __slots__ = ("stored",)
+    __slots__ = ("key_impl", "stored")
 
-    def __init__(self, stored: Any):
-        self.stored = stored
+    def __init__(self, stored: Any, key_impl: str | None = None):
+        self.stored, self.key_impl = stored, key_impl
 
     def tree_flatten(self):
-        return (self.stored,), None
+        return (self.stored,), self.key_impl
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
+        return cls(*children, aux)
 
     @property
     def value(self) -> jax.Array:
@@ -59,15 +60,15 @@ class Shared:
         sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and any(sharding.spec) and not _compat.manual_axes():
             x = _compat.reshard(x, NamedSharding(sharding.mesh, P()))
-        return x[0]
+        return _keys.to_key(x[0], self.key_impl)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.stored.shape[1:])
+        return tuple(self.value.shape if self.key_impl else self.stored.shape[1:])
 
     @property
     def dtype(self):
-        return self.stored.dtype
+        return self.value.dtype if self.key_impl else self.stored.dtype
 
     @property
     def ndim(self) -> int:
@@ -140,7 +141,7 @@ def tree(layout: Layout, stored: Sequence[Any]) -> Any:
     for every other inner entry."""
     it = iter(stored)
     return jax.tree_util.tree_unflatten(layout.state_treedef, [
-        Shared(next(it)) if layout.entries[j].leaf is None else _marker(layout, layout.entries[j])
+        Shared(next(it), layout.entries[j].key_impl) if layout.entries[j].leaf is None else _marker(layout, layout.entries[j])
         for j in layout.inner_entries])
 
 
@@ -168,6 +169,7 @@ def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
             "fields across parameters: set a field to one value (optax.tree.set(state, name=value)), not to a tree.")
     for j, x in zip(layout.shared_entries, values):
         entry = layout.entries[j]
+        x = _keys.to_data(x)
         if np.ndim(x) == len(entry.shape) + 1:
             out.append(x)
             continue

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _entries, _mesh, _offload, _specs
+from zero_optax.transform import _entries, _keys, _mesh, _offload, _specs
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import GATHER, ZeroState, is_state
 from zero_optax.transform._zero1 import Zero1
@@ -54,7 +54,7 @@ def _entry(layout: Layout, j: int, unowned: dict[int, jax.Array], buffers: dict[
         return jax.lax.slice_in_dim(buffers[dtype][leaf.owner], off, off + e.size).reshape(e.shape)
     value = _compat.replicate(unowned[j])
     if kind == "shared":
-        return value[0]
+        return _keys.to_key(value[0], e.key_impl)
     leaf = layout.leaves[e.leaf]
     return value[:leaf.size].reshape(leaf.shape)
 
@@ -153,6 +153,7 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
         raise ZeroError("zo.scatter_state expects the transformation returned by zo.zero1(...) itself (not a chain "
                         "that contains it).")
     params = _compat.pure(params)
+    inner_state = jax.tree.map(_keys.to_data, inner_state)
     if not zero._outside():  # pylint: disable=protected-access
         return zero.engine.build(params, inner_state)
     bound = zero.bound

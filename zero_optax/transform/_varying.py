@@ -20,10 +20,19 @@ control flow). A full reduction of such a value (`_coupling.collective_kind`: a 
 elements, or `jnp.vdot`) reduces the slice with its padding set to the reduction's identity and then reduces
 across the leaf's devices (`_reduce.across_slices`), so every device gets what the update computes on the whole
 leaf: a global norm, a trust ratio.
+
+Random numbers drawn in a leaf's shape (`optax.add_noise`: a key per leaf, split from one key over every leaf,
+`jax.random.normal(key, leaf.shape)`) are drawn in the shape of its slice on stand-ins. Their values wait
+(`_Pending`) until they meet the slice of a leaf: each device then draws the whole leaf's numbers from the same
+key and keeps its own slots (`_whole_draw`), which are the numbers plain optax adds to those coordinates. The
+coupling analysis proved that they meet only there, elementwise, outside control flow (`_Origin.aligned`).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +43,7 @@ from jax.extend import core as jex_core
 
 from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroCouplingError
 from zero_optax.transform import _reduce
 
 
@@ -50,8 +60,8 @@ def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = 
     flat, tree = jax.tree.flatten(args)
     stand_ins = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*stand_ins)
-    tags = list(slices) if slices is not None else [None] * len(flat)
-    out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes, tags)
+    out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes,
+                   None if slices is None else list(slices))
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
 
@@ -101,14 +111,80 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
     env.update(zip(jaxpr.invars, args))
     tag.update((v, t) for v, t in zip(jaxpr.invars, tags or ()) if t is not None)
     for eqn in jaxpr.eqns:
-        ins = _joined([read(v) for v in eqn.invars], axes)
+        raw = [read(v) for v in eqn.invars]
         in_tags = [None if isinstance(v, jex_core.Literal) else tag.get(v) for v in eqn.invars]
+        where = next((t for t in in_tags if t is not None), None)
+        if tags is not None and where is None and (_draws(eqn) or any(isinstance(x, _Pending) for x in raw)):
+            env.update(zip(eqn.outvars, _Pending.of(eqn, raw, axes)))  # drawn when it meets a leaf's slice
+            continue
+        ins = _joined([_Pending.settle(x, where) for x in raw], axes)
         outs, out_tags = _tagged(eqn, ins, in_tags, axes)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
         tag.update((v, t) for v, t in zip(eqn.outvars, out_tags) if t is not None)
-    return ([_cast(read(v), axes) for v in jaxpr.outvars],
+    return ([_cast(_Pending.settle(read(v), None), axes) for v in jaxpr.outvars],
             [None if isinstance(v, jex_core.Literal) else tag.get(v) for v in jaxpr.outvars])
+
+
+_DRAWING: contextvars.ContextVar = contextvars.ContextVar("zero_optax_drawing", default=None)
+"""The `_reduce.Coordinates` whose slice the random draws being evaluated are for (None: draw as traced)."""
+
+
+class _Pending:
+    """One result of an equation that draws random numbers, or computes from such, not evaluated yet: it is
+    evaluated (`settle`) where it meets the slice of a leaf, its draws then of that leaf's numbers, once per leaf
+    (a draw meeting no leaf is drawn as traced)."""
+
+    __slots__ = ("index", "results")
+
+    def __init__(self, results: Callable[[Any], list], index: int):
+        self.results, self.index = results, index
+
+    @classmethod
+    def of(cls, eqn, raw: list, axes: frozenset) -> list[_Pending]:
+        done: dict = {}
+
+        def results(where) -> list:
+            if id(where) not in done:
+                ins = _joined([cls.settle(x, where) for x in raw], axes)
+                token = _DRAWING.set(where)
+                try:
+                    out = _apply(eqn, ins, axes)
+                finally:
+                    _DRAWING.reset(token)
+                done[id(where)] = (where, out if eqn.primitive.multiple_results else [out])
+            return done[id(where)][1]
+        return [cls(results, k) for k in range(len(eqn.outvars))]
+
+    @staticmethod
+    def settle(x, where) -> Any:
+        return x.results(where)[x.index] if isinstance(x, _Pending) else x
+
+
+def _draws(eqn) -> bool:
+    """Whether `eqn` draws random numbers (`random_bits`), itself or in a program it calls."""
+    if eqn.primitive.name == "random_bits":
+        return True
+    return any(_program_draws(_compat.jaxpr_parts(sub)[0]) for sub in _coupling.subjaxprs(eqn.params))
+
+
+@functools.lru_cache(maxsize=256)
+def _program_draws(jaxpr) -> bool:
+    return any(_draws(e) for e in jaxpr.eqns)
+
+
+def _whole_draw(eqn, key, where) -> jax.Array:
+    """`random_bits` of `key` in the shape of a slice of the leaf `where` describes: the whole leaf's bits, as plain
+    optax draws them, flattened, padded as the leaf's slots are, and this device's slots of them."""
+    p = eqn.params
+    if where.shape is None:
+        raise ZeroCouplingError(
+            "The inner transformation adds random numbers to a parameter sharded over a tensor-parallel mesh axis; "
+            "zero1 reproduces plain optax's numbers only for leaves whole on every device's block. Keep such "
+            "parameters replicated over the tensor-parallel axes, or add the noise outside zero1.")
+    whole = eqn.primitive.bind(key, **eqn.primitive.get_bind_params({**p, "shape": tuple(where.shape)}))
+    flat = jnp.pad(whole.reshape(-1), (0, where.slots * where.group - whole.size))
+    return lax.dynamic_slice_in_dim(flat, where.rank * where.slots, where.slots).reshape(p["shape"])
 
 
 def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
@@ -162,6 +238,9 @@ def _apply(eqn, ins: list, axes: frozenset):
                               init)
     if name == "scan":
         return _scan(eqn, ins, axes)
+    where = _DRAWING.get()
+    if name == "random_bits" and where is not None and math.prod(p["shape"]) == where.slots and not ins[0].shape:
+        return _whole_draw(eqn, ins[0], where)
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(p))
 
 

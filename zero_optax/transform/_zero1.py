@@ -13,7 +13,15 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _accumulate, _engine, _mesh, _offload, _plan, _sliced
+from zero_optax.transform import (
+    _accumulate,
+    _engine,
+    _keys,
+    _mesh,
+    _offload,
+    _plan,
+    _sliced,
+)
 from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
 from zero_optax.transform._state import ZeroState, canonical, find_states
 
@@ -198,11 +206,13 @@ def zero1(
     for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
         if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
-    inner = optax.with_extra_args_support(inner)
+    typed = optax.with_extra_args_support(inner)
+    inner, typed_init = _keys.as_data(typed), typed.init
     accumulating = None
     if accumulate_steps > 1:
         accumulating = _accumulate.Accumulating(inner, int(accumulate_steps), accumulate)
         inner = accumulating.transformation("final")
+        typed_init = _accumulate.Accumulating(typed, int(accumulate_steps), accumulate).init
     cfg = _plan.Config(
         inner=inner,
         axis_name=axis_name if isinstance(axis_name, str) else axes,
@@ -215,6 +225,7 @@ def zero1(
         bucket_bytes=int(bucket_bytes),
         accumulating=accumulating,
         offload=bool(offload),
+        typed_init=typed_init,
     )
     z = Zero1(cfg, mesh)
     return optax.GradientTransformationExtraArgs(z.init, z.update)
