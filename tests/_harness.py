@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -213,3 +214,45 @@ def assert_matches(zero_params, zero_state, ref_params, ref_state, rtol=2e-5, at
         r, t = _tol(x.dtype, rtol, atol)
         np.testing.assert_allclose(np.asarray(got[path], np.float64), np.asarray(x, np.float64), rtol=r,
                                    atol=t, err_msg=path)
+
+
+def assert_resumes_anywhere(make, tmp_path, params=None, steps=(2, 2)):
+    """`zero1(make())`, mesh-bound on 8 devices, trained `steps[0]` steps and checkpointed, restored at 3 devices
+    (`ZeroRestore(reshard=True)`) and at 5 (offline `zo.reshard`), and trained `steps[1]` more steps each: both
+    match plain `make()` on one device, trained all the steps without a break."""
+    params = small_params() if params is None else params
+    grads = [jax.tree.map(lambda g: g.mean(0), g) for g in gradient_sequence(params, 8, sum(steps))]
+
+    def run(n, state, p, gs):
+        mesh = mesh_of(n)
+        tx = zo.zero1(make(), axis_name="data", mesh=mesh)
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        p = jax.device_put(p, NamedSharding(mesh, P()))
+        state = tx.init(p) if state is None else state
+        for g in gs:
+            p, state = jax.jit(step)(p, state, jax.device_put(g, NamedSharding(mesh, P())))
+        return p, state
+
+    ref = make()
+    r_params, r_state = params, ref.init(params)
+    for g in grads:
+        u, r_state = ref.update(g, r_state, r_params)
+        r_params = optax.apply_updates(r_params, u)
+    p8, s8 = run(8, None, params, grads[:steps[0]])
+    with ocp.CheckpointManager(tmp_path / "saved") as mngr:
+        mngr.save(1, args=ocp.args.Composite(opt_state=zo.ZeroSave(s8)))
+        mngr.wait_until_finished()
+    item = tmp_path / "saved" / "1" / "opt_state"
+    for m, offline in ((3, False), (5, True)):
+        mesh = mesh_of(m)
+        target = zo.zero1(make(), axis_name="data", mesh=mesh).init(jax.device_put(params, NamedSharding(mesh, P())))
+        src = item
+        if offline:
+            src = tmp_path / f"at{m}"
+            zo.reshard(item, src, world_size=m)
+        with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
+            restored = ckpt.restore(src, args=zo.ZeroRestore(target, reshard=not offline))
+        assert_matches(*run(m, restored, p8, grads[steps[0]:]), r_params, r_state)

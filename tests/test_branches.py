@@ -49,7 +49,7 @@ def branchy(learning_rate: float) -> optax.GradientTransformation:
 
 CASES = {
     "branchy": (lambda: branchy(0.1), ("flat", "auto")),
-    "novograd": (lambda: optax.novograd(1e-2), ("leaf", "auto")),
+    "novograd": (lambda: optax.novograd(1e-2), ("flat", "leaf", "auto")),
     "plateau": (lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, cooldown=1)),
                 ("flat", "auto")),
 }
@@ -78,7 +78,7 @@ def _with_value(tx):
     return optax.GradientTransformation(tx.init, lambda g, s, p=None: tx.update(g, s, p, value=jnp.float32(1.0)))
 
 
-@pytest.mark.parametrize("partition", ["auto", "leaf"])
+@pytest.mark.parametrize("partition", ["flat", "auto", "leaf"])
 def test_novograd_mesh_bound(partition):
     """Mesh-bound on 8 devices under `jax.jit`: the owned leaves' reduced gradients are the same on every device
     while their stored state is not, which novograd's first-step `lax.cond` used to refuse."""

@@ -2,9 +2,9 @@
 
 The flat partition (and "auto", which then slices every leaf) computes a full reduction of a sliced leaf, a sum,
 max or min of all its coordinates, as a reduction of each device's slice with a collective over the devices:
-`clip_by_global_norm`, `polyak_sgd`, LAMB, LARS and fromage keep 1/N of their state and match plain optax on one
-device fed the reduced gradient. Partial reductions (factored moments), matrix products and reductions inside
-control flow stay refused.
+`clip_by_global_norm`, `polyak_sgd`, LAMB, LARS, fromage and novograd (whose per-leaf norm, reduced inside a
+`lax.cond`, every device keeps) keep 1/N of their state and match plain optax on one device fed the reduced
+gradient. Partial reductions (factored moments), matrix products and reductions inside loops stay refused.
 """
 
 import jax
@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "lamb": (lambda: optax.lamb(1e-2), {}),
     "lars": (lambda: optax.lars(1e-2), {}),
     "fromage": (lambda: optax.fromage(1e-2), {}),
+    "novograd": (lambda: optax.novograd(1e-2, weight_decay=0.1), {}),
 }
 
 
@@ -114,13 +115,36 @@ def test_partial_reductions_stay_refused():
         _init(zo.zero1(optax.contrib.muon(1e-2), axis_name="data"), params)
 
 
-def test_novograd_per_leaf_state():
-    """novograd keeps one scalar per leaf and reduces inside its first-step branch: flat refuses it, naming the
-    branch; "auto" gives its leaves owners, as before."""
-    with pytest.raises(zo.ZeroCouplingError, match=r"inside control flow"):
-        _init(zo.zero1(optax.novograd(1e-2), axis_name="data"), h.small_params())
-    state = _init(zo.zero1(optax.novograd(1e-2), axis_name="data", partition="auto"), h.small_params())
-    assert set(zo.describe(state).sharding) == {"owned"}
+@pytest.mark.parametrize("partition", ["flat", "auto"])
+def test_novograd_per_leaf_norm_on_every_device(partition):
+    """novograd keeps one scalar per leaf, its gradient's squared norm, reduced inside its first-step `lax.cond`:
+    every leaf is sliced, and every device keeps the same norms, which `optax.tree.get` reads as plain optax's."""
+    mesh = h.mesh_of(8)
+    tx = zo.zero1(optax.novograd(1e-2), axis_name="data", mesh=mesh, partition=partition)
+    z_params, z_state, r_params, r_state = h.run_mesh_bound(tx, optax.novograd(1e-2), h.small_params(), 3, mesh)
+    h.assert_matches(z_params, z_state, r_params, r_state)
+    layout = zo.describe(z_state)
+    assert set(layout.sharding) == {"sliced"} and len(layout.replicas) == len(layout.leaves)
+    got = optax.tree.get(z_state, "nu")
+    np.testing.assert_allclose(float(got["dense"]["w"]), float(r_state[0].nu["dense"]["w"]), rtol=1e-6)
+
+
+def test_novograd_checkpoint_resumes_at_other_world_sizes(tmp_path):
+    """The per-leaf norms are shared state in the checkpoint: restored at 3 and 5 devices, exact."""
+    h.assert_resumes_anywhere(lambda: optax.novograd(1e-2), tmp_path)
+
+
+def test_reduction_inside_a_loop_is_refused():
+    """A norm computed inside a `lax.fori_loop` body cannot run as a collective on slices (devices would have to
+    agree on every iteration): flat refuses it, naming the loop."""
+    def looped():
+        def update(u, state, params=None):
+            del params
+            scale = jax.lax.fori_loop(0, 2, lambda i, c: c + sum(jnp.sum(x * x) for x in jax.tree.leaves(u)), 0.0)
+            return jax.tree.map(lambda g: g / (1 + scale), u), state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+    with pytest.raises(zo.ZeroCouplingError, match=r"inside a loop"):
+        _init(zo.zero1(looped(), axis_name="data"), h.small_params())
 
 
 def test_auto_refuses_a_global_norm_over_owned_leaves():

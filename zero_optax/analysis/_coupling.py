@@ -162,6 +162,8 @@ class LeafAnalysis:
       draws: With ``collective``, the labels of the leaves whose values meet
         random numbers drawn in their shape (``optax.add_noise``): on slices
         each device draws the whole leaf's numbers and keeps its slice.
+      output_coords: For each flattened output, the labels of the leaves it
+        depends on coordinate by coordinate.
     """
 
     coupled: frozenset[int]
@@ -171,6 +173,7 @@ class LeafAnalysis:
     crossing: str | None = None
     output_reductions: tuple[frozenset[int], ...] = ()
     draws: frozenset[int] = frozenset()
+    output_coords: tuple[frozenset[int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -284,15 +287,28 @@ def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int], scal
             for k, v in enumerate(closed.jaxpr.invars)]
 
 
-def needs_joint_view(fn: Callable[..., Any], *args: Any, untainted: frozenset[int] = frozenset(),
-                     scalar_leaves: frozenset[int] = frozenset()) -> bool:
-    """Whether ``fn``, elementwise but for full reductions and random draws in a leaf's shape
-    (:func:`find_coordinate_coupling` with ``collective=True`` finds nothing), has any: on coordinate slices it
-    then needs every leaf's slice at once (collectives over the slices, one key split over all leaves)."""
+class Slices(NamedTuple):
+    """What an update elementwise but for full reductions and random draws in a leaf's shape needs on slices.
+
+    Attributes:
+      joint: whether it has any: it then needs every leaf's slice at once (collectives over the slices, one
+        key split over all leaves).
+      coordinate_outputs: per flattened output, whether it depends on inputs coordinate by coordinate (an
+        output that does not, such as novograd's per-leaf norm, is the same on every device holding a slice).
+    """
+
+    joint: bool
+    coordinate_outputs: tuple[bool, ...]
+
+
+def on_slices(fn: Callable[..., Any], *args: Any, untainted: frozenset[int] = frozenset(),
+              scalar_leaves: frozenset[int] = frozenset()) -> Slices:
+    """What ``fn``, for which :func:`find_coordinate_coupling` with ``collective=True`` finds nothing, needs on
+    coordinate slices (:class:`Slices`)."""
     closed, _, args = _traced(fn, args)
     analysis = _Analysis(strict=True, collective=True)
-    analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
-    return bool(analysis.reduced or analysis.draws)
+    outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
+    return Slices(bool(analysis.reduced or analysis.draws), tuple(bool(f.coords) for f in outs))
 
 
 def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None) -> str | None:
@@ -369,7 +385,7 @@ def analyze_leaves(fn: Callable[..., Any], *args: Any, sources: Any, out_sources
     outs = analysis.check(closed, facts, _output_labels(closed, out_sources, out_shape))
     return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs),
                         frozenset(analysis.reduced), analysis.crossing, tuple(f.reduced for f in outs),
-                        frozenset(analysis.draws))
+                        frozenset(analysis.draws), tuple(f.coords for f in outs))
 
 
 class _Labels:
@@ -845,6 +861,7 @@ class _Analysis:
         self.draws: set[int] = set()  # leaves whose values met random numbers drawn in their shape
         self.crossing: str | None = None  # where a reduction of one leaf first meets another leaf
         self._stack: list[Any] = []  # Enclosing equations, for source locations.
+        self._split = 0  # Enclosing branches whose predicate depends on parameter data.
 
     def check(self, closed: jcore.ClosedJaxpr, facts: Sequence[_Fact], out_labels: Sequence[int | None] | None
               ) -> list[_Fact]:
@@ -886,6 +903,8 @@ class _Analysis:
             return [_CLEAN] * len(eqn.outvars)
         if name in _CONTROL:
             outs = {"cond": self._cond, "while": self._while, "scan": self._scan}[name](eqn, facts)
+            if name == "cond":  # (the evaluator follows a leaf's coordinates through branches, not loops)
+                return outs
             return [f._replace(control=True) if self.collective and f.coords else f for f in outs]
         body = _call_body(eqn)
         if body is not None:
@@ -947,7 +966,9 @@ class _Analysis:
         return not self._in_control()
 
     def _in_control(self) -> bool:
-        return any(e.primitive.name in _CONTROL for e in self._stack)
+        """Whether the equation at hand runs inside a loop, or inside a branch that devices may not all take
+        (its predicate differs between devices holding different slices): no collective can run there."""
+        return self._split > 0 or any(e.primitive.name in ("while", "scan") for e in self._stack)
 
     def _check_coordinates(self, eqn: Any, facts: Sequence[_Fact], coords: Taint) -> None:
         """Records (or raises) coordinate mixing by ``eqn`` of the leaves ``coords``, if it mixes them."""
@@ -966,8 +987,9 @@ class _Analysis:
         else:
             reason = _structural_violation(eqn, [v for v, f in zip(eqn.invars, facts) if f.coords])
             if reason is not None and self.collective and collective_kind(eqn) is not None:
-                reason += (" inside control flow (a `cond`, `while` or `scan`), or of a value computed there: zero1 "
-                           "runs full reductions on slices as collectives only outside control flow")
+                reason += (" inside a loop (`while`, `scan`) or a branch on parameter data, or of a value computed "
+                           "there: zero1 runs full reductions on slices as collectives only where every device "
+                           "runs them")
             if reason is not None:
                 self._couple(coords, chain, reason)
 
@@ -1021,8 +1043,13 @@ class _Analysis:
         """All branches on the operands; the index (first operand) is a control dependence."""
         index, ops = facts[0], facts[1:]
         outs = [_CLEAN] * len(eqn.outvars)
-        for branch in eqn.params["branches"]:
-            outs = [_join(pair) for pair in zip(outs, self._nested(eqn, branch, ops))]
+        split = bool(index.labels or index.coords)
+        self._split += split
+        try:
+            for branch in eqn.params["branches"]:
+                outs = [_join(pair) for pair in zip(outs, self._nested(eqn, branch, ops))]
+        finally:
+            self._split -= split
         return self._control(eqn, index, outs, "branch predicate")
 
     def _while(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:

@@ -115,7 +115,8 @@ class Engine:
         """The inner entries of device `r`'s owned view of `leaves` (all it owns by default): the shared entries and
         those leaves' histories, in order."""
         mine = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r} if leaves is None else set(leaves)
-        return [j for j in layout.inner_entries if layout.entries[j].leaf is None or layout.entries[j].leaf in mine]
+        shared = set(layout.view_shared(mine))
+        return [j for j in layout.inner_entries if j in shared or layout.entries[j].leaf in mine]
 
     def _view(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
         """The inner state treedef of device `r`'s owned view of `leaves` (all it owns by default; cached)."""

@@ -170,8 +170,8 @@ class Groups:
         key = (layout, g)
         if key not in self._views:
             group = None if g is None else layout.groups[g]
-            order = sorted(layout.shared_entries + (() if group is None else group.histories[0]))
             present = set() if group is None else {group.first}
+            order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
             what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
             self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, what), order)
         return self._views[key]
@@ -188,7 +188,7 @@ class Groups:
         _, order = self.view(layout, g)
         values = dict(zip(order, jax.tree.leaves(state)))
         own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
-        return {j: values[j] for j in layout.shared_entries}, own
+        return {j: values[j] for j in layout.shared_entries if j in values}, own
 
     # ------------------------------------------------------------------ init
 
@@ -206,7 +206,7 @@ class Groups:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
                 h = [] if group is None else [self._cut(layout, group, full, k, ranks)
                                               for k in range(len(group.histories[0]))]
-            shared = s if shared is None else shared
+            shared = s if shared is None else {**s, **shared}  # (the first view's, and each view's replicas)
             if group is not None:
                 mask = valid(layout, group, _rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
@@ -253,8 +253,8 @@ class Groups:
         its leaves stand for, in order (cached)."""
         key = (layout, "joint")
         if key not in self._views:
-            order = sorted(layout.shared_entries + tuple(j for g in layout.groups for j in g.histories[0]))
             present = {g.first for g in layout.groups}
+            order = sorted(layout.view_shared(present) + tuple(j for g in layout.groups for j in g.histories[0]))
             self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
         return self._views[key]
 

@@ -232,6 +232,9 @@ class Layout:
         random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
         draws whole and keeps its slice of (`zero_optax.transform._varying`). Each sliced leaf is then a group of
         its own. How they are updated, not stored.
+      replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
+        per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
+        `leaf` None), and present only in views holding `leaf` (`view_shared`).
     """
 
     partition: str
@@ -250,6 +253,7 @@ class Layout:
     groups: tuple[Group, ...] = ()
     stacks: tuple[tuple[int, ...], ...] = ()
     joint: bool = False
+    replicas: tuple[tuple[int, int], ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -258,7 +262,7 @@ class Layout:
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks, self.joint))
+                     self.groups, self.stacks, self.joint, self.replicas))
 
     # Views that users read.
     @property
@@ -313,6 +317,11 @@ class Layout:
     def shared_entries(self) -> tuple[int, ...]:
         """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
         return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
+
+    def view_shared(self, present) -> tuple[int, ...]:
+        """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
+        absent = {j for j, i in self.replicas if i not in present}
+        return tuple(j for j in self.shared_entries if j not in absent)
 
     @functools.cached_property
     def stored_at(self) -> dict[int, tuple[int, int, int]]:
@@ -480,11 +489,13 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
             owner_of[path] = mark
         else:
             rest.append(path)
-    owner_of.update(_owned_entry_leaves(rest, owned, paths_of))
+    histories = set(owner_of)
+    # (a sliced leaf's state that is no history, novograd's per-leaf norm, is found as an owned leaf's is)
+    owner_of.update(_owned_entry_leaves(rest, sorted(sliced | set(owned)), paths_of))
     entries = []
     for path, x in full:
         leaf = owner_of.get(path)
-        shape = leaf_structs[leaf].shape if leaf in sliced else tuple(x.shape)
+        shape = leaf_structs[leaf].shape if path in histories else tuple(x.shape)
         entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
     return tuple(entries), marked_state
 

@@ -185,10 +185,14 @@ class Coupling:
       coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
       joint: whether the sliced leaves run in one view (`Layout.joint`): the update reduces their coordinates to
         scalars, or draws random numbers in their shapes.
+      invariant: the positions (among the inner state's leaves) of the entries whose new value does not depend on
+        any leaf coordinate by coordinate (novograd's per-leaf norm): in the joint view every device computes the
+        same, so a sliced leaf's such entry is kept, like shared state, on every device.
     """
 
     coupled: frozenset[int]
     joint: bool = False
+    invariant: frozenset[int] = frozenset()
 
 
 def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries) -> Coupling:
@@ -209,7 +213,9 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entri
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{where}.\n{FLAT_HELP.format(axis=axis)}")
-        return Coupling(frozenset(), _coupling.needs_joint_view(traced, untainted=keys, scalar_leaves=scalars))
+        slices = _coupling.on_slices(traced, untainted=keys, scalar_leaves=scalars)
+        return Coupling(frozenset(), slices.joint,
+                        frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
     labels = _labels(treedef, n_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
@@ -231,15 +237,27 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entri
                 f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
         return Coupling(frozenset(range(n_leaves)))
-    # A leaf whose state is not per coordinate (novograd's per-leaf scalar) is kept whole, on an owner.
-    coupled = found.coupled | _not_per_coordinate(traced, entries)
-    return _check_reductions(cfg, found, frozenset(coupled), state, entries)
+    # A leaf with state not per coordinate (novograd's per-leaf scalar) is sliced where every such entry is the
+    # same on every device, computed from the leaf's full reductions in the joint view; else kept whole on an owner
+    # (Adafactor's unfactored `v_row`, which its update never reads through a reduction).
+    invariant = frozenset(k for k, (c, r) in enumerate(zip(found.output_coords[n_leaves:],
+                                                            found.output_reductions[n_leaves:]))
+                          if not c and entries[k].leaf in r)
+    kept, fixed = _not_per_coordinate(traced, entries, invariant)
+    found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
+    if not found_.joint and fixed:  # (without a joint view no device sees every leaf's entry)
+        found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept | fixed), state, entries)
+    return dataclasses.replace(found_, invariant=invariant)
 
 
-def _not_per_coordinate(traced: _coupling.Traced, entries) -> frozenset[int]:
-    """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): they cannot be sliced."""
+def _not_per_coordinate(traced: _coupling.Traced, entries, invariant: frozenset[int]
+                        ) -> tuple[frozenset[int], frozenset[int]]:
+    """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): those with such an entry
+    that is not `invariant` (they need an owner), and the others."""
     shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
-    return frozenset(e.leaf for e in entries if e.leaf is not None and tuple(e.shape) != shapes[e.leaf])
+    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
+    kept = frozenset(i for k, i in odd if k not in invariant)
+    return kept, frozenset(i for _, i in odd) - kept
 
 
 def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
@@ -270,6 +288,14 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
             f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}). Use partition=\"flat\" with "
             f"an elementwise optimizer, or add the noise outside zero1.")
     return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
+
+
+def _replicated(found: Coupling, e: StateEntry, k: int, owned: list[bool], slots: list[int]) -> bool:
+    """Whether `e` (inner entry `k`) belongs to a sliced leaf but is no history of its coordinates, and every
+    device computes the same value of it (`Coupling.invariant`, in a joint view): it is then kept as shared state,
+    on every device."""
+    return (found.joint and k in found.invariant and e.leaf is not None and not owned[e.leaf]
+            and e.shape != (slots[e.leaf],))
 
 
 def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
@@ -360,6 +386,9 @@ def build_layout(cfg: Config, params) -> Layout:
         _check_slices(real_state, mixed_state)
     else:
         entries = real_entries
+    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
+    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
     for e in entries:
         if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
             raise ZeroCouplingError(
@@ -372,7 +401,7 @@ def build_layout(cfg: Config, params) -> Layout:
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
     names: dict[str, str] = {}
-    programs = _leaf_programs(traced, treedef, entries, names, found.joint)
+    programs = _leaf_programs(traced, treedef, by_leaf, names, found.joint)
     entries = entries + _master_entries(cfg, leaves)
     groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names,
                                            found.joint)
@@ -381,7 +410,7 @@ def build_layout(cfg: Config, params) -> Layout:
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
                   "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups))
+                  found.joint and bool(groups), replicas)
 
 
 FUSE_BYTES = 1 << 14

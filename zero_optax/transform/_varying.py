@@ -117,7 +117,12 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
         if tags is not None and where is None and (_draws(eqn) or any(isinstance(x, _Pending) for x in raw)):
             env.update(zip(eqn.outvars, _Pending.of(eqn, raw, axes)))  # drawn when it meets a leaf's slice
             continue
-        ins = _joined([_Pending.settle(x, where) for x in raw], axes)
+        if where is not None and eqn.primitive.name in _compat.CALLS:  # (pending draws meet their leaf inside)
+            ins = raw
+        else:
+            if where is not None and any(isinstance(x, _Pending) for x in raw):
+                where = _one(in_tags)
+            ins = _joined([_Pending.settle(x, where) for x in raw], axes)
         outs, out_tags = _tagged(eqn, ins, in_tags, axes)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
@@ -161,6 +166,17 @@ class _Pending:
         return x.results(where)[x.index] if isinstance(x, _Pending) else x
 
 
+def _one(tags: Sequence[Any]) -> Any:
+    """The leaf whose slice random numbers that wait (`_Pending`) meet in an equation with operands `tags`."""
+    found = {id(t): t for t in tags if t is not None}
+    if len(found) > 1:
+        raise ZeroCouplingError(
+            "The inner transformation passes random numbers drawn in a leaf's shape into a branch together with "
+            "several leaves' values; zero1 reproduces plain optax's numbers on slices only where they meet one "
+            "leaf. Add the noise outside the branch, or outside zero1.")
+    return next(iter(found.values()))
+
+
 def _draws(eqn) -> bool:
     """Whether `eqn` draws random numbers (`random_bits`), itself or in a program it calls."""
     if eqn.primitive.name == "random_bits":
@@ -197,6 +213,8 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
     if name in _compat.CALLS:
         jaxpr, consts = _compat.jaxpr_parts(eqn.params[_compat.CALLS[name]])
         return _eval(jaxpr, consts, ins, axes, in_tags)
+    if name == "cond":
+        return _cond(eqn, ins, in_tags, axes)
     kind = _coupling.collective_kind(eqn)
     if kind is not None:
         where = next(t for t in in_tags if t is not None)
@@ -206,6 +224,25 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[Any, list]:
     out = _apply(eqn, ins, axes)
     sized = [(jnp.size(x), t) for x, t in zip(ins, in_tags) if t is not None]
     return out, [next((t for n, t in sized if n == v.aval.size), None) for v in eqn.outvars]
+
+
+def _cond(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
+    """A `lax.cond` / `lax.switch` whose operands hold slices: each branch evaluated with the operands' tags (its
+    full reductions run across the devices, which all take the branch: the analysis proved the predicate the
+    same on every device). A result holds the coordinates its tag says where every branch agrees."""
+    found: dict[int, list] = {}
+
+    def branch(k, closed):
+        jaxpr, consts = _compat.jaxpr_parts(closed)
+
+        def run(*xs):
+            outs, found[k] = _eval(jaxpr, consts, xs, axes, in_tags[1:])
+            return outs
+        return run
+    fns = _agreeing([branch(k, b) for k, b in enumerate(eqn.params["branches"])], ins[1:])
+    outs = lax.switch(ins[0], fns, *ins[1:])
+    tags = [t if all(found[k][i] is t for k in found) else None for i, t in enumerate(found[0])]
+    return outs, tags
 
 
 def _closed(closed, axes: frozenset) -> Callable:
