@@ -1,10 +1,11 @@
 """Whether a saved zero1 state can be restored into a target state, and the first difference if not.
 
 A plain restore (`reshard=False`) needs the target's layout to be the saved one: the same world size, owners,
-slots and packing. A restore at a new world size (`reshard=True`) needs only what resharding keeps: the same
-parameter leaves (paths, shapes, dtypes, mesh axes and number of blocks, and which are sliced or owned), the same
-partition, inner-state tree and entries (paths, leaves, dtypes, roles, and shapes where they do not depend on the
-world size), the same master dtype and the same model-parallel mesh axes. Owners and slots may change.
+slots and packing. A restore onto another mesh (`reshard=True`) needs only what resharding keeps: the same
+partition, parameter leaves (paths, dtypes, which are sliced or owned, and each leaf's logical shape: a sliced
+leaf's blocks may be cut anew over tensor-parallel or expert axes of other sizes, `zero_optax.checkpoint._blocks`),
+inner-state tree and entries (paths, leaves, dtypes, roles, and shapes where they do not depend on the mesh) and
+master dtype. The world size, the other mesh axes, owners and slots may change.
 
 Examples:
   >>> from zero_optax.checkpoint import _match
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_optax.checkpoint import _record
+from zero_optax.checkpoint import _blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.transform._layout import Layout
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
-RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes")
+RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
+_PER_MESH = ("slots", "owner", "group")
+"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`zero_optax.checkpoint._blocks`)."""
+_BLOCKS = ("shape", "axes", "blocks")
 
 
 def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, keys) -> str | None:
@@ -46,7 +50,7 @@ def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, 
 def _invariant(rec: dict[str, Any], layout: Layout) -> dict[str, Any]:
     """The parts of a state record that resharding keeps."""
     sliced = [x.sliced for x in layout.leaves]
-    leaves = [{k: v for k, v in x.items() if k not in ("slots", "owner", "group")} | {"sliced": s}
+    leaves = [{k: v for k, v in x.items() if k not in _PER_MESH + (_BLOCKS if s else ())} | {"sliced": s}
               for x, s in zip(rec["leaves"], sliced)]
     entries = [dict(e, shape=None) if e["leaf"] is not None and sliced[e["leaf"]] else e for e in rec["entries"]]
     return dict(rec, leaves=leaves, entries=entries)
@@ -64,12 +68,31 @@ def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: boo
                 f"Restore it with zo.ZeroRestore(target, reshard=True), or convert the checkpoint first with "
                 f"zo.reshard(src, dst, world_size={m}) (`python -m zero_optax.reshard SRC DST --world-size {m}`; "
                 f"zero_optax.reshard).")
-        difference = first_difference(a, b, where, PLAIN_KEYS)
+        difference = partition_difference(saved_layout, target, where) or first_difference(a, b, where, PLAIN_KEYS)
     else:
-        a, b = _invariant(a, saved_layout), _invariant(b, target)
-        difference = first_difference(a, b, where, RESHARD_KEYS)
-        if difference is not None and "blocks" in difference:
-            difference += (" A different number of blocks means a model-parallel mesh axis changed size; "
-                           "zero_optax reshards between data-parallel sizes only.")
+        difference = partition_difference(saved_layout, target, where)
+        if difference is None:
+            difference = first_difference(_invariant(a, saved_layout), _invariant(b, target), where, RESHARD_KEYS)
     if difference is not None:
         raise ZeroCheckpointError(difference)
+    if reshard:
+        _blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
+
+
+def partition_difference(saved: Layout, target: Layout, where: str) -> str | None:
+    """A sentence naming how the partition differs between a checkpoint and a target (the partition itself, or
+    a leaf sliced in one and owned in the other), and what to do; None if it does not."""
+    fix = ("Resharding moves a state between meshes, not between partitions: build the target with the "
+           "checkpoint's zero1 settings, or move the state through plain optax (restore it on its own mesh, "
+           "`zo.gather_state`, then `zo.scatter_state` with the new zero1).")
+    if saved.partition != target.partition:
+        return (f"{where} was saved with partition={saved.partition!r}, but the target uses "
+                f"partition={target.partition!r}. {fix}")
+    for old, new in zip(saved.leaves, target.leaves):
+        if old.path == new.path and old.sliced != new.sliced:
+            how = {True: "sliced (every device holds a slice of its history)",
+                   False: "owned (one device holds its whole state)"}
+            return (f"{where}: leaf `{old.path}` is {how[old.sliced]} in the checkpoint but {how[new.sliced]} in "
+                    f"the target (partition={target.partition!r} chose differently, or the target's optimizer "
+                    f"differs). {fix}")
+    return None

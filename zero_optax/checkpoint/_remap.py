@@ -1,12 +1,14 @@
 """Any region of a state's arrays at a new world size, computed from the arrays saved at the old one, exactly.
 
-The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); only the world
-size, the slots and the owners differ. Each target array is filled from the saved arrays without replaying or
-summing:
+The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); the mesh (the
+world size, the size of every tensor-parallel or expert axis), the slots and the owners may differ. Each target
+array is filled from the saved arrays without replaying or summing:
 
-* a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c` in both,
-  so a target range inside one block is one contiguous read of the saved block, cut at the leaf's size (the new
-  padding is zero);
+* a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c`. Where
+  the leaf's blocks are the same on both meshes, a target range inside one block is one contiguous read of the
+  saved block, cut at the leaf's size (the new padding is zero); where they differ (an axis it is sharded over
+  changed size), the target block's rows that the range covers are cut out of the saved blocks they overlap
+  (`zero_optax.checkpoint._blocks`), one read of whole rows per saved block;
 * a packed buffer: each owned entry of the new owner's row is read from the old owner's row;
 * a shared entry (step counts): every row is the value all saved rows agree on (checked by `shared_values`).
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays
+from zero_optax.checkpoint import _arrays, _blocks
 from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
@@ -101,10 +103,14 @@ class Remap:
       target: the target's layout (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
       read: reads a region of a saved array.
       shared: the shared entries' values (`shared_values`).
+      where: how error messages name the state.
+      specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
     """
 
-    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray]):
+    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray],
+                 where: str = "the checkpoint", specs: dict[str, Any] | None = None):
         self.saved, self.target, self.read, self.shared = saved, target, read, shared
+        self.cuts = _blocks.recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
         self.old_pack = saved.layout.state_packing
         self.new_pack = target.state_packing
@@ -136,6 +142,7 @@ class Remap:
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         new = self.target.leaves[self.target.entries[j].leaf]
         old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
+        cut = self.cuts[self.target.entries[j].leaf]
         name = self.names[(j, None)]
         new_block, old_block = new.group * new.slots, old.group * old.slots
         start, stop = span
@@ -143,7 +150,10 @@ class Remap:
         while start < stop:
             b, lo = divmod(start, new_block)
             hi = min(new_block, lo + stop - start)
-            pieces.append(self._block(name, b * old_block, old_block, new.size, lo, hi, dtype))
+            if cut.identity:
+                pieces.append(self._block(name, b * old_block, old_block, new.size, lo, hi, dtype))
+            else:
+                pieces.append(self._recut(name, cut, b, old_block, lo, hi, dtype))
             start += hi - lo
         if len(pieces) == 1:
             return pieces[0]
@@ -166,6 +176,28 @@ class Remap:
                 "shape of this leaf does not describe the stored history; the checkpoint is damaged.")
         out = aligned_zeros(hi - lo, got.dtype)
         out[:size - lo] = got[:size - lo]
+        return out
+
+    def _recut(self, name: str, cut: _blocks.Recut, b: int, old_block: int, lo: int, hi: int,
+               dtype) -> np.ndarray:
+        """Elements `[lo, hi)` of target block `b`'s padded history, where the blocks changed: the target rows
+        the range covers, cut out of the saved blocks they overlap (whole saved rows read at once)."""
+        out = aligned_zeros(hi - lo, dtype)
+        shape, saved = cut.target.shape, cut.saved.shape
+        top = min(hi, math.prod(shape))
+        if lo >= top:
+            return out
+        row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])
+        r0, r1 = lo // row, -(-top // row)
+        rows = np.zeros((r1 - r0, *shape[1:]), dtype)
+        for source, (s_rows, *s_rest), (t_rows, *t_rest) in cut.sources(b, ((r0, r1), *((0, d) for d in shape[1:]))):
+            if any(x >= y for x, y in (s_rows, *s_rest)):
+                continue
+            base = source * old_block
+            got = self.read(name, ((base + s_rows[0] * saved_row, base + s_rows[1] * saved_row),))
+            got = got.reshape((s_rows[1] - s_rows[0], *saved[1:]))[(slice(None), *(slice(*x) for x in s_rest))]
+            rows[(slice(t_rows[0] - r0, t_rows[1] - r0), *(slice(*x) for x in t_rest))] = got
+        out[:top - lo] = rows.reshape(-1)[lo - r0 * row:top - r0 * row]
         return out
 
     def _buffer(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
