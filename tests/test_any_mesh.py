@@ -271,18 +271,18 @@ EXPERT_SHAPES = {"e": (4, 3, 5), "d": (6, 7), "s": ()}
 EXPERT_SPECS = {"e": P("expert"), "d": P(), "s": P()}
 
 
-def expert_grads(t, n_data):
+def expert_grads(t, n_data, world=8):
     """Per-device gradients: `e` `[n_data, 4, 3, 5]` (one row per data index, the expert blocks along "expert"),
-    the others `[8, *shape]` (one row per device). Every device's tokens count alike, so the global mean gradient
-    of an expert weight is its rows' sum over the 8 devices ."""
+    the others `[world, *shape]` (one row per device). Every device's tokens count alike, so the global mean
+    gradient of an expert weight is its rows' sum over the `world` devices."""
     rng = np.random.default_rng(200 + t)
-    return {k: rng.standard_normal(((n_data,) if k == "e" else (8,)) + s).astype(np.float32)
+    return {k: rng.standard_normal(((n_data,) if k == "e" else (world,)) + s).astype(np.float32)
             for k, s in EXPERT_SHAPES.items()}
 
 
 @functools.cache
 def expert_trainer(shape):
-    mesh = jax.make_mesh(shape, ("data", "expert"))
+    mesh = jax.make_mesh(shape, ("data", "expert"), devices=jax.devices()[:int(np.prod(shape))])
     g_specs = {k: P("data", "expert") if k == "e" else P(("data", "expert")) for k in EXPERT_SHAPES}
     place = placer(mesh, EXPERT_SPECS)
     init, step = compiled(zo.zero1(adamw(), axis_name=("data", "expert")), mesh, EXPERT_SPECS, g_specs,
@@ -295,14 +295,19 @@ def expert_params():
     return {k: (rng.standard_normal(s) * 0.5).astype(np.float32) for k, s in EXPERT_SHAPES.items()}
 
 
-def test_expert_parameters_move_between_expert_sizes(tmp_path):
-    """(data=2, expert=4) -> (data=4, expert=2): the expert weights' blocks are cut anew, their data groups change."""
+def expert_checkpoint(tmp_path):
+    """Two steps on (data=2, expert=4), saved: the parameters and the item directory."""
     init, step, place, place_g = expert_trainer((2, 4))
     params = place(expert_params())
     state = init(params)
     for t in range(2):
         params, state = step(params, state, place_g(expert_grads(t, 2)))
-    item = save(tmp_path / "item", state)
+    return params, save(tmp_path / "item", state)
+
+
+def test_expert_parameters_move_between_expert_sizes(tmp_path):
+    """(data=2, expert=4) -> (data=4, expert=2): the expert weights' blocks are cut anew, their data groups change."""
+    params, item = expert_checkpoint(tmp_path)
     init2, step2, place2, place_g2 = expert_trainer((4, 2))
     target = init2(place2(expert_params()))
     restored = restore(item, target)
@@ -312,12 +317,50 @@ def test_expert_parameters_move_between_expert_sizes(tmp_path):
     for t in range(2, 4):
         params, state = step2(params, state, place_g2(expert_grads(t, 4)))
 
+    assert_expert_oracle(params, [(2, 4), (2, 4), (4, 2), (4, 2)])
+
+
+def assert_expert_oracle(params, meshes):
+    """The parameters against single-device AdamW fed, at step `t`, the global mean gradient on mesh
+    `meshes[t]` (data, expert)."""
     tx, ref = adamw(), expert_params()
     ref_state = tx.init(ref)
-    for t in range(4):
-        g = {k: (v.astype(np.float64).sum(0) / 8).astype(np.float32)
-             for k, v in expert_grads(t, 2 if t < 2 else 4).items()}
+    for t, (n, x) in enumerate(meshes):
+        g = {k: (v.astype(np.float64).sum(0) / (n * x)).astype(np.float32)
+             for k, v in expert_grads(t, n, n * x).items()}
         u, ref_state = tx.update(g, ref_state, ref)
         ref = optax.apply_updates(ref, u)
     for k in EXPERT_SHAPES:
         np.testing.assert_allclose(np.asarray(params[k]), ref[k], rtol=2e-5, atol=2e-6, err_msg=k)
+
+
+def test_reshard_explicit_leads_to_a_state_and_a_checkpoint(tmp_path):
+    """The README's example: the expert weights' blocks live in data-parallel groups of their own (2 devices per
+    block, the dense leaves on all 8); migrated per parameter to (data=1, expert=4), built into a state, saved,
+    restored and trained on, as single-device optax."""
+    params, item = expert_checkpoint(tmp_path)
+
+    records = zo.load_rank_records(item)
+    dense = [i for i, r in enumerate(records) if r.world_size == 8]
+    experts = [i for i, r in enumerate(records) if r.world_size == 2]
+    migrations = [zo.Migration(p, t, 4, sources=dense, target=("dense", t)) for p in ("['d']", "['s']")
+                  for t in range(4)]
+    migrations += [zo.Migration(f"['e']#block{b}", 0, 1, sources=experts, target=("expert", b)) for b in range(4)]
+    moved = zo.reshard_explicit(records, migrations)
+    init4, step4, place4, place_g4 = expert_trainer((1, 4))
+    target = init4(place4(expert_params()))
+    built = zo.state_from_rank_records(target, moved)
+    assert_bitwise(built, restore(item, target))  # what ZeroRestore(target, reshard=True) gives
+    state = restore(save(tmp_path / "moved", built), target, reshard=False)
+    params = place4(params)
+    for t in range(2, 4):
+        params, state = step4(params, state, place_g4(expert_grads(t, 1, 4)))
+    assert_expert_oracle(params, [(2, 4), (2, 4), (1, 4), (1, 4)])
+
+
+def test_state_from_rank_records_names_a_missing_block(tmp_path):
+    init, _, place, _ = expert_trainer((2, 4))
+    records = zo.load_rank_records(save(tmp_path / "item", init(place(expert_params()))))
+    dense = [r for r in records if r.world_size == 8]
+    with pytest.raises(zo.ZeroCheckpointError, match=r"no records of rank 0 in a group of 2 hold `\['e'\]#block0`"):
+        zo.state_from_rank_records(init(place(expert_params())), dense)

@@ -18,4 +18,5 @@
 * `_reshard`: offline resharding of an item directory (`zero_optax.reshard`).
 * `_target`: the offline tool's target: a saved layout on a mesh given by its axis sizes.
 * `_migrate`: explicit per-parameter migration of rank-local records (`reshard_explicit`).
+* `_records`: rank-local records into a zero1 state (`state_from_rank_records`), to train on or save.
 """
