@@ -27,7 +27,7 @@ TP = {"w": P(None, "model"), "u": P("model", None), "v": P("model"), "b": P(), "
 REPLICATED = {k: P() for k in SHAPES}
 VECTORS_TP = dict(REPLICATED, v=P("model"))  # "auto" with Muon: matrices owned (replicated), vectors split
 LABELS = {"w": "muon", "u": "muon", "v": "adam", "b": "adam", "s": "adam"}
-MESHES = {"4x2": (4, 2), "2x4": (2, 4), "1x2": (1, 2), "2x2": (2, 2), "8": (8,)}
+MESHES = {"4x2": (4, 2), "2x4": (2, 4), "1x2": (1, 2), "2x2": (2, 2), "8": (8,), "2": (2,)}
 K = 2  # micro-batches per optimizer step
 
 
@@ -163,7 +163,9 @@ def move(kind, a, b, tmp_path, first=2, then=2):
     _, target = start(kind, b)
     restored = restore(item, target)
     zo.reshard(item, tmp_path / "offline", axis_sizes=axis_sizes(b), param_specs=KINDS[kind][2])
-    assert_bitwise(restored, restore(tmp_path / "offline", target, reshard=False))
+    # reshard=True: where "auto" slices a leaf on one mesh and owns it on the other, the offline output keeps
+    # the saved choice (it cannot know the target's), and the restore moves the leaf.
+    assert_bitwise(restored, restore(tmp_path / "offline", target))
     params, state = train(kind, b, params, restored, range(first, first + then))
     n_a, n_b = MESHES[a][0], MESHES[b][0]
     ref = oracle(kind, [n_a] * first + [n_b] * then)
@@ -185,7 +187,7 @@ def test_flat_moves_between_tensor_parallel_sizes(a, b, tmp_path):
 
 @pytest.mark.parametrize(("kind", "a", "b"), [("master", "4x2", "2x4"), ("leaf", "4x2", "2x4"),
                                               ("leaf", "2x4", "8"), ("auto", "4x2", "2x4"),
-                                              ("auto", "2x4", "2x2")])
+                                              ("auto", "2x4", "8"), ("auto", "8", "2x2")])
 def test_master_leaf_and_auto_move_between_meshes(kind, a, b, tmp_path):
     move(kind, a, b, tmp_path)
 
@@ -364,3 +366,11 @@ def test_state_from_rank_records_names_a_missing_block(tmp_path):
     dense = [r for r in records if r.world_size == 8]
     with pytest.raises(zo.ZeroCheckpointError, match=r"no records of rank 0 in a group of 2 hold `\['e'\]#block0`"):
         zo.state_from_rank_records(init(place(expert_params())), dense)
+
+
+def test_a_leaf_auto_owns_on_the_target_needs_reshard_true(tmp_path):
+    _, state = start("auto", "2x4")
+    item = save(tmp_path / "item", state)
+    with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['v'\]` is sliced .* in the checkpoint but owned .* "
+                                                     r"in the target.*ZeroRestore\(target, reshard=True\)"):
+        restore(item, start("auto", "2")[1], reshard=False)

@@ -165,11 +165,12 @@ def _logical_pair(saved: Blocks, target: Blocks) -> str:
 
 def recuts(saved: Layout, target: Layout, where: str, specs: Mapping[str, Sequence[Any]] | None = None
            ) -> list[Recut | None]:
-    """Per leaf, its `Recut` from `saved` to `target` (None for owned leaves, which are whole on every mesh);
-    `specs` (leaf path -> PartitionSpec) settles which dimension an axis cuts where the shapes do not."""
+    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both, whole on every mesh; an owned
+    leaf's blocks are its whole tensor); `specs` (leaf path -> PartitionSpec) settles which dimension an axis cuts
+    where the shapes do not."""
     out: list[Recut | None] = []
     for old, new in zip(saved.leaves, target.leaves):
-        if not old.sliced:
+        if not old.sliced and not new.sliced:
             out.append(None)
             continue
         cut = recut(leaf_blocks(saved, old, where), leaf_blocks(target, new, where), f"{where}: leaf `{old.path}`",

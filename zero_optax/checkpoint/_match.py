@@ -20,7 +20,7 @@ from typing import Any
 
 from zero_optax.checkpoint import _blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import AUTO, Layout
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
@@ -47,10 +47,10 @@ def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, 
     return None
 
 
-def _invariant(rec: dict[str, Any], layout: Layout) -> dict[str, Any]:
-    """The parts of a state record that resharding keeps."""
-    sliced = [x.sliced for x in layout.leaves]
-    leaves = [{k: v for k, v in x.items() if k not in _PER_MESH + (_BLOCKS if s else ())} | {"sliced": s}
+def _invariant(rec: dict[str, Any], sliced: list[bool]) -> dict[str, Any]:
+    """The parts of a state record that resharding keeps, `sliced` saying which leaves are sliced on either side
+    (`partition_difference` checks the rest)."""
+    leaves = [{k: v for k, v in x.items() if k not in _PER_MESH + (_BLOCKS if s else ())}
               for x, s in zip(rec["leaves"], sliced)]
     entries = [dict(e, shape=None) if e["leaf"] is not None and sliced[e["leaf"]] else e for e in rec["entries"]]
     return dict(rec, leaves=leaves, entries=entries)
@@ -70,29 +70,41 @@ def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: boo
                 f"zero_optax.reshard).")
         difference = partition_difference(saved_layout, target, where) or first_difference(a, b, where, PLAIN_KEYS)
     else:
-        difference = partition_difference(saved_layout, target, where)
+        difference = partition_difference(saved_layout, target, where, reshard=True)
         if difference is None:
-            difference = first_difference(_invariant(a, saved_layout), _invariant(b, target), where, RESHARD_KEYS)
+            sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
+            difference = first_difference(_invariant(a, sliced), _invariant(b, sliced), where, RESHARD_KEYS)
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
         _blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
-def partition_difference(saved: Layout, target: Layout, where: str) -> str | None:
+def partition_difference(saved: Layout, target: Layout, where: str, reshard: bool = False) -> str | None:
     """A sentence naming how the partition differs between a checkpoint and a target (the partition itself, or
-    a leaf sliced in one and owned in the other), and what to do; None if it does not."""
+    a leaf sliced in one and owned in the other), and what to do; None if it does not.
+
+    With `reshard`, a leaf that `partition="auto"` slices on one mesh and owns on the other (a vector split over a
+    tensor-parallel axis there, small enough to own here) is no difference: its state is a history per
+    coordinate in both, whole on its owner or cut in slices."""
     fix = ("Resharding moves a state between meshes, not between partitions: build the target with the "
            "checkpoint's zero1 settings, or move the state through plain optax (restore it on its own mesh, "
            "`zo.gather_state`, then `zo.scatter_state` with the new zero1).")
     if saved.partition != target.partition:
         return (f"{where} was saved with partition={saved.partition!r}, but the target uses "
                 f"partition={target.partition!r}. {fix}")
-    for old, new in zip(saved.leaves, target.leaves):
-        if old.path == new.path and old.sliced != new.sliced:
-            how = {True: "sliced (every device holds a slice of its history)",
-                   False: "owned (one device holds its whole state)"}
-            return (f"{where}: leaf `{old.path}` is {how[old.sliced]} in the checkpoint but {how[new.sliced]} in "
-                    f"the target (partition={target.partition!r} chose differently, or the target's optimizer "
-                    f"differs). {fix}")
+    for i, (old, new) in enumerate(zip(saved.leaves, target.leaves)):
+        if old.sliced == new.sliced or old.path != new.path:
+            continue
+        owned, layout = (new, target) if old.sliced else (old, saved)
+        per_coordinate = all(e.shape == owned.shape for e in layout.entries if e.leaf == i)
+        if saved.partition == AUTO and per_coordinate:
+            if reshard:
+                continue
+            fix = "Restore it with zo.ZeroRestore(target, reshard=True), which moves such a leaf's history."
+        how = {True: "sliced (every device holds a slice of its history)",
+               False: "owned (one device holds its whole state)"}
+        return (f"{where}: leaf `{old.path}` is {how[old.sliced]} in the checkpoint but {how[new.sliced]} in "
+                f"the target (partition={target.partition!r} chose differently, or the target's optimizer "
+                f"differs). {fix}")
     return None

@@ -143,17 +143,17 @@ class Remap:
         new = self.target.leaves[self.target.entries[j].leaf]
         old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
         cut = self.cuts[self.target.entries[j].leaf]
-        name = self.names[(j, None)]
-        new_block, old_block = new.group * new.slots, old.group * old.slots
+        new_block = new.group * new.slots
         start, stop = span
         pieces = []
         while start < stop:
             b, lo = divmod(start, new_block)
             hi = min(new_block, lo + stop - start)
-            if cut.identity:
-                pieces.append(self._block(name, b * old_block, old_block, new.size, lo, hi, dtype))
+            if cut.identity and old.sliced:
+                old_block = old.group * old.slots
+                pieces.append(self._block(self.names[(j, None)], b * old_block, old_block, new.size, lo, hi, dtype))
             else:
-                pieces.append(self._recut(name, cut, b, old_block, lo, hi, dtype))
+                pieces.append(self._recut(self._saved(j), cut, b, lo, hi, dtype))
             start += hi - lo
         if len(pieces) == 1:
             return pieces[0]
@@ -161,6 +161,17 @@ class Remap:
         if pieces:
             np.concatenate(pieces, out=out)
         return out
+
+    def _saved(self, j: int) -> Callable[[int, int, int], np.ndarray]:
+        """`read(block, lo, hi)`: coordinates `[lo, hi)` of a saved block of entry `j`'s history (a sliced leaf's
+        block, or an owned leaf's whole tensor in its owner's row)."""
+        old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
+        if old.sliced:
+            name, width = self.names[(j, None)], old.group * old.slots
+            return lambda b, lo, hi: self.read(name, ((b * width + lo, b * width + hi),))
+        d, at = self.old_pack.offsets[old.owner][j]
+        name, row = self.names[(None, d)], (old.owner, old.owner + 1)
+        return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     def _block(self, name: str, base: int, old_block: int, size: int, lo: int, hi: int, dtype) -> np.ndarray:
         """Elements `[lo, hi)` of one block's new padded history. A range that reaches the block's last
@@ -178,14 +189,17 @@ class Remap:
         out[:size - lo] = got[:size - lo]
         return out
 
-    def _recut(self, name: str, cut: _blocks.Recut, b: int, old_block: int, lo: int, hi: int,
+    def _recut(self, read: Callable[[int, int, int], np.ndarray], cut: _blocks.Recut, b: int, lo: int, hi: int,
                dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of target block `b`'s padded history, where the blocks changed: the target rows
-        the range covers, cut out of the saved blocks they overlap (whole saved rows read at once)."""
+        """Elements `[lo, hi)` of target block `b`'s padded history from the saved blocks (`read`, `_saved`): the
+        target rows the range covers, cut out of the saved blocks they overlap (whole saved rows read at once)."""
         out = aligned_zeros(hi - lo, dtype)
         shape, saved = cut.target.shape, cut.saved.shape
         top = min(hi, math.prod(shape))
         if lo >= top:
+            return out
+        if cut.identity:  # the same block, stored another way (sliced on one side, owned on the other)
+            out[:top - lo] = read(b, lo, top)
             return out
         row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])
         r0, r1 = lo // row, -(-top // row)
@@ -193,8 +207,7 @@ class Remap:
         for source, (s_rows, *s_rest), (t_rows, *t_rest) in cut.sources(b, ((r0, r1), *((0, d) for d in shape[1:]))):
             if any(x >= y for x, y in (s_rows, *s_rest)):
                 continue
-            base = source * old_block
-            got = self.read(name, ((base + s_rows[0] * saved_row, base + s_rows[1] * saved_row),))
+            got = read(source, s_rows[0] * saved_row, s_rows[1] * saved_row)
             got = got.reshape((s_rows[1] - s_rows[0], *saved[1:]))[(slice(None), *(slice(*x) for x in s_rest))]
             rows[(slice(t_rows[0] - r0, t_rows[1] - r0), *(slice(*x) for x in t_rest))] = got
         out[:top - lo] = rows.reshape(-1)[lo - r0 * row:top - r0 * row]
@@ -209,6 +222,10 @@ class Remap:
                 e = self.target.entries[j]
                 lo, hi = max(off, c0), min(off + e.size, c1)
                 if dj != d or lo >= hi:
+                    continue
+                cut = self.cuts[e.leaf]
+                if cut is not None:  # sliced when saved: the whole tensor from its blocks
+                    out[t - r0, lo - c0:hi - c0] = self._recut(self._saved(j), cut, 0, lo - off, hi - off, d)
                     continue
                 owner = self.saved.layout.leaves[e.leaf].owner
                 _, at = self.old_pack.offsets[owner][j]
