@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
+from zero_optax.checkpoint import _blocks
 
 # Blocks that divide neither data size: w (5, 12) is (5, 6) x 30 elements on model=2 and (5, 3) x 15 on model=4.
 SHAPES = {"w": (5, 12), "u": (8, 5), "v": (20,), "b": (7,), "s": ()}
@@ -374,3 +375,30 @@ def test_a_leaf_auto_owns_on_the_target_needs_reshard_true(tmp_path):
     with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['v'\]` is sliced .* in the checkpoint but owned .* "
                                                      r"in the target.*ZeroRestore\(target, reshard=True\)"):
         restore(item, start("auto", "2")[1], reshard=False)
+
+
+def test_blocks_recut_reads_dimensions_and_refuses_what_it_cannot_tell():
+    square = _blocks.Blocks((4, 4), (("expert", 2), ("model", 2)))
+    quarter = _blocks.Blocks((2, 2), (("expert", 4), ("model", 4)))
+    with pytest.raises(zo.ZeroCheckpointError, match=r"axes \['expert', 'model'\] could cut dimensions \[0, 1\] or "
+                                                     r"\[1, 0\].*param_specs"):
+        _blocks.recut(square, quarter, "`w`")
+    cut = _blocks.recut(square, quarter, "`w`", spec=P("expert", "model"))
+    assert cut.dims == (("expert", 0), ("model", 1))
+    # target block (expert 3, model 1): rows 6-8, cols 2-4 of the logical array, the lower right quarter of saved
+    # block (expert 1, model 0)
+    assert cut.sources(3 * 4 + 1, ((0, 2), (0, 2))) == [(1 * 2 + 0, ((2, 4), (2, 4)), ((0, 2), (0, 2)))]
+    with pytest.raises(zo.ZeroCheckpointError, match=r"is \[5, 3\] per block over model=2 in the checkpoint but "
+                                                     r"\[5, 2\] per block over model=4 in the target"):
+        _blocks.recut(_blocks.Blocks((5, 3), (("model", 2),)), _blocks.Blocks((5, 2), (("model", 4),)), "`w`")
+
+
+def test_the_offline_tool_names_the_leaf_it_cannot_cut(tmp_path):
+    _, state = start("flat", "4x2")
+    item = save(tmp_path / "item", state)
+    with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['w'\]` \(\[5, 6\] per block over model=2\) is to be "
+                                                     r"cut over `model` of size 1.*param_specs"):
+        zo.reshard(item, tmp_path / "out", axis_sizes={"data": 8}, param_specs={"['u']": P("model", None)})
+    with pytest.raises(zo.ZeroCheckpointError, match=r"`axis_sizes` must give the size of every ZeRO axis.*\['data'\]"):
+        zo.reshard(item, tmp_path / "out", axis_sizes={"model": 8})
+    assert not (tmp_path / "out").exists()

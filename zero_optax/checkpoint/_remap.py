@@ -1,4 +1,4 @@
-"""Any region of a state's arrays at a new world size, computed from the arrays saved at the old one, exactly.
+"""Any region of a state's arrays on a new mesh, computed from the arrays saved on the old one, exactly.
 
 The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); the mesh (the
 world size, the size of every tensor-parallel or expert axis), the slots and the owners may differ. Each target
@@ -12,7 +12,7 @@ array is filled from the saved arrays without replaying or summing:
 * a packed buffer: each owned entry of the new owner's row is read from the old owner's row;
 * a shared entry (step counts): every row is the value all saved rows agree on (checked by `shared_values`).
 
-`Remap.region` serves both the restore at a new world size (one region per target device) and the offline
+`Remap.region` serves both the restore onto a new mesh (one region per target device) and the offline
 `zero_optax.reshard` (one region per stored chunk).
 
 Examples:
@@ -120,8 +120,8 @@ class Remap:
                 raise ZeroCheckpointError(
                     f"This checkpoint was taken {int(np.max(steps[0]))} micro-batches into an accumulation cycle of "
                     "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
-                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it at its own "
-                    "world size, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
+                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
+                    "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
                     "accumulate=\"sharded\", whose accumulators reshard.")
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:

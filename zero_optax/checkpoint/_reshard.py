@@ -176,7 +176,7 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     nor `ZeroRestore` reads it; `force` there first deletes the existing destination (its commit file first),
     so an interrupted replacement leaves no checkpoint, neither the old nor the new. Arrays are copied one
     chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
-    new world size (and, with `reshard=True`, at any other).
+    new mesh (and, with `reshard=True`, on any other).
 
     Args:
       src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
