@@ -16,6 +16,7 @@ from zero_optax.checkpoint._migrate import (
     load_rank_records,
     reshard_explicit,
 )
+from zero_optax.checkpoint._records import state_from_rank_records
 from zero_optax.checkpoint._reshard import reshard
 from zero_optax.core._errors import (
     OwnersError,
@@ -83,6 +84,7 @@ __all__ = (
     "reshard",
     "reshard_explicit",
     "scatter_state",
+    "state_from_rank_records",
     "state_specs",
     "zero1",
 )

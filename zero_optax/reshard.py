@@ -1,8 +1,12 @@
-"""Command line: convert a zero1 checkpoint item directory to another world size.
+"""Command line: convert a zero1 checkpoint item directory to another mesh.
 
     python -m zero_optax.reshard SRC DST --world-size 4 [--owners auto|FILE.json] [--force]
+    python -m zero_optax.reshard SRC DST --axis-sizes data=2,model=4 [--param-specs SPECS.json] [...]
 
-`FILE.json` holds the new owners of the leaf partition: one list of device indices (one per leaf, in tree-flatten
+`--axis-sizes` gives every axis of the target mesh (the ZeRO axes included; an axis left out is not in it);
+`--world-size` alone keeps the saved mesh's other axes. `SPECS.json` maps leaf paths to the parameters'
+PartitionSpecs (`{"['w']": [null, "model"]}`), for leaves whose blocks alone do not tell which dimension a
+resized axis cuts. The owners `FILE.json` holds the new owners of the leaf partition: one list of device indices (one per leaf, in tree-flatten
 order) for a checkpoint with one leaf-partition state, or one item (a list or null) per zero1 state. Bad input
 exits with status 1 (2 for bad usage) and one line on stderr, and writes nothing.
 
@@ -32,6 +36,7 @@ from rich.progress import (
 )
 
 from zero_optax.checkpoint._reshard import reshard as _reshard_fn
+from zero_optax.checkpoint._target import parse_axis_sizes
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30
@@ -86,30 +91,37 @@ def _fixed_mmap_threshold() -> None:
         pass
 
 
-def _owners(arg: str):
-    if arg == "auto":
-        return None
+def _json_file(arg: str, flag: str):
     try:
         with open(arg) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read --owners file {arg}: {e}") from None
+        raise ValueError(f"cannot read {flag} file {arg}: {e}") from None
+
+
+def _owners(arg: str):
+    return None if arg == "auto" else _json_file(arg, "--owners")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    parser = _Parser(prog=PROG, description="Convert a zero_optax checkpoint item directory to another world size.")
+    parser = _Parser(prog=PROG, description="Convert a zero_optax checkpoint item directory to another mesh.")
     parser.add_argument("src", help="the item directory to read (holds zero_record.json); local or gs://")
     parser.add_argument("dst", help="the item directory to write")
-    parser.add_argument("--world-size", type=int, required=True, help="the new number of devices")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--world-size", type=int, help="the new number of devices along the ZeRO axes")
+    target.add_argument("--axis-sizes", help="the target mesh, every axis: NAME=SIZE,... (data=2,model=4)")
+    parser.add_argument("--param-specs", help="a JSON file of leaf path -> PartitionSpec ([null, \"model\"])")
     parser.add_argument("--owners", default="auto", help="'auto' (balanced) or a JSON file of leaf owners")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
     args = parser.parse_args(argv)
     bar = _Progress()
     _fixed_mmap_threshold()
     try:
-        _reshard_fn(args.src, args.dst, args.world_size, owners=_owners(args.owners), force=args.force,
-                    progress=bar)
+        _reshard_fn(args.src, args.dst, args.world_size,
+                    axis_sizes=None if args.axis_sizes is None else parse_axis_sizes(args.axis_sizes),
+                    param_specs=None if args.param_specs is None else _json_file(args.param_specs, "--param-specs"),
+                    owners=_owners(args.owners), force=args.force, progress=bar)
     except (ValueError, OSError) as e:  # ZeroError and StoreError are ValueErrors
         bar.close()
         message = " ".join(str(e).split())

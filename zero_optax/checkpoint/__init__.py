@@ -1,4 +1,4 @@
-"""Checkpoints of zero1 states: saving, restoring, and moving them between world sizes. The top layer.
+"""Checkpoints of zero1 states: saving, restoring, and moving them between meshes. The top layer.
 
 * `_handler`: the Orbax `ZeroCheckpointHandler` and its `ZeroSave` / `ZeroRestore` arguments.
 * `_tree`: the zero1 states inside a saved pytree: found, named, put back.
@@ -8,12 +8,15 @@
 * `_record`: the versioned JSON record beside the arrays.
 * `_schema`: the record checked field by field, into `SavedState`s.
 * `_match`: whether a saved state fits a target, and the first difference if not.
-* `_remap`: any region of a state at a new world size, from the arrays saved at the old one.
+* `_remap`: any region of a state on a new mesh, from the arrays saved on the old one.
+* `_blocks`: a sliced leaf's tensor-parallel or expert blocks on one mesh, cut again for another.
 * `_store`: stored arrays read and written with TensorStore.
 * `_paths`: checkpoint locations (local or `gs://`) as paths and TensorStore kvstores.
 * `_install`: putting a finished directory in place atomically (local file systems).
 * `_commit`: finished checkpoints on object stores: Orbax's commit file, written last, required by every reader.
 * `_shapes`: a copy of every leaf and entry shape kept with the arrays' own metadata, checked against the record.
 * `_reshard`: offline resharding of an item directory (`zero_optax.reshard`).
+* `_target`: the offline tool's target: a saved layout on a mesh given by its axis sizes.
 * `_migrate`: explicit per-parameter migration of rank-local records (`reshard_explicit`).
+* `_records`: rank-local records into a zero1 state (`state_from_rank_records`), to train on or save.
 """

@@ -9,7 +9,7 @@ that it renames once every host has finished, so a checkpoint is complete or abs
 
 Restoring checks the record field by field and against the target before reading any array, then loads into the
 target's layouts and shardings (`zero_optax.checkpoint._restore`); with `reshard=True` the target may have another
-world size, and each host reads only the regions its devices need.
+world size or tensor-parallel and expert axis sizes, and each host reads only the regions its devices need.
 
 Example::
 
@@ -58,7 +58,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
     calls `save`; Orbax writes each process's shards and the primary host writes the record. A restore loads
     into the layouts and shardings of a target state from `tx.init` on the restoring mesh (concrete, or abstract
     from `jax.eval_shape`), after checking that the checkpoint matches it; `zo.ZeroRestore(target,
-    reshard=True)` also restores a checkpoint saved at another world size.
+    reshard=True)` also restores a checkpoint saved on another mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, tempfile, orbax.checkpoint as ocp, zero_optax as zo
@@ -222,9 +222,9 @@ class ZeroRestore(ocp.args.CheckpointArgs):
         (`jax.eval_shape`, or `jax.ShapeDtypeStruct`s with `sharding`), possibly inside Flax Variables. The
         restored state has its structure, layouts and shardings. Required; it defaults to None only so that
         Orbax's restore without arguments reaches the handler and gets an explanation.
-      reshard: allow a target at another world size (or with other owners) than the checkpoint's: each host
-        then reads only the coordinates and owned leaves its devices hold, exactly as `zero_optax.reshard`
-        followed by a restore would give them.
+      reshard: allow a target on another mesh (data, tensor-parallel and expert axis sizes; or with other
+        owners) than the checkpoint's: each host then reads only the coordinates and owned leaves its devices
+        hold, exactly as `zero_optax.reshard` followed by a restore would give them.
     """
 
     target: Any = None

@@ -5,7 +5,8 @@ coordinate histories per parameter plus the shared clocks. `reshard_explicit` re
 own group of source records (one per old rank) to a target rank of a new group, as `Migration`s name them, so
 tensor-parallel or expert parameters whose groups differ can be moved together. `load_rank_records` reads such
 records from a zero1 checkpoint item directory (one per device of each data-parallel group);
-`zero_optax.checkpoint._reshard.reshard` converts whole directories.
+`zo.state_from_rank_records` (`zero_optax.checkpoint._records`) builds migrated records into a state on the new
+mesh, to train on or save; `zero_optax.checkpoint._reshard.reshard` converts whole directories.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[Rank
     return records
 
 
-def _clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> str | None:
+def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> str | None:
     if set(a) != set(b):
         return f"clocks {sorted(a)} vs {sorted(b)}"
     for name in sorted(a):
@@ -170,7 +171,7 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
-        diff = _clock_difference(group[0].clocks, rec.clocks)
+        diff = clock_difference(group[0].clocks, rec.clocks)
         if diff:
             raise _Error(f"{where}: clocks differ between sources records[{first}] and records[{s}]: {diff}.")
         b = rec.params[m.param]
@@ -202,7 +203,8 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
       migrations: one `Migration` per (parameter, target rank).
 
     Returns:
-      `Migration.target` (default `target_rank`) -> new `RankRecord` holding the migrated slices.
+      `Migration.target` (default `target_rank`) -> new `RankRecord` holding the migrated slices; build them into
+      a state on the new mesh with `zo.state_from_rank_records(target, result)`.
 
     Raises:
       ZeroCheckpointError: duplicate target ownership, a source lacking the parameter, a group whose size
@@ -237,7 +239,7 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
             raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
                          f"of {n}: one target record has one placement.")
         group = _check_group(i, m, records)
-        if key in out and (diff := _clock_difference(out[key].clocks, group[0].clocks)):
+        if key in out and (diff := clock_difference(out[key].clocks, group[0].clocks)):
             raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")
         src = group[0].params[m.param]

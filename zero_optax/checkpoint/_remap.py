@@ -1,16 +1,18 @@
-"""Any region of a state's arrays at a new world size, computed from the arrays saved at the old one, exactly.
+"""Any region of a state's arrays on a new mesh, computed from the arrays saved on the old one, exactly.
 
-The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); only the world
-size, the slots and the owners differ. Each target array is filled from the saved arrays without replaying or
-summing:
+The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); the mesh (the
+world size, the size of every tensor-parallel or expert axis), the slots and the owners may differ. Each target
+array is filled from the saved arrays without replaying or summing:
 
-* a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c` in both,
-  so a target range inside one block is one contiguous read of the saved block, cut at the leaf's size (the new
-  padding is zero);
+* a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c`. Where
+  the leaf's blocks are the same on both meshes, a target range inside one block is one contiguous read of the
+  saved block, cut at the leaf's size (the new padding is zero); where they differ (an axis it is sharded over
+  changed size), the target block's rows that the range covers are cut out of the saved blocks they overlap
+  (`zero_optax.checkpoint._blocks`), one read of whole rows per saved block;
 * a packed buffer: each owned entry of the new owner's row is read from the old owner's row;
 * a shared entry (step counts): every row is the value all saved rows agree on (checked by `shared_values`).
 
-`Remap.region` serves both the restore at a new world size (one region per target device) and the offline
+`Remap.region` serves both the restore onto a new mesh (one region per target device) and the offline
 `zero_optax.reshard` (one region per stored chunk).
 
 Examples:
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays
+from zero_optax.checkpoint import _arrays, _blocks
 from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
@@ -101,10 +103,14 @@ class Remap:
       target: the target's layout (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
       read: reads a region of a saved array.
       shared: the shared entries' values (`shared_values`).
+      where: how error messages name the state.
+      specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
     """
 
-    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray]):
+    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray],
+                 where: str = "the checkpoint", specs: dict[str, Any] | None = None):
         self.saved, self.target, self.read, self.shared = saved, target, read, shared
+        self.cuts = _blocks.recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
         self.old_pack = saved.layout.state_packing
         self.new_pack = target.state_packing
@@ -114,8 +120,8 @@ class Remap:
                 raise ZeroCheckpointError(
                     f"This checkpoint was taken {int(np.max(steps[0]))} micro-batches into an accumulation cycle of "
                     "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
-                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it at its own "
-                    "world size, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
+                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
+                    "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
                     "accumulate=\"sharded\", whose accumulators reshard.")
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
@@ -136,14 +142,18 @@ class Remap:
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         new = self.target.leaves[self.target.entries[j].leaf]
         old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
-        name = self.names[(j, None)]
-        new_block, old_block = new.group * new.slots, old.group * old.slots
+        cut = self.cuts[self.target.entries[j].leaf]
+        new_block = new.group * new.slots
         start, stop = span
         pieces = []
         while start < stop:
             b, lo = divmod(start, new_block)
             hi = min(new_block, lo + stop - start)
-            pieces.append(self._block(name, b * old_block, old_block, new.size, lo, hi, dtype))
+            if cut.identity and old.sliced:
+                old_block = old.group * old.slots
+                pieces.append(self._block(self.names[(j, None)], b * old_block, old_block, new.size, lo, hi, dtype))
+            else:
+                pieces.append(self._recut(self._saved(j), cut, b, lo, hi, dtype))
             start += hi - lo
         if len(pieces) == 1:
             return pieces[0]
@@ -151,6 +161,17 @@ class Remap:
         if pieces:
             np.concatenate(pieces, out=out)
         return out
+
+    def _saved(self, j: int) -> Callable[[int, int, int], np.ndarray]:
+        """`read(block, lo, hi)`: coordinates `[lo, hi)` of a saved block of entry `j`'s history (a sliced leaf's
+        block, or an owned leaf's whole tensor in its owner's row)."""
+        old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
+        if old.sliced:
+            name, width = self.names[(j, None)], old.group * old.slots
+            return lambda b, lo, hi: self.read(name, ((b * width + lo, b * width + hi),))
+        d, at = self.old_pack.offsets[old.owner][j]
+        name, row = self.names[(None, d)], (old.owner, old.owner + 1)
+        return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     def _block(self, name: str, base: int, old_block: int, size: int, lo: int, hi: int, dtype) -> np.ndarray:
         """Elements `[lo, hi)` of one block's new padded history. A range that reaches the block's last
@@ -168,6 +189,30 @@ class Remap:
         out[:size - lo] = got[:size - lo]
         return out
 
+    def _recut(self, read: Callable[[int, int, int], np.ndarray], cut: _blocks.Recut, b: int, lo: int, hi: int,
+               dtype) -> np.ndarray:
+        """Elements `[lo, hi)` of target block `b`'s padded history from the saved blocks (`read`, `_saved`): the
+        target rows the range covers, cut out of the saved blocks they overlap (whole saved rows read at once)."""
+        out = aligned_zeros(hi - lo, dtype)
+        shape, saved = cut.target.shape, cut.saved.shape
+        top = min(hi, math.prod(shape))
+        if lo >= top:
+            return out
+        if cut.identity:  # the same block, stored another way (sliced on one side, owned on the other)
+            out[:top - lo] = read(b, lo, top)
+            return out
+        row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])
+        r0, r1 = lo // row, -(-top // row)
+        rows = np.zeros((r1 - r0, *shape[1:]), dtype)
+        for source, (s_rows, *s_rest), (t_rows, *t_rest) in cut.sources(b, ((r0, r1), *((0, d) for d in shape[1:]))):
+            if any(x >= y for x, y in (s_rows, *s_rest)):
+                continue
+            got = read(source, s_rows[0] * saved_row, s_rows[1] * saved_row)
+            got = got.reshape((s_rows[1] - s_rows[0], *saved[1:]))[(slice(None), *(slice(*x) for x in s_rest))]
+            rows[(slice(t_rows[0] - r0, t_rows[1] - r0), *(slice(*x) for x in t_rest))] = got
+        out[:top - lo] = rows.reshape(-1)[lo - r0 * row:top - r0 * row]
+        return out
+
     def _buffer(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         d = array.buffer
         (r0, r1), (c0, c1) = region
@@ -177,6 +222,10 @@ class Remap:
                 e = self.target.entries[j]
                 lo, hi = max(off, c0), min(off + e.size, c1)
                 if dj != d or lo >= hi:
+                    continue
+                cut = self.cuts[e.leaf]
+                if cut is not None:  # sliced when saved: the whole tensor from its blocks
+                    out[t - r0, lo - c0:hi - c0] = self._recut(self._saved(j), cut, 0, lo - off, hi - off, d)
                     continue
                 owner = self.saved.layout.leaves[e.leaf].owner
                 _, at = self.old_pack.offsets[owner][j]

@@ -1,7 +1,9 @@
-"""Offline resharding of a zero1 checkpoint to another world size, exactly, with TensorStore and numpy only.
+"""Offline resharding of a zero1 checkpoint onto another mesh, exactly, with TensorStore and numpy only.
 
 Sliced leaves are re-cut coordinate by coordinate (each block's padded history is contiguous, so a new device's
-coordinates are one read of the old block; new padding is zero); owned leaves move their complete state from the
+coordinates are one read of the old block where the leaf's blocks stay; where a tensor-parallel or expert axis
+changes size, the new blocks are cut out of the old ones, `zero_optax.checkpoint._blocks`; new padding is zero);
+owned leaves move their complete state from the
 old owner's row to the new owner's; shared entries (step counts) are copied after checking that every old row
 agrees. Nothing is replayed or summed, so a run restored from the result continues exactly.
 
@@ -17,9 +19,8 @@ Orbax's commit file, which every reader requires, so an interrupted run leaves n
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,23 +35,15 @@ from zero_optax.checkpoint import (
     _schema,
     _shapes,
     _store,
+    _target,
 )
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform import _owners
 from zero_optax.transform._layout import LEAF, Layout
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
 CHUNK_ELEMENTS = 1 << 22
 """The most elements one chunk of the output holds."""
-
-
-def check_world_size(world_size: Any) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ZeroCheckpointError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if world_size > _schema.MAX_WORLD_SIZE:
-        raise ZeroCheckpointError(f"`world_size` must be at most {_schema.MAX_WORLD_SIZE}, got {world_size}.")
-    return int(world_size)
 
 
 def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
@@ -62,32 +55,6 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
     _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
     return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
-
-
-def refuse_expert_leaves(saved: _schema.SavedState, where: str) -> None:
-    layout = saved.layout
-    for leaf in layout.leaves:
-        if set(leaf.axes) & set(layout.axes):
-            raise ZeroCheckpointError(
-                f"{where}: state {saved.index}'s leaf `{leaf.path}` is sharded over the ZeRO axis "
-                f"`{min(set(leaf.axes) & set(layout.axes))}` (an expert parameter), so a new world size "
-                "also changes its number of blocks. Migrate such leaves with zo.load_rank_records and "
-                "zo.reshard_explicit, naming each block's source group and target placement.")
-
-
-def new_layout(old: Layout, m: int, owners: Sequence[int] | None) -> Layout:
-    """`old` at world size `m`: sliced leaves re-cut, owned leaves given `owners` (default: balanced the way
-    `zero1` balances them at `init`)."""
-    owned = [not x.sliced for x in old.leaves]
-    if owners is None:
-        owners = _owners.owners_for_entries(old.entries, owned, m)
-    else:
-        owners = _owners.check_owners(owners, len(old.leaves), m, old.paths)
-    leaves = tuple(dataclasses.replace(x, group=m, slots=-(-x.size // m)) if x.sliced else
-                   dataclasses.replace(x, group=m, owner=o) for x, o in zip(old.leaves, owners))
-    entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
-                    if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
-    return dataclasses.replace(old, world_size=m, leaves=leaves, entries=entries)
 
 
 def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] | None]:
@@ -114,6 +81,14 @@ def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] 
         if not isinstance(o, (list, tuple)):
             raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
     return owners
+
+
+def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
+            specs: _target.Specs, owners: Sequence[int] | None, where: str) -> Layout:
+    """The layout saved state `saved` has on the target mesh."""
+    where = f"{where}: state {saved.index}"
+    n, sizes = _target.target_sizes(saved.layout, world_size, axis_sizes, where)
+    return _target.new_layout(saved.layout, n, sizes, owners, specs, where)
 
 
 def _chunks(a: _arrays.StoredArray, layout: Layout) -> tuple[int, ...]:
@@ -148,14 +123,14 @@ def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
 
 
 def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
-           layouts: list[Layout], progress: Progress | None) -> None:
+           layouts: list[Layout], specs: list[_target.Specs], progress: Progress | None) -> None:
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
     done = 0
     with _store.ItemWriter(dst) as writer:
         plans = []
-        for old, lay, arrays, values in zip(saved.states, layouts, outputs, shared):
-            remap = _remap.Remap(old, lay, store.read, values)
+        for old, lay, arrays, values, spec in zip(saved.states, layouts, outputs, shared, specs):
+            remap = _remap.Remap(old, lay, store.read, values, f"state {old.index}", spec)
             for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
                 writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
@@ -172,18 +147,27 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
     _commit.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
 
 
-def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
+def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
+            axis_sizes: Mapping[str, int] | None = None, param_specs: Any = None,
             owners: Sequence[int] | Sequence[Sequence[int] | None] | None = None, force: bool = False,
             progress: Progress | None = None) -> None:
-    """Converts a zero1 checkpoint item directory to another data-parallel world size, exactly.
+    """Converts a zero1 checkpoint item directory to another mesh (data-parallel size, tensor-parallel and expert
+    axis sizes), exactly.
 
-    Sliced leaves (the flat partition): every block's coordinate histories are cut again into
-    `ceil(size / world_size)` slots per device (zero padding); `slots` is updated in the record. Owned leaves (the
-    leaf partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes
-    the way `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied
-    after checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept. States
-    from a 2-D mesh reshard to another data size with the model axis unchanged; states with expert leaves
-    (sharded over a ZeRO axis) are refused: use `zo.reshard_explicit`.
+    Sliced leaves (the flat partition, and `"auto"`'s sliced leaves): every block's coordinate histories are cut
+    again into `ceil(size / group)` slots per device (zero padding); where an axis a leaf is sharded over changes
+    size (or appears, or goes), the leaf's logical array is cut into the new blocks first. Owned leaves (the leaf
+    partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes the way
+    `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied after
+    checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept.
+
+    The target mesh is `axis_sizes` (every axis of it, the ZeRO axes included; an axis left out is not in the
+    target mesh), or, with `world_size` alone, the saved mesh with the ZeRO axes at `world_size` devices. A
+    sliced leaf stays sharded over those of its axes the target mesh has, and an axis that changes size cuts the
+    only dimension of its block that it divides. Where several would do (a square block, say), or a leaf is to
+    be sharded over an axis it was not, `param_specs` says which: the parameters' `PartitionSpec`s, the same on
+    both meshes (a pytree shaped like the parameters, or a mapping of leaf paths such as `"['w']"`). A restore
+    with `zo.ZeroRestore(target, reshard=True)` needs neither: it reads the blocks from the target.
 
     Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
     by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
@@ -192,12 +176,14 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
     nor `ZeroRestore` reads it; `force` there first deletes the existing destination (its commit file first),
     so an interrupted replacement leaves no checkpoint, neither the old nor the new. Arrays are copied one
     chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
-    new world size (and, with `reshard=True`, at any other).
+    new mesh (and, with `reshard=True`, on any other).
 
     Args:
       src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
       dst_dir: where to write the converted item directory.
-      world_size: the new number of devices along each state's ZeRO axes.
+      world_size: the new number of devices along each state's ZeRO axes (the other axes keep their sizes).
+      axis_sizes: the target mesh, axis name -> size (e.g. `{"data": 2, "model": 4}`), instead of `world_size`.
+      param_specs: where the blocks cannot tell, the parameters' `PartitionSpec`s (see above).
       owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
         (a list or None) per zero1 state. None balances.
       force: replace an existing `dst_dir`.
@@ -212,28 +198,35 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int, *,
     Examples:
       >>> import zero_optax as zo
       >>> zo.reshard("ckpt/100/opt_state", "ckpt3/100/opt_state", world_size=3)  # doctest: +SKIP
+      >>> zo.reshard("ckpt/100/opt_state", "tp4/100/opt_state",
+      ...            axis_sizes={"data": 2, "model": 4})  # doctest: +SKIP
     """
     src, dst = _paths.as_path(src_dir), _paths.as_path(dst_dir)
-    m = check_world_size(world_size)
+    if world_size is not None:
+        world_size = _target.check_world_size(world_size)
+    if axis_sizes is not None:
+        axis_sizes = _target.check_axis_sizes(axis_sizes)
     if dst.exists() and not force:
         raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
     if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
         raise ZeroCheckpointError(
             f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
             f"destination must not be {src} or lie inside or around it; write to another directory.")
+    if world_size is None and axis_sizes is None:
+        raise ZeroCheckpointError("Give the target mesh: `world_size=` (the data-parallel size) or `axis_sizes=` "
+                                  "(every axis, e.g. {'data': 2, 'model': 4}).")
     saved, store, shared = load(src)
-    for s in saved.states:
-        refuse_expert_leaves(s, str(src))
     per_state = _owners_per_state(owners, [s.layout for s in saved.states])
-    layouts = [new_layout(s.layout, m, o) for s, o in zip(saved.states, per_state)]
+    specs = [_target.specs_by_path(param_specs, set(s.layout.paths)) for s in saved.states]
+    layouts = [_layout(s, world_size, axis_sizes, p, o, str(src)) for s, p, o in zip(saved.states, specs, per_state)]
     if not _paths.is_local(dst):
         if force and dst.exists():
             _commit.retract(dst)
-        _write(dst, saved, store, shared, layouts, progress)
+        _write(dst, saved, store, shared, layouts, specs, progress)
         return
     tmp = _install.temporary_sibling(str(dst), "reshard")
     try:
-        _write(tmp, saved, store, shared, layouts, progress)
+        _write(tmp, saved, store, shared, layouts, specs, progress)
         _install.install(tmp, str(dst), force)
     except FileExistsError:
         raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.") from None

@@ -153,7 +153,7 @@ def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, 
 
 def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shared) -> Any:
     """One target state built from the stored arrays, device by device: each device's region read as it is saved
-    (`plan.same`) or computed from the saved arrays at the target's world size (`zero_optax.checkpoint._remap`)."""
+    (`plan.same`) or computed from the saved arrays on the target's mesh (`zero_optax.checkpoint._remap`)."""
     if plan.same:
         arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(plan.specs, plan.shardings)]
     else:
