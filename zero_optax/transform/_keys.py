@@ -12,10 +12,10 @@ Examples:
   >>> import jax, jax.numpy as jnp, optax
   >>> from zero_optax.transform import _keys
   >>> tx = _keys.as_data(optax.noisy_sgd(0.1, key=jax.random.key(0)))
-  >>> tx.init({"w": jnp.ones(3)}).rng_key.dtype
+  >>> tx.init({"w": jnp.ones(3)})[0].rng_key.dtype
   dtype('uint32')
   >>> _keys.impls(optax.noisy_sgd(0.1, key=jax.random.key(0)).init, {"w": jnp.ones(3)})
-  {'rng_key': 'threefry2x32'}
+  {'[0].rng_key': 'threefry2x32'}
 """
 
 from __future__ import annotations
