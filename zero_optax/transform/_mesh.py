@@ -58,7 +58,8 @@ def param_specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda x: _spec_of(x, mesh), params)
 
 
-def _placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`tree` resharded onto `mesh` by `specs` (a tree of `PartitionSpec`s like it)."""
     return jax.tree.map(lambda x, s: _compat.reshard(x, NamedSharding(mesh, s)), tree, specs)
 
 
@@ -103,7 +104,7 @@ class Bound:
                                          (hoisted.specs, specs), self.mesh)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
                                                    out_specs=_specs.tree_specs(traced)))
-        state = self._fns[key](hoisted.placed(self.mesh), _placed(params, specs, self.mesh))
+        state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
         self._specs[state.layout] = specs
         return state
 
@@ -149,8 +150,8 @@ class Bound:
                 run, mesh=self.mesh,
                 in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), extra_specs),
                 out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
-        grads = _placed(grads, specs, self.mesh)
-        params = _placed(params, specs, self.mesh) if with_params else None
+        grads = placed(grads, specs, self.mesh)
+        params = placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)
         return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
 

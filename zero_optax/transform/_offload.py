@@ -144,12 +144,6 @@ def placed(x: Any, kind: str | None) -> Any:
     return jax.device_put(x, x.sharding.with_memory_kind(kind))
 
 
-def memory_kind_of(state: Any) -> str | None:
-    """The memory kind every array of `state` reports, or None if they differ (or have none: tracers)."""
-    kinds = {getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(state)}
-    return kinds.pop() if len(kinds) == 1 else None
-
-
 def fetched(state: Any) -> Any:
     """`state` with every array in host memory brought to device memory, for code that reads it outside the
     step (`gather_state`): concrete arrays keep their sharding in `device` memory, traced ones (under `jax.jit`)

@@ -375,7 +375,7 @@ def build_layout(cfg: Config, params) -> Layout:
             why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
             raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
     owned = [i in coupled or i in _small_elementwise(cfg, real, coupled, placement) for i in range(len(values))]
-    slots = [math.prod(x.shape) if owned[i] else -(-math.prod(np.shape(x)) // placement[i][2])
+    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
     mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
     if not all(owned):
