@@ -39,9 +39,12 @@ DEVICE = "device"
 
 def memory_kinds(device: Any) -> set[str]:
     """The memory kinds `device` exposes (`device`, `pinned_host`, `unpinned_host` on CPU, GPU and TPU)."""
+    memories = getattr(device, "addressable_memories", None)
+    if memories is None:
+        return set()
     try:
-        return {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001  (a backend without memory spaces)
+        return {m.kind for m in memories()}
+    except jax.errors.JaxRuntimeError:  # (a backend without memory spaces: UNIMPLEMENTED)
         return set()
 
 
@@ -154,9 +157,6 @@ def fetched(state: Any) -> Any:
             if getattr(sharding, "memory_kind", DEVICE) not in (None, DEVICE):
                 return jax.device_put(x, sharding.with_memory_kind(DEVICE))
             return x
-        try:
-            host = jax.typeof(x).memory_space == jax.memory.Space.Host
-        except Exception:  # noqa: BLE001  (older releases type no memory space)
-            host = False
+        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host  # (older releases type none)
         return jax.device_put(x, jax.memory.Space.Device) if host else x
     return jax.tree.map(one, state)
