@@ -124,7 +124,7 @@ def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
     """`step(grads, state, params, **kwargs)` with the state's small arrays (shared entries such as step counts, and
     local accumulators, which are gradient-sized) brought to the device first and returned to host memory after.
     The stored histories, owned buffers and master copies stay in host memory: `step` streams them through the
-    device itself (`zero_optax.transform._engine.Engine.on_device` with `streamed=True`)."""
+    device itself (`zero_optax.transform._engine.Engine.on_device`, which streams them with `offload`)."""
     def moved(state, to):
         inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
         return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))

@@ -376,33 +376,63 @@ def build_layout(cfg: Config, params) -> Layout:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries)
-    coupled = found.coupled
+    _check_owned_placement(cfg, found, placement, paths)
+    owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
+             for i in range(len(values))]
+    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
+             for i, x in enumerate(real)]
+    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
+    entries = real_entries if all(owned) else _entries_on_slices(cfg, treedef, mixed, real_state, owned)
+    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
+    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
+    _check_histories(cfg, entries, owned, slots, paths)
+
+    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
+    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
+    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
+                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
+    views = _Views(cfg, treedef, leaves, extra, {}, found.joint)
+    programs = _leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
+    entries = entries + _master_entries(cfg, leaves)
+    groups = () if all(owned) else _groups(views, entries, programs)
+    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
+                  jax.tree.structure(real_state),
+                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
+                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
+                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
+                  found.joint and bool(groups), replicas)
+
+
+def _check_owned_placement(cfg: Config, found: Coupling, placement, paths: list[str]) -> None:
+    """Refuses offload with a joint view (a chunk cannot compute a full reduction), and a leaf that needs an owner
+    but is sharded over a tensor-parallel axis (no device holds it whole)."""
     if found.joint and cfg.offload:
         raise ZeroCouplingError(
             "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
             "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
             "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
             "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
-
-    for i in coupled:
+    for i in found.coupled:
         if placement[i][0]:
             why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
             raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
-    owned = [i in coupled or i in _small_elementwise(cfg, real, coupled, placement) for i in range(len(values))]
-    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
-             for i, x in enumerate(real)]
-    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
-    if not all(owned):
-        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
-                                                   sliced=[i for i in range(len(real)) if not owned[i]])
-        mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
-                                         [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
-        _check_slices(real_state, mixed_state)
-    else:
-        entries = real_entries
-    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
-    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
-    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
+
+
+def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
+    """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
+    checking that the state is structured as on the parameters (`real_state`)."""
+    entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+                                               sliced=[i for i in range(len(mixed)) if not owned[i]])
+    mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
+                                     [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+    _check_slices(real_state, mixed_state)
+    return entries
+
+
+def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
+                     paths: list[str]) -> None:
+    """Refuses a sliced leaf's entry that is not a per-coordinate history (not shaped like its slots)."""
     for e in entries:
         if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
             raise ZeroCouplingError(
@@ -410,21 +440,19 @@ def build_layout(cfg: Config, params) -> Layout:
                 f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
-    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
-    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
-    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
-                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
-    names: dict[str, str] = {}
-    programs = _leaf_programs(traced, treedef, by_leaf, names, found.joint)
-    entries = entries + _master_entries(cfg, leaves)
-    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names,
-                                           found.joint)
-    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
-                  jax.tree.structure(real_state),
-                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
-                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups), replicas)
+
+@dataclasses.dataclass(frozen=True)
+class _Views:
+    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
+    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
+    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
+
+    cfg: Config
+    treedef: Any
+    leaves: tuple[ParamLeaf, ...]
+    extra: dict
+    names: dict[str, str]
+    reductions: bool = False
 
 
 FUSE_BYTES = 1 << 14
@@ -457,8 +485,7 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
     return histories, masters
 
 
-def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], programs: dict,
-            extra, names: dict[str, str], reductions: bool = False) -> tuple[Group, ...]:
+def _groups(views: _Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
     each runs on its slots what it runs on the parameter.
 
@@ -471,11 +498,12 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
     leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
     """
+    cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
     masters = {i: master_of[i] for i in histories if i in master_of}
     candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
-    found = _view_programs(cfg, treedef, leaves, candidates, extra, names, reductions)
+    found = _view_programs(views, candidates)
     groups, alone = [], []
     for members in candidates:
         if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
@@ -484,7 +512,7 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         else:
             alone += members
     if any(len(m) > 1 for m in candidates if m[0] in alone):
-        found = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names, reductions)
+        found = _view_programs(views, [[i] for i in alone])
     _check_alone(leaves, alone, programs, found)
     groups += [[i] for i in alone]
     out = []
@@ -560,11 +588,11 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
     return list(keyed.values())
 
 
-def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: list[list[int]], extra,
-                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
+def _view_programs(views: _Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
     """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
     holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
     error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
+    cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
     labels: list[Any] = [optax.MaskedNode()] * len(leaves)
     for members in groups:
@@ -580,10 +608,10 @@ def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: 
         state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                                 for e in entries])
         state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
-        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, extra,
+        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
                                        sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=names,
-                                       collective=reductions)
+                                       out_sources=(label_tree, state_labels), names=views.names,
+                                       collective=views.reductions)
     except ZeroError:
         raise
     except Exception as e:  # the user's transformation failed: refused, naming its error
