@@ -23,7 +23,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.nnx import filterlib
 from flax.training import train_state
 
-from zero_optax.transform._zero1 import Zero1, apply_gradients
+from zero_optax.transform._zero1 import apply_gradients, find_zero1
 
 M = tp.TypeVar("M")
 
@@ -134,8 +134,8 @@ def _on_mesh(tx: optax.GradientTransformation, step):
 
     Flax creates its counters on the default device; the first jitted step returns them replicated on the mesh of
     the arrays it ran on, and the second call then compiles the step again for the new placement."""
-    zero = getattr(tx.init, "__self__", None)
-    if not isinstance(zero, Zero1) or zero.mesh is None:
+    zero = find_zero1(tx)
+    if zero is None or zero.mesh is None:
         return step
     return jax.device_put(jnp.asarray(step), jax.sharding.NamedSharding(zero.mesh, jax.sharding.PartitionSpec()))
 

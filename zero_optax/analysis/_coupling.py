@@ -1,4 +1,10 @@
-"""Static dependency ("taint") analysis telling whether an update couples values.
+"""Static analyses of an update's jaxpr: whether it couples values ("taint"), and what program it runs.
+
+Two jobs. The first, below, proves what a partition may do. The second reads *programs*: what an update computes,
+as text equal for two leaves (or one leaf in two traces) exactly when the same program runs on them, whatever
+their shapes (:func:`leaf_programs`, which zero1's plan uses to group sliced leaves and stack owned ones, and to
+refuse an update that runs something else on slices than on the parameters; :func:`program_signature`, the same
+for a whole function, used by the tests only).
 
 ZeRO-1 shards optimizer state in one of two ways, and each is exact only for a
 certain class of inner optimizers:
@@ -12,7 +18,9 @@ certain class of inner optimizers:
 * **Leaf ownership** runs the inner optimizer on a subset of whole leaves. That
   is exact only if no computation mixes values of two different parameter
   leaves. :func:`find_leaf_coupling` refuses e.g. ``clip_by_global_norm`` but
-  accepts per-leaf matrix algebra such as muon, adafactor or lamb.
+  accepts per-leaf matrix algebra such as muon, adafactor or lamb (the plan uses
+  :func:`analyze_leaves`; :func:`find_leaf_coupling` is its plain form, kept for
+  the tests of the analysis).
 * :func:`analyze_leaves` does both at once for ``partition="auto"``: it refuses
   leaf mixing and reports which leaves have their coordinates mixed (and so
   need whole tensors).
@@ -314,6 +322,9 @@ def on_slices(fn: Callable[..., Any], *args: Any, untainted: frozenset[int] = fr
 def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sources: Any = None) -> str | None:
     """Finds a computation in ``fn`` that mixes values of two labelled leaves.
 
+    Used by the tests of the analysis (``tests/test_coupling.py``); zero1's plan calls :func:`analyze_leaves`,
+    which answers this and more in one pass.
+
     Args:
       fn: The function to analyse, e.g. ``lambda g, s, p: tx.update(g, s, p)``.
       *args: Pytrees of arrays or ``jax.ShapeDtypeStruct`` to trace ``fn`` on.
@@ -444,6 +455,8 @@ def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
     inside called jaxprs. An elementwise optimizer has the same signature on a parameter and on a slice of it; a
     transformation whose behaviour depends on parameter shapes (a weight-decay mask computed from `ndim`, a
     scale of ``1 / g.size``) does not.
+
+    Used by the tests (``tests/test_coupling.py``), to check the entries :func:`leaf_programs` builds on.
     """
     out: list[str] = []
     closed, _, _ = _traced(fn, args)

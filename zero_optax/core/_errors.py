@@ -22,6 +22,10 @@ class ZeroCouplingError(ZeroError):
     """The inner transformation couples values that this partition updates on different devices."""
 
 
+class NotZero1Error(ZeroError):
+    """A function that needs a zero1 transformation (`scatter_state`, say) got another (a chain holding one)."""
+
+
 class ZeroCheckpointError(ZeroError):
     """A checkpoint record is missing, damaged, or does not match what it is restored into."""
 

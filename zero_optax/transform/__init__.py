@@ -1,12 +1,18 @@
 """The transformation: `zero1` and everything its `init` and `update` run. Above `zero_optax.analysis`.
 
-* `_zero1`: `zero1` itself, the optax transformation, `apply_gradients` (the step in one call) and `describe`.
-* `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`).
-* `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing.
+* `_zero1`: `zero1` itself, the optax transformation, `apply_gradients` (the step in one call) and `describe`;
+  `zero1_of`/`find_zero1`, the `Zero1` object behind a transformation.
+* `_handle`: the record of which `Zero1` object each transformation `zero1` returned is, found without reading its bound methods.
+* `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`); the extra
+  arguments the inner update requires, read from signatures.
+* `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing; the names every layer shares
+  (partitions, accumulate modes, accumulator paths) and the slot rule `slot_count`.
 * `_state`: the `ZeroState` pytree.
 * `_shared`: the inner state's own tree inside it (shared fields as values, per-parameter fields as markers), for optax's tree utilities.
-* `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike.
-* `_groups`: sliced leaves that run one program, stored and updated as one buffer per group.
+* `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike, a step in named parts
+  (`_step`, `_update_groups`, `_update_owned`, `_finish`).
+* `_groups`: sliced leaves that run one program, stored and updated as one buffer per group; `Step`, what the
+  parts of one `update` call read alike.
 * `_varying`: the inner update with every value typed varying, so it runs whatever it branches on; its full
   reductions and random draws on slices, exact.
 * `_keys`: typed PRNG keys of the inner state, held as key data.

@@ -31,14 +31,14 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroError
 from zero_optax.transform import _reduce, _shared
-from zero_optax.transform._layout import ACC_PREFIX
+from zero_optax.transform._layout import (
+    ACCUMULATE_MODES,
+    LOCAL,
+    MICRO_STEP_PATH,
+    SHARDED,
+    WEIGHT_SUM_PATH,
+)
 from zero_optax.transform._state import shared_arrays
-
-SHARDED = "sharded"
-LOCAL = "local"
-MODES = (SHARDED, LOCAL)
-MICRO_STEP_PATH = ".micro_step"
-WEIGHT_SUM_PATH = ".weight_sum"
 
 
 class AccumulateState(NamedTuple):
@@ -151,16 +151,9 @@ def check_args(accumulate_steps, accumulate) -> None:
             accumulate_steps < 1:
         raise ZeroError(f"`accumulate_steps` must be an int >= 1 (the number of update calls, one per "
                         f"micro-batch, per optimizer step), got {accumulate_steps!r}.")
-    if accumulate not in MODES:
+    if accumulate not in ACCUMULATE_MODES:
         raise ZeroError(f"`accumulate` must be \"sharded\" (accumulators sharded like the state, ZeRO-2) or "
                         f"\"local\" (each device keeps full-size local sums), got {accumulate!r}.")
-
-
-def accumulator_entries(layout) -> list[int]:
-    """The entries of `layout` that are sharded accumulators."""
-    if layout.accumulate != SHARDED:
-        return []
-    return [j for j, e in enumerate(layout.entries) if e.leaf is not None and e.path.startswith(ACC_PREFIX)]
 
 
 def _shared_entry(layout, path: str) -> int | None:
@@ -177,11 +170,6 @@ def micro_step_entry(layout) -> int | None:
 def weight_sum_entry(layout) -> int | None:
     """The index of the shared entry holding the cycle's weight so far, or None without accumulation."""
     return _shared_entry(layout, WEIGHT_SUM_PATH)
-
-
-def local_shape(layout, leaf) -> tuple[int, ...]:
-    """The global shape of a leaf's local accumulator: one block per device (leaf axes, then ZeRO axes)."""
-    return (leaf.blocks * leaf.group, *leaf.shape)
 
 
 def update(engine, grads, state, params, weight, extra):

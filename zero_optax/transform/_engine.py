@@ -16,7 +16,7 @@ do not depend on any leaf.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
@@ -39,8 +40,31 @@ from zero_optax.transform import (
     _reduce,
     _sliced,
 )
-from zero_optax.transform._layout import MASTER, Layout
+from zero_optax.transform._layout import LOCAL, MASTER, Layout
 from zero_optax.transform._state import ZeroState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _GroupsDone:
+    """What the group views of one step leave for the rest of it (`Engine._update_groups`).
+
+    Attributes:
+      new_inner: the new `SlicedState` (its shared entries kept where the step is skipped).
+      shared_old: the shared entries' old values, which the owned views read.
+      values: streamed (offload): each group's results for every device, and `new_master` the new master copies;
+        otherwise None (`Engine._finish` computes both from `u_parts`).
+      new_master: see `values`.
+      u_parts, p_parts, masks: not streamed: each group's updates, its part of the parameters, and the mask of
+        its valid coordinates.
+    """
+
+    new_inner: Any
+    shared_old: dict
+    values: list | None = None
+    new_master: Any = None
+    u_parts: list | None = None
+    p_parts: list | None = None
+    masks: list | None = None
 
 
 def _tree(layout: Layout, values: list) -> Any:
@@ -174,7 +198,7 @@ class Engine:
         if cfg.master_dtype is not None:
             master = tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
         local = None
-        if layout.accumulate == _accumulate.LOCAL:
+        if layout.accumulate == LOCAL:
             local = _accumulate.init_local(layout, params, layout.axes)
         state = ZeroState(inner_state, buffers, master, layout, local)
         return _offload.to_host(state, cfg.bucket_bytes) if cfg.offload else state
@@ -224,77 +248,97 @@ class Engine:
         slice of the parameters before the all-gather."""
         cfg = self.cfg
         if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
-            step = functools.partial(self.on_device, streamed=True)
-            return _offload.update(step, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight, **extra)
-        return self.on_device(grads, state, params, weight=weight, hooks=hooks, streamed=cfg.offload, apply=apply,
-                              **extra)
+            return _offload.update(self.on_device, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight,
+                                   **extra)
+        return self.on_device(grads, state, params, weight=weight, hooks=hooks, apply=apply, **extra)
 
     def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-                  streamed: bool = False, apply: bool = False, **extra):
-        """`update` on a state whose arrays are in device memory, except with `streamed` the stored histories,
+                  apply: bool = False, **extra):
+        """`update` on a state whose arrays are in device memory, except with `offload` the stored histories,
         owned buffers and master copies, which stay in host memory and stream through the device: the groups'
         arrays in chunks (`_groups.Groups.update_streamed`), the owned buffers bucket by bucket of leaves
         (`_owned_streamed`)."""
         cfg = self.cfg
         if cfg.accumulating is not None and hooks is None:
             return _accumulate.update(self, grads, state, params, weight, extra)
-        inner = cfg.inner if hooks is None else hooks.inner
-        stepping = hooks is None or hooks.step
         layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra,
                                                       hooks is None or hooks.checked)
-        ranks = self._ranks(layout)
-        rank = ranks[layout.axes]
-        denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
-        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
-                    else hooks.grad_dtypes)
-        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
+        step = self._step(layout, g_leaves, p_leaves, weight, hooks, extra)
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
 
         # Group views: every device, its own coordinates.
-        g_parts = self._reduce_groups(layout, g_leaves, denom, inner_dt, sum_dt, ranks)
-        groups_streamed = streamed and bool(layout.groups)
-        if groups_streamed:
-            params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
-                self._sliced_params(layout, p_leaves, state, ranks)
-            p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
-            values, new_inner, new_master, shared_old = self.groups.update_streamed(
-                layout, g_parts, params_parts, state, denom.ok, ranks, extra, inner, cfg.bucket_bytes, p_dtypes,
-                stepping)
-        else:
-            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-            p_parts = self._sliced_params(layout, p_leaves, state, ranks)
-            u_parts, new_inner, shared_old = self.groups.update(layout, g_parts, p_parts, state.inner_state, masks,
-                                                                denom.ok, extra, inner, ranks)
-        new_inner = new_inner._replace(shared=_reduce.skip_if_empty(denom.ok, new_inner.shared,
-                                                                    state.inner_state.shared))
+        done = self._update_groups(step, g_leaves, state)
 
         # Owned views: one switch branch per device.
         new_buffers, u_owned = dict(state.buffers), {}
         if owned:
-            new_buffers, u_owned = self._update_owned(layout, owned, g_leaves, p_leaves, state, shared_old, denom,
-                                                      inner_dt, sum_dt, extra, rank, inner, stepping, streamed)
-        if not stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
-            return None, ZeroState(new_inner, new_buffers, state.master, layout, state.local)
+            step = dataclasses.replace(step, shared_old=done.shared_old)
+            new_buffers, u_owned = self._update_owned(step, owned, g_leaves, state)
+        if not step.stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
+            return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
 
         # New parameters (master copies) or updates, gathered to every device.
-        if not groups_streamed:
-            values, new_master = self._group_results(layout, u_parts, p_leaves, state, denom.ok, masks)
+        return self._finish(step, done, state, new_buffers, u_owned, apply)
+
+    def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, weight, hooks: _accumulate.Hooks | None,
+              extra: dict) -> _groups.Step:
+        """The step's `_groups.Step`: the transformation that runs, the denominator and dtypes (from `hooks` for an
+        accumulating call), this device's ranks."""
+        cfg = self.cfg
+        ranks = self._ranks(layout)
+        denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
+                    else hooks.grad_dtypes)
+        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
+        return _groups.Step(layout, cfg.inner if hooks is None else hooks.inner, extra, denom, inner_dt, sum_dt, ranks,
+                            hooks is None or hooks.step, cfg.offload, p_leaves)
+
+    def _update_groups(self, step: _groups.Step, g_leaves: list, state: ZeroState) -> _GroupsDone:
+        """The group views: the gradients reduced to this device's coordinates, and the inner update on them
+        (streamed through the device chunk by chunk with `step.streamed`)."""
+        cfg, layout, ranks, p_leaves = self.cfg, step.layout, step.ranks, step.p_leaves
+        ok = step.denom.ok
+        g_parts = self._reduce_groups(layout, g_leaves, step.denom, step.inner_dt, step.sum_dt, ranks)
+        if step.streamed and layout.groups:
+            params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
+                self._sliced_params(layout, p_leaves, state, ranks)
+            p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
+            values, new_inner, new_master, shared_old = self.groups.update_streamed(step, g_parts, params_parts, state,
+                                                                                     p_dtypes)
+            done = _GroupsDone(new_inner, shared_old, values, new_master)
+        else:
+            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+            p_parts = self._sliced_params(layout, p_leaves, state, ranks)
+            u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state.inner_state, masks)
+            done = _GroupsDone(new_inner, shared_old, u_parts=u_parts, p_parts=p_parts, masks=masks)
+        new_inner = done.new_inner._replace(shared=_reduce.skip_if_empty(ok, done.new_inner.shared,
+                                                                         state.inner_state.shared))
+        return dataclasses.replace(done, new_inner=new_inner)
+
+    def _finish(self, step: _groups.Step, done: _GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
+                apply: bool):
+        """The step's result: the updates (or with `apply` the new parameters), gathered to every device, and the
+        new state."""
+        cfg, layout, p_leaves, ok = self.cfg, step.layout, step.p_leaves, step.denom.ok
+        values, new_master = done.values, done.new_master
+        if done.u_parts is not None:
+            values, new_master = self._group_results(layout, done.u_parts, p_leaves, state, ok, done.masks)
             if apply and cfg.master_dtype is None:  # each device adds its part of the updates to its parameters
-                values = [None if v is None else optax.apply_updates(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
+                values = [None if v is None else optax.apply_updates(p.reshape(v.shape), v)
+                          for p, v in zip(done.p_parts, values)]
         updates = self._gather_values(layout, values)
+        new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
         if apply:
             new_params = updates if cfg.master_dtype is None else {  # the gathered, rounded master copies
-                i: _reduce.skip_if_empty(denom.ok, t, p_leaves[i]) for i, t in updates.items()}
+                i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in updates.items()}
             new_params.update({i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()})
-            new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
             return _tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
             md = cfg.master_dtype
             updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
-            if denom.ok is not None:
-                updates = {i: jnp.where(denom.ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        new_state = ZeroState(new_inner, new_buffers, new_master, layout, state.local)
+            if ok is not None:
+                updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
         return _tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
 
     def _check_step(self, grads, state, params, weight, extra, semantics: bool = True
@@ -394,8 +438,7 @@ class Engine:
             joined = [_groups.joined(g, parts) for g in layout.groups]
         return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
-    def _update_owned(self, layout, owned, g_leaves, p_leaves, state, shared_old, denom, inner_dt, sum_dt, extra,
-                      rank, inner, stepping=True, streamed=False):
+    def _update_owned(self, step: _groups.Step, owned: list[int], g_leaves: list, state: ZeroState) -> tuple[dict, dict]:
         """The inner update on every device's owned view, in one `lax.switch` on the device index.
 
         Gradients reach the owners (`_owned_gradients`), each device updates the state packed in its row of the
@@ -403,12 +446,12 @@ class Engine:
         leaves' updates (or new master values, rounded) return to every device by an all-gather of one packing.
         Returns the new buffers and those updates.
         """
-        cfg = self.cfg
+        layout, denom, stepping, streamed = step.layout, step.denom, step.stepping, step.streamed
         n = layout.world_size
-        master = cfg.master_dtype is not None
-        mode, plan_g, grad_input = self._owned_gradients(layout, owned, g_leaves, denom, inner_dt, sum_dt)
-        u_dtypes = ({i: np.dtype(p_leaves[i].dtype).name for i in owned} if master else
-                    {i: d for i, d in self._update_dtypes(layout, extra).items() if i in owned})
+        master = self.cfg.master_dtype is not None
+        mode, plan_g, grad_input = self._owned_gradients(step, owned, g_leaves)
+        u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
+                    {i: d for i, d in self._update_dtypes(layout, step.extra).items() if i in owned})
         plan_u = _owned.leaf_plan(layout, u_dtypes)
         packing = layout.state_packing
         shapes = {i: layout.leaves[i].shape for i in owned}
@@ -418,19 +461,18 @@ class Engine:
             mine = [i for i in owned if layout.leaves[i].owner == r]
 
             def run(grad_input, buffers, p_leaves):
+                here = dataclasses.replace(step, p_leaves=p_leaves)  # (the branch's operand)
                 if mode == "psum_scatter":
                     g = _owned.Row(grad_input, plan_g.offsets[r], shapes,
-                                   lambda x, i: _reduce.divide(x, denom, inner_dt[i]))
+                                   lambda x, i: _reduce.divide(x, denom, step.inner_dt[i]))
                 else:
                     g = {i: grad_input[i] for i in mine}
                 if streamed:
-                    new_buffers, u = self._owned_streamed(layout, r, mine, g, buffers, p_leaves, shared_old, extra,
-                                                          inner, stepping, denom.ok)
+                    new_buffers, u = self._owned_streamed(here, r, mine, g, buffers)
                 else:
                     stored = _owned.Row(buffers, packing.offsets[r],
                                         {j: layout.entries[j].shape for j in layout.rank_entries(r)})
-                    values, u = self._owned_view_update(layout, r, mine, g, stored, p_leaves, shared_old, extra,
-                                                        inner, stepping)
+                    values, u = self._owned_view_update(here, r, mine, g, stored)
                     new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes,
                                               base=buffers if n > 1 else None)
                 if not stepping:
@@ -442,9 +484,9 @@ class Engine:
             return run
 
         if not stepping:
-            new = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+            new = _owned.switch(step.rank, [branch(r) for r in range(n)], grad_input, old_buffers, step.p_leaves)
             return {d: b[None] for d, b in new.items()}, {}
-        new, u_out = _owned.switch(rank, [branch(r) for r in range(n)], grad_input, old_buffers, p_leaves)
+        new, u_out = _owned.switch(step.rank, [branch(r) for r in range(n)], grad_input, old_buffers, step.p_leaves)
         if not streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
@@ -453,24 +495,24 @@ class Engine:
             u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
         return new_buffers, u
 
-    def _owned_streamed(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array], buffers,
-                        p_leaves: list | None, shared_old, extra, inner, stepping, ok) -> tuple[dict, dict]:
+    def _owned_streamed(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
+                        ) -> tuple[dict, dict]:
         """Inside device `r`'s branch, its packed `buffers` in host memory: the owned view's update bucket by bucket
         of its leaves (`_owned.stream_buckets`). A bucket's stored entries come to the device (one move per
         contiguous range of a buffer), are updated and go back into the host buffers before the next bucket is
         read from them, so the device holds one bucket's state at a time. Returns the new buffers and the
         updates (or rounded new master values) of `mine`."""
+        layout = step.layout
         offsets = layout.state_packing.offsets[r]
         u_all: dict[int, jax.Array] = {}
         for bucket in _owned.stream_buckets(layout, r, mine, self.cfg.bucket_bytes):
             entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
-                       (stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
+                       (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
             ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
             pieces = [_offload.fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
             stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
-            values, u = self._owned_view_update(layout, r, bucket, {i: g[i] for i in bucket}, stored, p_leaves,
-                                                shared_old, extra, inner, stepping)
-            values = _reduce.skip_if_empty(ok, _owned.unstacked(values), stored)
+            values, u = self._owned_view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
+            values = _reduce.skip_if_empty(step.denom.ok, _owned.unstacked(values), stored)
             buffers = dict(buffers)
             for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
                 buffers[d] = _offload.store(buffers[d], x, lo)
@@ -478,9 +520,8 @@ class Engine:
             u_all.update(_owned.unstacked(u))
         return buffers, u_all
 
-    def _owned_view_update(self, layout: Layout, r: int, mine: list[int], g: dict[int, jax.Array],
-                           stored: dict[int, jax.Array], p_leaves: list | None, shared_old: dict[int, jax.Array],
-                           extra, inner, stepping=True):
+    def _owned_view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
+                           stored: dict[int, jax.Array]) -> tuple[dict, dict]:
         """Inside device `r`'s branch: the inner update of its owned view of the leaves `mine` (all it owns, or a
         bucket of them), with gradients `g`.
 
@@ -491,6 +532,7 @@ class Engine:
         `mine`: the updates, or with `master_dtype` the new master values rounded to the parameter dtype. A stack's
         values are keyed by its members' entries (or leaves), stacked (`_owned.Key`).
         """
+        layout, p_leaves, shared_old, stepping = step.layout, step.p_leaves, step.shared_old, step.stepping
         master = self.cfg.master_dtype is not None
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
@@ -506,10 +548,9 @@ class Engine:
         u: dict[_owned.Key, jax.Array] = {}
         values: dict[_owned.Key, jax.Array] = {}
         for stack in stacks:
-            try:
-                u_stack, v_stack = self._stack_update(layout, r, stack, g, stored, p, shared_old, extra, inner)
-            except Exception:  # noqa: BLE001  (an update `jax.vmap` cannot run, a callback's say: its members
-                rest += stack    # run in the masked view, one program each, and raise there if it is a real error)
+            u_stack, v_stack = self._stack_update(step, r, stack, g, stored, p)
+            if u_stack is None:  # an update `jax.vmap` cannot run (a host callback without a `vmap_method`): its
+                rest += stack    # members run in the masked view, one program each
                 continue
             u.update(u_stack)
             values.update(v_stack)
@@ -520,7 +561,7 @@ class Engine:
                                                                               else stored[j] for j in b_entries])
             g_view = _groups.masked_tree(layout, {i: g[i] for i in rest})
             p_view = None if p is None else _groups.masked_tree(layout, {i: p[i] for i in rest})
-            u_view, new = _groups.run_inner(inner, g_view, old, p_view, extra, layout.axes)
+            u_view, new = _groups.run_inner(step, g_view, old, p_view)
             _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
             u.update(zip(rest, jax.tree.leaves(u_view)))
             values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
@@ -530,13 +571,15 @@ class Engine:
             values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
         return values, u
 
-    def _stack_update(self, layout: Layout, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None,
-                      shared_old: dict[int, jax.Array], extra, inner) -> tuple[dict, dict]:
+    def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
+                      ) -> tuple[dict | None, dict | None]:
         """Inside device `r`'s branch: the inner update of the view of `stack[0]` alone, vectorised over the
         members of `stack` (their gradients, parameters and histories stacked; the shared entries the same for
         all). The members run one program on one shape (`Layout.stacks`), so member `k` gets what its own view
         would. Returns the members' updates, keyed by `tuple(stack)`, and their new histories, keyed by the
-        members' entries, stacked."""
+        members' entries, stacked; or `(None, None)` where the first member's view holds an operation `jax.vmap`
+        refuses (`_vectorisable`), read from its program before anything is vectorised."""
+        layout, shared_old = step.layout, step.shared_old
         first = stack[0]
         treedef = self._view(layout, r, [first])
         views = [self._owned_entries(layout, r, [i]) for i in stack]
@@ -547,19 +590,21 @@ class Engine:
             old = jax.tree_util.tree_unflatten(treedef, [shared_old[j] if j in shared_old else next(it)
                                                          for j in views[0]])
             g_view = _groups.masked_tree(layout, {first: g1})
-            u, new = _groups.run_inner(inner, g_view, old, None if p1 is None else _groups.masked_tree(
-                layout, {first: p1}), extra, layout.axes)
+            u, new = _groups.run_inner(step, g_view, old, None if p1 is None else _groups.masked_tree(
+                layout, {first: p1}))
             _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
             new = jax.tree.leaves(new)
             return jax.tree.leaves(u)[0], [new[k] for k in own]
 
         keys = [tuple(view[k] for view in views) for k in own]
-        histories = [_owned.stacked(stored, key) for key in keys]
-        p_stack = None if p is None else jnp.stack([p[i] for i in stack])
-        u, new = jax.vmap(run)(_owned.stacked(g, stack), histories, p_stack)
+        args = (_owned.stacked(g, stack), [_owned.stacked(stored, key) for key in keys],
+                None if p is None else jnp.stack([p[i] for i in stack]))
+        if not _vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
+            return None, None
+        u, new = jax.vmap(run)(*args)
         return {tuple(stack): u}, dict(zip(keys, new))
 
-    def _owned_gradients(self, layout, owned, g_leaves, denom, inner_dt, sum_dt):
+    def _owned_gradients(self, step: _groups.Step, owned: list[int], g_leaves: list) -> tuple[str, Any, dict]:
         """How the owned leaves' gradients reach their owners, and the switch operand that carries them.
 
         `"psum_scatter"`: owner-packed rows, reduce-scattered (each owner receives its row, still to be divided);
@@ -567,6 +612,7 @@ class Engine:
         the leaves as they are. Returns the mode, the gradients' packing and the operand.
         """
         cfg = self.cfg
+        layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
@@ -581,6 +627,26 @@ class Engine:
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
         return mode, plan_g, grad_input
+
+
+def _vectorisable(jaxpr) -> bool:
+    """Whether `jax.vmap` can run the program `jaxpr` (sub-programs included): it refuses a `pure_callback` that
+    names no `vmap_method` and an ordered `io_callback` (JAX's batching rules for them raise)."""
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "pure_callback" and params.get("vmap_method") is None:
+            return False
+        if name == "io_callback" and params.get("ordered", False):
+            return False
+        if not all(_vectorisable(_compat.jaxpr_parts(sub)[0]) for sub in _coupling.subjaxprs(params)):
+            return False
+    return True
+
+
+def _member_type(x: jax.Array):
+    """The type (shape, dtype, varying axes) of one member of the stacked `x`."""
+    aval = jax.typeof(x)
+    return aval.update(shape=aval.shape[1:])
 
 
 def _by_rows(layout: Layout, buckets) -> bool:

@@ -44,14 +44,14 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 
-def run_inner(inner, grads, state, params, extra: dict, axes, slices: list | None = None) -> tuple[Any, Any]:
-    """`inner.update(grads, state, params, **extra)`, every value typed varying across the ZeRO `axes`, so the
+def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
+    """`step.inner.update(grads, state, params, **step.extra)`, every value typed varying across the ZeRO axes, so the
     inner update runs whatever it branches on (`zero_optax.transform._varying`). The updates come back typed at
     least as their gradients, the new state at least as the old one (a history of a leaf sharded over a tensor
     axis varies across it, even where the inner update builds it from a constant). `slices`: per leaf of the
     arguments, None or the `_reduce.Coordinates` it holds (its full reductions then run across the devices)."""
-    u, new = _varying.run(lambda g, s, p, e: inner.update(g, s, p, **e), (grads, state, params, extra), axes,
-                          slices)
+    u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
+                          step.layout.axes, slices)
     return _varying.like(u, grads), _varying.like(new, state)
 
 
@@ -135,17 +135,67 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
     return new, new.astype(p_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class JointRun:
-    """The inputs of one step's joint view (`Groups.joint_view`): per group, its part of the reduced gradient,
-    of the parameters (or master copies; `params` None without them) and its padding mask; the extra arguments;
-    this device's ranks (`Engine._ranks`)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """What the parts of one `update` call read alike (`_engine.Engine.on_device`, the group and owned views).
 
-    grads: list
-    params: list | None
-    masks: list
+    Attributes:
+      layout: the state's layout.
+      inner: the transformation that runs (under accumulation, the final step's or a micro-step's).
+      extra: its extra arguments.
+      denom: the reduction's denominator (`_reduce.denominator`); `denom.ok` is None, or whether the step's
+        global weight is nonzero.
+      inner_dt: leaf -> the dtype name the inner update sees its gradient in.
+      sum_dt: leaf -> the dtype name its gradients are summed in.
+      ranks: this device's index along each tuple of axes a group of leaves is sharded over (`Engine._ranks`).
+      stepping: False for a micro-batch that only accumulates.
+      streamed: the stored arrays live in host memory and stream through the device (offload).
+      p_leaves: the parameter leaves (None when `update` got none), as the code that reads them holds them (inside
+        an owner's branch, the branch's operand).
+      shared_old: the shared entries' old values (entry -> array), once the group views have read them.
+    """
+
+    layout: Layout
+    inner: Any
     extra: dict
-    ranks: Any
+    denom: Any
+    inner_dt: dict
+    sum_dt: dict
+    ranks: dict
+    stepping: bool = True
+    streamed: bool = False
+    p_leaves: list | None = None
+    shared_old: dict | None = None
+
+    @property
+    def rank(self):
+        """This device's index along the ZeRO axes."""
+        return self.ranks[self.layout.axes]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _GroupStream:
+    """What every chunk of one group's streamed update reads (`Groups.update_streamed`, offload).
+
+    Attributes:
+      step: the step (its `shared_old` set).
+      g, group: the group's index and description in the layout.
+      arrays: the group's stored arrays in host memory: its histories, then (with `master`) its master copy.
+      grads, params: this device's parts of the group's gradient and parameter buffers (on the device).
+      rank: this device's index along the group's ZeRO axes.
+      master: whether the group's master copy steps with it (`master_dtype`, and a step that is no micro-step).
+      p_dtype: the parameter dtype the new master values are rounded to.
+    """
+
+    step: Step
+    g: int
+    group: Group
+    arrays: list
+    grads: jax.Array
+    params: jax.Array | None
+    rank: jax.Array
+    master: bool
+    p_dtype: Any
 
 
 def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinates:
@@ -227,12 +277,13 @@ class Groups:
         of the inner update is: `run_inner`)."""
         return {j: x[0] for j, x in zip(layout.shared_entries, _shared.items(stored.shared))}
 
-    def _run_view(self, layout: Layout, g: int | None, grads, params, shared: dict, histories: Sequence, extra,
-                  inner, with_params: bool) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
+    def _run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
+                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
         """The inner update on group `g`'s view holding `grads` and, `with_params`, `params` (of its whole part or a
-        chunk; None on the view of no leaf), its state the `shared` values and `histories`: the first member's
+        chunk; None on the view of no leaf), its state the shared values (`step.shared_old`) and `histories`: the first member's
         update (None on the view of no leaf; in the shape of the part, `Group.part_shape`, unless it is a chunk),
         the new shared values and the new histories."""
+        layout = step.layout
         group = None if g is None else layout.groups[g]
 
         def view(x):
@@ -240,8 +291,8 @@ class Groups:
                 x = x.reshape(group.shape)
             return masked_tree(layout, {} if group is None else {group.first: x})
         g_view = view(grads)
-        old = self._assemble(layout, g, shared, histories)
-        u, new = run_inner(inner, g_view, old, view(params) if with_params else None, extra, layout.axes)
+        old = self._assemble(layout, g, step.shared_old, histories)
+        u, new = run_inner(step, g_view, old, view(params) if with_params else None)
         what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
         check_returned(u, new, g_view, old, what)
         new_shared, new_histories = self._disassemble(layout, g, new)
@@ -258,34 +309,36 @@ class Groups:
             self._views[key] = (_plan.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
         return self._views[key]
 
-    def _run_joint(self, layout: Layout, run: JointRun, shared: dict, stored: SlicedState, inner
+    def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
         """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
         one: `Layout.joint`), whose full reductions run across the devices: the updates of each group, the
-        new shared values and each group's new histories."""
+        new shared values and each group's new histories. `grads`, `params` (or master copies; None without
+        them) and `masks`: each group's part of the reduced gradient, of the parameters, and its padding mask."""
+        layout, shared = step.layout, step.shared_old
         treedef, order = self.joint_view(layout)
-        slices = {g.first: _coordinates(layout, g, mask, run.ranks) for g, mask in zip(layout.groups, run.masks)}
+        slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
 
         def view(parts):
             return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
                                         for g, x in zip(layout.groups, parts)})
         own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
         old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
-        g_view = view(run.grads)
-        p_view = None if run.params is None else view(run.params)
+        g_view = view(grads)
+        p_view = None if params is None else view(params)
         firsts = sorted(slices)
         tags = [slices[i] for i in firsts]
         tags += [None if layout.entries[j].leaf is None else slices[layout.entries[j].leaf] for j in order]
-        tags += ([] if p_view is None else [slices[i] for i in firsts]) + [None] * len(jax.tree.leaves(run.extra))
-        u, new = run_inner(inner, g_view, old, p_view, run.extra, layout.axes, tags)
+        tags += ([] if p_view is None else [slices[i] for i in firsts]) + [None] * len(jax.tree.leaves(step.extra))
+        u, new = run_inner(step, g_view, old, p_view, tags)
         check_returned(u, new, g_view, old, "sliced leaves")
         values = dict(zip(order, jax.tree.leaves(new)))
         updates = dict(zip(firsts, jax.tree.leaves(u)))
         return ([updates[g.first] for g in layout.groups], {j: values[j] for j in layout.shared_entries},
                 [tuple(values[j] for j in g.histories[0]) for g in layout.groups])
 
-    def update(self, layout: Layout, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
-               stored: SlicedState, masks: list, ok, extra: dict, inner, ranks) -> tuple[list, SlicedState, dict]:
+    def update(self, step: Step, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
+               stored: SlicedState, masks: list) -> tuple[list, SlicedState, dict]:
         """The inner update on every group's view.
 
         `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
@@ -293,10 +346,11 @@ class Groups:
         skipped; the shared entries as computed) and the old shared values, which the owned views read. The
         shared entries' new values are the first view's (every view computes the same).
         """
+        layout, ok = step.layout, step.denom.ok
         shared_old = self.shared_values(layout, stored)
+        step = dataclasses.replace(step, shared_old=shared_old)
         if layout.joint:
-            updates, shared_new, new = self._run_joint(layout, JointRun(grads, params, masks, extra, ranks), shared_old,
-                                                       stored, inner)
+            updates, shared_new, new = self._run_joint(step, grads, params, masks, stored)
             histories = [tuple(_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, old))
                          for h, old, mask in zip(new, stored.histories, masks)]
             new = SlicedState(_shared.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
@@ -306,8 +360,8 @@ class Groups:
         shared_new = None
         for t, g in enumerate(self.targets(layout)):
             old = () if g is None else stored.histories[g]
-            u, shared, new = self._run_view(layout, g, grads[t], None if params is None else params[t], shared_old,
-                                            old, extra, inner, params is not None)
+            u, shared, new = self._run_view(step, g, grads[t], None if params is None else params[t], old,
+                                            params is not None)
             shared_new = shared if shared_new is None else shared_new
             updates.append(u)
             if g is not None:
@@ -319,33 +373,35 @@ class Groups:
 
     # ------------------------------------------------------------------ offload: streamed through the device
 
-    def update_streamed(self, layout: Layout, grads: list[jax.Array], params: list[jax.Array] | None, state,
-                        ok, ranks, extra: dict, inner, chunk_bytes: int, p_dtypes: list, stepping: bool = True
-                        ) -> tuple:
+    def update_streamed(self, step: Step, grads: list[jax.Array], params: list[jax.Array] | None, state,
+                        p_dtypes: list) -> tuple:
         """The group views' update with the groups' arrays (histories, master copies) in host memory.
 
-        Each group is updated chunk by chunk: a chunk of at most `chunk_bytes` of all its arrays together is
+        Each group is updated chunk by chunk: a chunk of at most `bucket_bytes` of all its arrays together is
         brought to the device, updated, and returned to host memory before the next one (a `fori_loop`, so the
         chunks run in order and the device holds one chunk's state at a time, not the group's). `grads` and
         `params` (this device's parts of the buffers, without master copies) stay on the device, as do the
         results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
         which are returned with the new stored state, the new master copies and the old shared values. Without
-        `stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and nothing
-        is returned for every device (None).
+        `step.stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and
+        nothing is returned for every device (None).
         """
+        layout, stepping, chunk_bytes = step.layout, step.stepping, self.cfg.bucket_bytes
         shared_old = self.shared_values(layout, state.inner_state)
+        step = dataclasses.replace(step, shared_old=shared_old)
         master = state.master is not None and stepping
         values, histories, masters, shared_new = [], [], [], None
         for g, group in enumerate(layout.groups):
             arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
             width = sum(np.dtype(a.dtype).itemsize for a in arrays) or 1
             size = group.size if chunk_bytes <= 0 else max(1, min(group.size, chunk_bytes // width))
-            rank = _rank(layout, group, ranks)
+            rank = _rank(layout, group, step.ranks)
 
-            def chunk(start, length, carry, g=g, group=group, arrays=arrays, rank=rank):
-                return self._chunk(layout, g, group, start, length, carry, arrays, grads[g],
-                                   None if params is None else params[g], shared_old, ok, rank, extra, inner,
-                                   master, p_dtypes[g], stepping)
+            stream = _GroupStream(step, g, group, arrays, grads[g], None if params is None else params[g], rank,
+                                  master, p_dtypes[g])
+
+            def chunk(start, length, carry, stream=stream):
+                return self._chunk(stream, start, length, carry)
             carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
             full = group.size // size
             if full > 1:
@@ -363,23 +419,25 @@ class Groups:
                           tuple(histories))
         return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
 
-    def _chunk(self, layout, g, group, start, length, carry, arrays, grads, params, shared_old, ok, rank, extra,
-               inner, master, p_dtype, stepping):
-        """One chunk of group `g`: `[start, start + length)` of this device's part of its buffers."""
+    def _chunk(self, s: _GroupStream, start, length: int, carry) -> tuple:
+        """One chunk of group `s.g`: `[start, start + length)` of this device's part of its buffers. `carry`: the
+        group's arrays written so far, the results every device receives (None before the first chunk), and the
+        shared entries' new values."""
         new_arrays, out, _ = carry
-        old = [_offload.fetch(a, start, length) for a in arrays]
-        hist, m_old = (old[:-1], old[-1]) if master else (old, None)
-        g_c = lax.dynamic_slice_in_dim(grads, start, length)
-        p_c = m_old if master else (None if params is None else lax.dynamic_slice_in_dim(params, start, length))
-        u, shared, h = self._run_view(layout, g, g_c, p_c, shared_old, hist, extra, inner, p_c is not None)
-        mask = valid(layout, group, rank, start, length)
+        old = [_offload.fetch(a, start, length) for a in s.arrays]
+        hist, m_old = (old[:-1], old[-1]) if s.master else (old, None)
+        g_c = lax.dynamic_slice_in_dim(s.grads, start, length)
+        p_c = m_old if s.master else (None if s.params is None else lax.dynamic_slice_in_dim(s.params, start, length))
+        ok = s.step.denom.ok
+        u, shared, h = self._run_view(s.step, s.g, g_c, p_c, hist, p_c is not None)
+        mask = valid(s.step.layout, s.group, s.rank, start, length)
         results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
-        if stepping:
-            m_new, value = stepped(u, m_old, mask, ok, p_dtype)
-            if master:
+        if s.step.stepping:
+            m_new, value = stepped(u, m_old, mask, ok, s.p_dtype)
+            if s.master:
                 results.append(m_new)
             if out is None:  # typed by the update below (varying where `value` is)
-                out = jnp.zeros((group.size,), value.dtype)
+                out = jnp.zeros((s.group.size,), value.dtype)
             out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
         new_arrays = [_offload.store(a, x, start) for a, x in zip(new_arrays, results)]
         return new_arrays, out, shared

@@ -39,10 +39,27 @@ PARTITIONS = (FLAT, LEAF, AUTO)
 
 STATE = "state"
 MASTER = "master"
+# Gradient accumulation (`_accumulate`): its modes, and the paths of its state's fields in the inner state's tree
+# (`_accumulate.AccumulateState`), which the layout, the engine and checkpoints read.
+SHARDED = "sharded"
+"""`accumulate="sharded"`: the accumulators are inner-state histories, sharded like the state (ZeRO-2)."""
+LOCAL = "local"
+"""`accumulate="local"`: every device keeps full-size sums of its own gradients (`ZeroState.local`)."""
+ACCUMULATE_MODES = (SHARDED, LOCAL)
 ACC_PREFIX = ".acc"
 """Sharded gradient accumulators are entries whose path starts with this (`_accumulate.AccumulateState.acc`)."""
+MICRO_STEP_PATH = ".micro_step"
+"""The shared entry counting the calls of the accumulation cycle so far (`AccumulateState.micro_step`)."""
+WEIGHT_SUM_PATH = ".weight_sum"
+"""The shared entry holding the cycle's global weight so far (`AccumulateState.weight_sum`)."""
 MASTER_PREFIX = "<master>"
 """Master-copy entries are named `<master>` followed by the parameter leaf's path."""
+
+
+def slot_count(size: int, group: int) -> int:
+    """The slots of a sliced leaf: the coordinates each of the `group` devices of its ZeRO group holds of its `size`
+    elements, `ceil(size / group)` (the last device's tail padded with zeros)."""
+    return -(-size // group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +388,7 @@ class Layout:
         for e in self.entries:
             if role is not None and e.role != role:
                 continue
-            if role == STATE and self.accumulate == "sharded" and e.leaf is not None and e.path.startswith(ACC_PREFIX):
+            if role == STATE and self.accumulate == SHARDED and e.leaf is not None and e.path.startswith(ACC_PREFIX):
                 continue  # counted by accumulator_bytes_per_device
             if e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank:
                 total += e.nbytes
@@ -391,13 +408,13 @@ class Layout:
     def accumulator_bytes_per_device(self) -> tuple[int, ...]:
         """Bytes each device needs for gradient accumulators (zero without `accumulate_steps`): sharded, its share
         of the float32 sums (1/N of sliced leaves, whole owned leaves at their owner); local, full-size sums."""
-        if self.accumulate == "local":
+        if self.accumulate == LOCAL:
             total = sum(leaf.size * np.dtype(np.promote_types(leaf.dtype, np.float32)).itemsize
                         for leaf in self.leaves)
             return (total,) * self.world_size
         out = []
         for r in range(self.world_size):
-            out.append(sum(e.nbytes for e in self.entries if self.accumulate == "sharded" and e.leaf is not None
+            out.append(sum(e.nbytes for e in self.entries if self.accumulate == SHARDED and e.leaf is not None
                            and e.path.startswith(ACC_PREFIX)
                            and (self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == r)))
         return tuple(out)

@@ -19,8 +19,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import inspect
-import types
 from typing import Any
 
 import jax
@@ -32,7 +30,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.core import _compat
+from zero_optax.core import _compat, _reach
 from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.transform import _engine, _plan, _specs
 from zero_optax.transform._state import ZeroState
@@ -41,11 +39,8 @@ from zero_optax.transform._state import ZeroState
 def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P:
     """The `PartitionSpec` of a global array (or tracer) over `mesh`; replicated when it carries none."""
     sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        try:
-            sharding = jax.typeof(x).sharding
-        except Exception:  # noqa: BLE001  (tracers of older JAX releases carry no sharding)
-            sharding = None
+    if not isinstance(sharding, NamedSharding):  # (tracers of older JAX releases carry no sharding)
+        sharding = getattr(jax.typeof(x), "sharding", None)
     if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
         spec = tuple(sharding.spec)
         while spec and spec[-1] is None:
@@ -58,7 +53,8 @@ def param_specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda x: _spec_of(x, mesh), params)
 
 
-def _placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`tree` resharded onto `mesh` by `specs` (a tree of `PartitionSpec`s like it)."""
     return jax.tree.map(lambda x, s: _compat.reshard(x, NamedSharding(mesh, s)), tree, specs)
 
 
@@ -103,7 +99,7 @@ class Bound:
                                          (hoisted.specs, specs), self.mesh)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
                                                    out_specs=_specs.tree_specs(traced)))
-        state = self._fns[key](hoisted.placed(self.mesh), _placed(params, specs, self.mesh))
+        state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
         self._specs[state.layout] = specs
         return state
 
@@ -149,8 +145,8 @@ class Bound:
                 run, mesh=self.mesh,
                 in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), extra_specs),
                 out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
-        grads = _placed(grads, specs, self.mesh)
-        params = _placed(params, specs, self.mesh) if with_params else None
+        grads = placed(grads, specs, self.mesh)
+        params = placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)
         return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
 
@@ -171,51 +167,19 @@ def _must_enter(x: Any) -> bool:
     return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
 
 
-# Objects `_may_reach_typed` does not look into: they hold no arrays, or (classes, modules) only shared ones.
-_OPAQUE = (str, bytes, int, float, complex, type(None), np.ndarray, np.generic, type, types.ModuleType,
-           types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
-
-
 def _may_reach_typed(root: Any, limit: int = 20_000) -> bool:
     """Whether a value that `_must_enter` may be reachable from `root` (the inner transformation): through
-    containers, functions' closures and defaults, partials, bound methods and objects' attributes. True also when
-    the search stops after `limit` objects.
+    containers, functions' closures and defaults, partials, bound methods and objects' attributes
+    (`_reach.reachable`). True also when the search stops after `limit` objects.
 
     A cheap test (a walk over Python objects, no trace) that spares the common case, hyperparameters given as
     numbers, the two traces of `_Hoisted.find`: only where it finds such a value do they run, and they decide
     which values are hoisted. A value it cannot reach (a module global, say) is not hoisted: JAX then refuses the
     `shard_map` as it did before.
     """
-    stack, seen = [root], set()
-    while stack:
-        x = stack.pop()
-        if id(x) in seen or isinstance(x, _OPAQUE):
-            continue
-        seen.add(id(x))
-        if len(seen) > limit:
+    for count, x in enumerate(_reach.reachable(root), 1):
+        if count > limit or _must_enter(x):
             return True
-        if isinstance(x, jax.Array):
-            if _must_enter(x):
-                return True
-            continue
-        if isinstance(x, dict):
-            stack.extend(x.values())
-            continue
-        if isinstance(x, (tuple, list, set, frozenset)):
-            stack.extend(x)
-            continue
-        if isinstance(x, types.FunctionType):
-            stack.extend(inspect.getclosurevars(x).nonlocals.values())
-            stack.extend(x.__defaults__ or ())
-            stack.extend((x.__kwdefaults__ or {}).values())
-        elif isinstance(x, functools.partial):
-            stack.extend((x.func, x.args, x.keywords))
-        elif isinstance(x, types.MethodType):
-            stack.extend((x.__func__, x.__self__))
-        stack.extend(getattr(x, "__dict__", {}).values())
-        for cls in type(x).__mro__:
-            slots = cls.__dict__.get("__slots__", ())
-            stack.extend(getattr(x, name, None) for name in ((slots,) if isinstance(slots, str) else slots))
     return False
 
 

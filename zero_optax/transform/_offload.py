@@ -39,9 +39,12 @@ DEVICE = "device"
 
 def memory_kinds(device: Any) -> set[str]:
     """The memory kinds `device` exposes (`device`, `pinned_host`, `unpinned_host` on CPU, GPU and TPU)."""
+    memories = getattr(device, "addressable_memories", None)
+    if memories is None:
+        return set()
     try:
-        return {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001  (a backend without memory spaces)
+        return {m.kind for m in memories()}
+    except jax.errors.JaxRuntimeError:  # (a backend without memory spaces: UNIMPLEMENTED)
         return set()
 
 
@@ -121,7 +124,7 @@ def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
     """`step(grads, state, params, **kwargs)` with the state's small arrays (shared entries such as step counts, and
     local accumulators, which are gradient-sized) brought to the device first and returned to host memory after.
     The stored histories, owned buffers and master copies stay in host memory: `step` streams them through the
-    device itself (`zero_optax.transform._engine.Engine.on_device` with `streamed=True`)."""
+    device itself (`zero_optax.transform._engine.Engine.on_device`, which streams them with `offload`)."""
     def moved(state, to):
         inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
         return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))
@@ -144,12 +147,6 @@ def placed(x: Any, kind: str | None) -> Any:
     return jax.device_put(x, x.sharding.with_memory_kind(kind))
 
 
-def memory_kind_of(state: Any) -> str | None:
-    """The memory kind every array of `state` reports, or None if they differ (or have none: tracers)."""
-    kinds = {getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(state)}
-    return kinds.pop() if len(kinds) == 1 else None
-
-
 def fetched(state: Any) -> Any:
     """`state` with every array in host memory brought to device memory, for code that reads it outside the
     step (`gather_state`): concrete arrays keep their sharding in `device` memory, traced ones (under `jax.jit`)
@@ -160,9 +157,6 @@ def fetched(state: Any) -> Any:
             if getattr(sharding, "memory_kind", DEVICE) not in (None, DEVICE):
                 return jax.device_put(x, sharding.with_memory_kind(DEVICE))
             return x
-        try:
-            host = jax.typeof(x).memory_space == jax.memory.Space.Host
-        except Exception:  # noqa: BLE001  (older releases type no memory space)
-            host = False
+        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host  # (older releases type none)
         return jax.device_put(x, jax.memory.Space.Device) if host else x
     return jax.tree.map(one, state)

@@ -8,8 +8,9 @@ program comparison of its `update`, and the `2 + 2 log2(L)` masked views that at
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-import re
+import types
 from typing import Any
 
 import jax
@@ -17,8 +18,13 @@ import numpy as np
 import optax
 
 from zero_optax.analysis import _coupling
-from zero_optax.core import _compat, _names
-from zero_optax.core._errors import ZeroAxisError, ZeroCouplingError, ZeroStructureError
+from zero_optax.core import _compat, _names, _reach
+from zero_optax.core._errors import (
+    ZeroAxisError,
+    ZeroCouplingError,
+    ZeroError,
+    ZeroStructureError,
+)
 from zero_optax.transform import _keys, _layout, _owners
 from zero_optax.transform._layout import (
     AUTO,
@@ -62,9 +68,6 @@ for an optimizer that needs the whole matrix (Muon's orthogonalisation, Adafacto
 leaves replicated over `{axis}` (in_specs P() for them), or give them an elementwise optimizer so that they can
 be sliced (partition="flat", or "auto" decides per leaf)."""
 
-_MISSING_KWARGS = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$")
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The arguments of `zero1`, validated."""
@@ -103,35 +106,46 @@ def _update_fn(inner):
     return lambda g, s, p, e: inner.update(g, s, p, **e)
 
 
+def required_keywords(update, limit: int = 20_000) -> tuple[str, ...]:
+    """The keyword-only arguments without a default of the functions reachable from `update` (the inner update,
+    the functions it closes over: a chain's members), read from their signatures: the extra arguments the inner
+    update may require (`value=` of `optax.contrib.reduce_on_plateau`), in the order found. A name that no update
+    requires only gets a stand-in that updates taking `**extra_args` ignore. The walk stops after `limit` objects.
+    """
+    found: dict[str, None] = {}
+    for count, x in enumerate(_reach.reachable(update), 1):
+        if count > limit:
+            break
+        if isinstance(x, types.FunctionType):
+            found.update((p.name, None) for p in inspect.signature(x).parameters.values()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty)
+    return tuple(found)
+
+
 def trace_update(inner, grads, state, params) -> tuple[_coupling.Traced, dict[str, jax.ShapeDtypeStruct]]:
     """Traces the inner update once on the real shapes, for every analysis of it.
 
-    Checks that its updates and new state are structured like its inputs, and finds scalar stand-ins for the
-    keyword-only arguments it requires (`value=` of `optax.contrib.reduce_on_plateau`, say) by tracing it without
-    them. Returns the trace (of `update(g, s, p, extra)`) and the stand-ins.
+    Checks that its updates and new state are structured like its inputs, and gives the keyword-only arguments it
+    requires (`required_keywords`) scalar stand-ins. Returns the trace (of `update(g, s, p, extra)`) and the
+    stand-ins.
     """
-    extra: dict[str, jax.ShapeDtypeStruct] = {}
-    for _ in range(16):
-        try:
-            traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
-        except TypeError as err:
-            found = _MISSING_KWARGS.search(str(err))
-            if found is None:
-                raise ZeroCouplingError(
-                    f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
-                    f"{type(err).__name__}: {err}") from err
-            for name in re.findall(r"'(\w+)'", found.group(1)):
-                extra[name] = jax.ShapeDtypeStruct((), np.float32)
-            continue
-        updates, new_state = traced.out_shape
-        for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
-            if jax.tree.structure(got) != jax.tree.structure(want):
-                raise ZeroStructureError(
-                    f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
-                    f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
-                    "inputs.")
-        return traced, extra
-    raise ZeroCouplingError("zero1 could not find the extra arguments the inner transformation's update needs.")
+    extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
+    try:
+        traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
+    except TypeError as err:
+        raise ZeroCouplingError(
+            f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
+            f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
+            f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
+            f"are keyword-only arguments of its update.") from err
+    updates, new_state = traced.out_shape
+    for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            raise ZeroStructureError(
+                f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
+                f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
+                "inputs.")
+    return traced, extra
 
 
 def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str, ...], int, int]], dict]:
@@ -362,33 +376,63 @@ def build_layout(cfg: Config, params) -> Layout:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries)
-    coupled = found.coupled
+    _check_owned_placement(cfg, found, placement, paths)
+    owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
+             for i in range(len(values))]
+    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
+             for i, x in enumerate(real)]
+    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
+    entries = real_entries if all(owned) else _entries_on_slices(cfg, treedef, mixed, real_state, owned)
+    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
+    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
+    _check_histories(cfg, entries, owned, slots, paths)
+
+    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
+    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
+    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
+                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
+    views = _Views(cfg, treedef, leaves, extra, {}, found.joint)
+    programs = _leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
+    entries = entries + _master_entries(cfg, leaves)
+    groups = () if all(owned) else _groups(views, entries, programs)
+    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
+                  jax.tree.structure(real_state),
+                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
+                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
+                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
+                  found.joint and bool(groups), replicas)
+
+
+def _check_owned_placement(cfg: Config, found: Coupling, placement, paths: list[str]) -> None:
+    """Refuses offload with a joint view (a chunk cannot compute a full reduction), and a leaf that needs an owner
+    but is sharded over a tensor-parallel axis (no device holds it whole)."""
     if found.joint and cfg.offload:
         raise ZeroCouplingError(
             "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
             "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
             "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
             "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
-
-    for i in coupled:
+    for i in found.coupled:
         if placement[i][0]:
             why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
             raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
-    owned = [i in coupled or i in _small_elementwise(cfg, real, coupled, placement) for i in range(len(values))]
-    slots = [math.prod(x.shape) if owned[i] else -(-math.prod(np.shape(x)) // placement[i][2])
-             for i, x in enumerate(real)]
-    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
-    if not all(owned):
-        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
-                                                   sliced=[i for i in range(len(real)) if not owned[i]])
-        mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
-                                         [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
-        _check_slices(real_state, mixed_state)
-    else:
-        entries = real_entries
-    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
-    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
-    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
+
+
+def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
+    """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
+    checking that the state is structured as on the parameters (`real_state`)."""
+    entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+                                               sliced=[i for i in range(len(mixed)) if not owned[i]])
+    mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
+                                     [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+    _check_slices(real_state, mixed_state)
+    return entries
+
+
+def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
+                     paths: list[str]) -> None:
+    """Refuses a sliced leaf's entry that is not a per-coordinate history (not shaped like its slots)."""
     for e in entries:
         if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
             raise ZeroCouplingError(
@@ -396,21 +440,19 @@ def build_layout(cfg: Config, params) -> Layout:
                 f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
-    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
-    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
-    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
-                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
-    names: dict[str, str] = {}
-    programs = _leaf_programs(traced, treedef, by_leaf, names, found.joint)
-    entries = entries + _master_entries(cfg, leaves)
-    groups = () if all(owned) else _groups(cfg, treedef, leaves, entries, programs, extra, names,
-                                           found.joint)
-    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
-                  jax.tree.structure(real_state),
-                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
-                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups), replicas)
+
+@dataclasses.dataclass(frozen=True)
+class _Views:
+    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
+    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
+    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
+
+    cfg: Config
+    treedef: Any
+    leaves: tuple[ParamLeaf, ...]
+    extra: dict
+    names: dict[str, str]
+    reductions: bool = False
 
 
 FUSE_BYTES = 1 << 14
@@ -443,8 +485,7 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
     return histories, masters
 
 
-def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...], programs: dict,
-            extra, names: dict[str, str], reductions: bool = False) -> tuple[Group, ...]:
+def _groups(views: _Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
     each runs on its slots what it runs on the parameter.
 
@@ -457,11 +498,12 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
     transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
     leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
     """
+    cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
     masters = {i: master_of[i] for i in histories if i in master_of}
     candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
-    found, failure = _view_programs(cfg, treedef, leaves, candidates, extra, names, reductions)
+    found = _view_programs(views, candidates)
     groups, alone = [], []
     for members in candidates:
         if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
@@ -470,8 +512,8 @@ def _groups(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], entries: tuple[
         else:
             alone += members
     if any(len(m) > 1 for m in candidates if m[0] in alone):
-        found, failure = _view_programs(cfg, treedef, leaves, [[i] for i in alone], extra, names, reductions)
-    _check_alone(leaves, alone, programs, found, failure)
+        found = _view_programs(views, [[i] for i in alone])
+    _check_alone(leaves, alone, programs, found)
     groups += [[i] for i in alone]
     out = []
     for members in sorted(groups):
@@ -526,17 +568,10 @@ def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntr
     return tuple(sorted(s for s in stacks if len(s) > 1))
 
 
-def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict,
-                 failure: Exception | None) -> None:
-    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`),
-    with the error the view raised (`failure`) when it could not run at all."""
+def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict) -> None:
+    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`)."""
     for i in alone:
         if i in programs and found.get(i) != programs[i]:
-            if failure is not None:
-                raise ZeroCouplingError(
-                    f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
-                    f"sliced leaves, `{leaves[i].path}` among them): {type(failure).__name__}: {failure}\n"
-                    f"{SHAPE_HELP}") from failure
             raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
 
 
@@ -553,12 +588,11 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
     return list(keyed.values())
 
 
-def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: list[list[int]], extra,
-                   names: dict[str, str], reductions: bool = False
-                   ) -> tuple[dict[int | None, tuple[str, ...]], Exception | None]:
+def _view_programs(views: _Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
     """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
-    holding all its members' slots, every other leaf masked; key None the shared state's. Where the view cannot
-    be traced, no programs and the exception (its leaves then stay alone, or are refused with it)."""
+    holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
+    error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
+    cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
     labels: list[Any] = [optax.MaskedNode()] * len(leaves)
     for members in groups:
@@ -574,12 +608,17 @@ def _view_programs(cfg: Config, treedef, leaves: tuple[ParamLeaf, ...], groups: 
         state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                                 for e in entries])
         state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
-        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, extra,
+        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
                                        sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=names,
-                                       collective=reductions), None
-    except Exception as e:  # noqa: BLE001  (a view the transformation cannot run: its leaves stay alone, or are
-        return {}, e      # refused)
+                                       out_sources=(label_tree, state_labels), names=views.names,
+                                       collective=views.reductions)
+    except ZeroError:
+        raise
+    except Exception as e:  # the user's transformation failed: refused, naming its error
+        raise ZeroCouplingError(
+            f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
+            f"sliced leaves, `{leaves[groups[0][0]].path}` among them): {type(e).__name__}: {e}\n"
+            f"{SHAPE_HELP}") from e
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:

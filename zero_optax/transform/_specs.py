@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.transform import _shared
+from zero_optax.transform import _handle, _shared
 from zero_optax.transform._layout import Layout, ParamLeaf
 from zero_optax.transform._state import SlicedState, ZeroState, is_state
 
@@ -48,8 +48,8 @@ def tree_specs(tree: Any) -> Any:
 def _find_mesh(tx, params, mesh):
     if mesh is not None:
         return mesh
-    owner = getattr(tx.init, "__self__", None)
-    if getattr(owner, "mesh", None) is not None:
+    owner = _handle.find(tx)
+    if owner is not None and owner.mesh is not None:
         return owner.mesh
     context = jax.sharding.get_abstract_mesh()
     if context is not None and not getattr(context, "empty", True):

@@ -82,10 +82,12 @@ def _is_marker(x: Any) -> bool:
 
 
 ZeroFlatState = ZeroState
-"""Alias kept from zero_optax 0.1 (the flat partition's state is a `ZeroState`)."""
+"""Another name of `ZeroState`, kept in the public API only so that code written for zero_optax 0.1 still imports
+(its checkpoints are refused: restore reads format version 2 only). Every partition's state is a `ZeroState`."""
 
 ZeroLeafState = ZeroState
-"""Alias kept from zero_optax 0.1 (the leaf partition's state is a `ZeroState`)."""
+"""Another name of `ZeroState`, kept in the public API only so that code written for zero_optax 0.1 still imports
+(its checkpoints are refused: restore reads format version 2 only). Every partition's state is a `ZeroState`."""
 
 
 def canonical(state: ZeroState, rows: int | None = None, place=None) -> ZeroState:

@@ -18,7 +18,7 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.transform import _entries, _keys, _mesh, _offload, _specs
 from zero_optax.transform._layout import MASTER, Layout
 from zero_optax.transform._state import GATHER, ZeroState, is_state
-from zero_optax.transform._zero1 import Zero1
+from zero_optax.transform._zero1 import zero1_of
 
 
 def _require_global(state: ZeroState, what: str) -> Layout:
@@ -148,13 +148,10 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
       >>> zo.describe(state).world_size
       1
     """
-    zero = getattr(getattr(tx, "init", None), "__self__", None)
-    if not isinstance(zero, Zero1):
-        raise ZeroError("zo.scatter_state expects the transformation returned by zo.zero1(...) itself (not a chain "
-                        "that contains it).")
+    zero = zero1_of(tx, "zo.scatter_state")
     params = _compat.pure(params)
     inner_state = jax.tree.map(_keys.to_data, inner_state)
-    if not zero._outside():  # pylint: disable=protected-access
+    if not zero.outside():
         return zero.engine.build(params, inner_state)
     bound = zero.bound
     specs = _mesh.param_specs(params, bound.mesh)
@@ -162,4 +159,4 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     fn = jax.jit(jax.shard_map(zero.engine.build, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
     inner_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), jax.sharding.NamedSharding(bound.mesh, P())),
                                inner_state)
-    return fn(_mesh._placed(params, specs, bound.mesh), inner_state)  # pylint: disable=protected-access
+    return fn(_mesh.placed(params, specs, bound.mesh), inner_state)

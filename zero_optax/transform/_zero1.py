@@ -16,13 +16,14 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.transform import (
     _accumulate,
     _engine,
+    _handle,
     _keys,
     _mesh,
     _offload,
     _plan,
     _sliced,
 )
-from zero_optax.transform._layout import LEAF, PARTITIONS, Layout
+from zero_optax.transform._layout import LEAF, PARTITIONS, SHARDED, Layout
 from zero_optax.transform._state import ZeroState, canonical, find_states
 
 _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
@@ -45,7 +46,7 @@ class Zero1:
     """The object behind a zero1 transformation: `tx.init` and `tx.update` are its bound methods.
 
     Functions that need zero1's own view of a transformation (`zero_optax.scatter_state`, `zero_optax.state_specs`)
-    find it as `tx.init.__self__`.
+    find it with `zero1_of(tx, ...)` (or `find_zero1(tx)`), which `zero1` records it for.
     """
 
     def __init__(self, cfg: _plan.Config, mesh: jax.sharding.Mesh | None):
@@ -54,7 +55,7 @@ class Zero1:
         self.mesh = mesh
         self.bound = None if mesh is None else _mesh.Bound(self, mesh)
 
-    def _outside(self) -> bool:
+    def outside(self) -> bool:
         """Whether a mesh-bound transformation runs outside a `shard_map` binding its axes."""
         return self.bound is not None and not _compat.is_bound(self.cfg.axes)
 
@@ -62,7 +63,7 @@ class Zero1:
         if _compat.is_params_placeholder(params):
             return NO_PARAMETER_TREES
         params = _compat.pure(params)
-        return self.bound.init(params) if self._outside() else self.engine.init(params)
+        return self.bound.init(params) if self.outside() else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self._step(grads, state, params, weight, False, extra_args)
@@ -79,7 +80,7 @@ class Zero1:
 
     def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
-        outside = self._outside()
+        outside = self.outside()
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
             axes = state.layout.axes
             state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(self.mesh, P(axes))))
@@ -102,7 +103,7 @@ def zero1(
     assume_elementwise: bool = False,
     bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
     accumulate_steps: int = 1,
-    accumulate: str = "sharded",
+    accumulate: str = SHARDED,
     offload: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
@@ -228,7 +229,19 @@ def zero1(
         typed_init=typed_init,
     )
     z = Zero1(cfg, mesh)
-    return optax.GradientTransformationExtraArgs(z.init, z.update)
+    tx = optax.GradientTransformationExtraArgs(z.init, z.update)
+    _handle.record(tx.init, z)
+    return tx
+
+
+def find_zero1(tx) -> Zero1 | None:
+    """The `Zero1` behind `tx` if `zero1` returned `tx` (not a chain that holds one), else None."""
+    return _handle.find(tx)
+
+
+def zero1_of(tx, what: str) -> Zero1:
+    """The `Zero1` behind `tx`; `NotZero1Error` (naming the caller, `what`) for any other transformation."""
+    return _handle.zero1_of(tx, what)
 
 
 def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
@@ -263,8 +276,8 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     """
     if params is None:
         raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
-    zero = getattr(tx.init, "__self__", None)
-    if isinstance(zero, Zero1) and zero.gathers_parameters:
+    zero = find_zero1(tx)
+    if zero is not None and zero.gathers_parameters:
         return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
