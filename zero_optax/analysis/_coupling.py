@@ -242,9 +242,7 @@ def _traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
     return fn if isinstance(fn, Traced) else trace(fn, *args)
 
 
-def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False,
-                             untainted: frozenset[int] = frozenset(),
-                             scalar_leaves: frozenset[int] = frozenset()) -> str | None:
+def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False) -> str | None:
     """Finds a computation in ``fn`` that mixes coordinates of an input array.
 
     Every input array leaf with more than one element is a taint source; scalars
@@ -263,11 +261,6 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: boo
       collective: Accept full reductions (:func:`collective_kind`) of
         coordinate-wise values outside control flow: on slices they are a
         local reduction followed by a collective over the devices.
-      untainted: Positions (among the flattened inputs) of non-scalar inputs
-        that are no parameter data, e.g. a PRNG key's data.
-      scalar_leaves: Positions of one-element inputs that are parameter data
-        (a scalar parameter and its gradient): random numbers may meet them
-        as they meet other leaves.
 
     Returns:
       None if ``fn`` is elementwise in all its non-scalar inputs, otherwise a
@@ -279,17 +272,16 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: boo
     """
     closed, _, args = _traced(fn, args)
     try:
-        _Analysis(strict=True, collective=collective).check(
-            closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
+        _Analysis(strict=True, collective=collective).check(closed, _coordinate_facts(closed), None)
     except CouplingError as e:
         return str(e)
     return None
 
 
-def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int], scalar_leaves: frozenset[int]
-                      ) -> list[_Fact]:
-    """One label for every non-scalar input but the `untainted` ones, and for the `scalar_leaves`
-    (:func:`find_coordinate_coupling`)."""
+def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int] = frozenset(),
+                      scalar_leaves: frozenset[int] = frozenset()) -> list[_Fact]:
+    """One label for every non-scalar input but the `untainted` ones (a PRNG key's data), and for the
+    `scalar_leaves` (one-element parameter data, which random numbers may meet as they meet other leaves)."""
     tainted, scalar = _Fact(frozenset({0}), frozenset({0})), _Fact(frozenset({0}))
     return [tainted if _size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
             for k, v in enumerate(closed.jaxpr.invars)]
@@ -311,8 +303,10 @@ class Slices(NamedTuple):
 
 def on_slices(fn: Callable[..., Any], *args: Any, untainted: frozenset[int] = frozenset(),
               scalar_leaves: frozenset[int] = frozenset()) -> Slices:
-    """What ``fn``, for which :func:`find_coordinate_coupling` with ``collective=True`` finds nothing, needs on
-    coordinate slices (:class:`Slices`)."""
+    """What ``fn`` needs on coordinate slices (:class:`Slices`); raises :class:`CouplingError`, naming the
+    operation, where :func:`find_coordinate_coupling` with ``collective=True`` finds one. ``untainted`` and
+    ``scalar_leaves`` are positions among the flattened inputs: non-scalar inputs that are no parameter data (a
+    PRNG key's data), and one-element inputs that are (:func:`_coordinate_facts`)."""
     closed, _, args = _traced(fn, args)
     analysis = _Analysis(strict=True, collective=True)
     outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
@@ -953,8 +947,8 @@ class _Analysis:
 
     def _drawn(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> _Fact:
         """``out`` for an equation consuming random values: still aligned with the draw if it is elementwise in
-        them (`_Origin.aligned`); where aligned numbers meet a leaf's values outside control flow in a collective
-        analysis, the result is that leaf's data (its draws recorded), which slices reproduce exactly; any other
+        them (`_Origin.aligned`); where aligned numbers meet a leaf's values where every device runs (outside loops
+        and branches on parameter data: `_in_control`) in a collective analysis, the result is that leaf's data (its draws recorded), which slices reproduce exactly; any other
         meeting of random values and parameter data is refused."""
         randoms = [v for v, f in zip(eqn.invars, facts) if f.random is not None]
         aligned = out.random.aligned and (eqn.primitive.name == "random_bits" or (

@@ -60,9 +60,9 @@ def positions(init_fn: Callable, params: Any) -> dict[int, str]:
 
 
 def impls(init_fn: Callable, params: Any) -> dict[str, str]:
-    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced only)."""
-    found = positions(init_fn, params)
-    state = jax.eval_shape(init_fn, params)
+    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced once)."""
+    found: dict[int, str] = {}
+    state = jax.eval_shape(lambda p: _found(init_fn(p), found), params)  # (key data: the same paths)
     return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}
 
 

@@ -209,25 +209,26 @@ class Coupling:
     invariant: frozenset[int] = frozenset()
 
 
-def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries) -> Coupling:
+def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries, keys: dict[str, str]
+                    ) -> Coupling:
     """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
     reductions, draws random numbers into them other than in their own shapes, or (flat) mixes any coordinates or
-    cannot be proven not to."""
+    cannot be proven not to. `keys`: the paths of the typed PRNG keys in `state` (`_typed_keys`)."""
     axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
             return Coupling(frozenset())
         # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
         n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
-        keys = frozenset(n + k for k in _keys.positions(cfg.typed_init, traced.args[0]))
+        untainted = frozenset(n + k for k, path in enumerate(_names.leaf_paths(state)) if path in keys)
         scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
                             if np.size(x) == 1)
-        where = _coupling.find_coordinate_coupling(traced, collective=True, untainted=keys, scalar_leaves=scalars)
-        if where is not None:
+        try:
+            slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars)
+        except _coupling.CouplingError as e:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
-                f"{where}.\n{FLAT_HELP.format(axis=axis)}")
-        slices = _coupling.on_slices(traced, untainted=keys, scalar_leaves=scalars)
+                f"{e}.\n{FLAT_HELP.format(axis=axis)}") from None
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
@@ -375,7 +376,7 @@ def build_layout(cfg: Config, params) -> Layout:
     else:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
-    found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries)
+    found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     _check_owned_placement(cfg, found, placement, paths)
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
