@@ -5,6 +5,7 @@ and state."""
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -162,3 +163,80 @@ def test_owners_balance_whole_sizes_and_state_lives_whole_on_the_owners_peers():
         sum(np.asarray(x).nbytes for x in jax.tree.leaves(plain))
     specs = zo.state_specs(tx, params_np(), TP_SPECS, mesh=mesh)
     assert all(s == P("data") for s in jax.tree.leaves(specs))
+
+
+# Checkpoints: shapes that model=4 divides too.
+CK_SHAPES = {"w_in": (5, 8), "w_out": (8, 6), "ln": (7,)}
+CK_SPECS = {"w_in": P(None, "model"), "w_out": P("model", None), "ln": P()}
+
+
+def ck_mesh(shape):
+    return jax.make_mesh(shape, ("data", "model")[:len(shape)], devices=jax.devices()[:int(np.prod(shape))])
+
+
+def ck_specs(mesh):
+    return {k: P(*(a if a in mesh.axis_names else None for a in s)) for k, s in CK_SPECS.items()}
+
+
+def ck_train(mesh, params, state, calls):
+    """Mesh-bound Muon (leaf partition) on `mesh` from `params` and `state` (None: init) over update calls
+    `calls`: the tx, params and state."""
+    tx = zo.zero1(muon(), axis_name="data", partition="leaf", mesh=mesh)
+    specs = ck_specs(mesh)
+    params = placed(params, mesh, specs)
+    state = tx.init(params) if state is None else state
+    step = jit_step(tx)
+    for t in calls:
+        g = {k: v.mean(0) for k, v in grads_np(t, mesh.shape["data"], CK_SHAPES).items()}
+        params, state = step(params, state, placed(g, mesh, specs))
+    return tx, params, state
+
+
+def ck_oracle(phases):
+    """Optax on one device over `phases`: (update calls, data size) pairs."""
+    inner, params = muon(), params_np(CK_SHAPES)
+    state, update = inner.init(params), jax.jit(inner.update)
+    for calls, n in phases:
+        for t in calls:
+            u, state = update({k: v.mean(0) for k, v in grads_np(t, n, CK_SHAPES).items()}, state, params)
+            params = optax.apply_updates(params, u)
+    return params, state
+
+
+def ck_target(mesh):
+    tx = zo.zero1(muon(), axis_name="data", partition="leaf", mesh=mesh)
+    return tx.init(placed(params_np(CK_SHAPES), mesh, ck_specs(mesh)))
+
+
+def test_checkpoints_round_trip_and_reshard_to_other_meshes(tmp_path):
+    """Saved on (data=4, model=2); restored there exactly; moved to (2, 4) by ZeroRestore(reshard=True) and by the
+    offline tool (bit for bit the same), and to a 1-D mesh (8,) offline; training on equals optax throughout."""
+    handler = lambda: ocp.Checkpointer(zo.ZeroCheckpointHandler())
+    _, params, state = ck_train(ck_mesh((4, 2)), params_np(CK_SHAPES), None, range(2))
+    handler().save(tmp_path / "saved", args=zo.ZeroSave(state))
+    same = handler().restore(tmp_path / "saved", args=zo.ZeroRestore(ck_target(ck_mesh((4, 2)))))
+    assert_tree(same, state, rtol=0, atol=0)
+    assert zo.describe(same) == zo.describe(state)
+
+    mesh24 = ck_mesh((2, 4))
+    moved = handler().restore(tmp_path / "saved", args=zo.ZeroRestore(ck_target(mesh24), reshard=True))
+    zo.reshard(tmp_path / "saved", tmp_path / "offline", axis_sizes={"data": 2, "model": 4})
+    offline = handler().restore(tmp_path / "offline", args=zo.ZeroRestore(ck_target(mesh24)))
+    assert_tree(offline, moved, rtol=0, atol=0)
+    layout = zo.describe(moved)
+    w_in = layout.leaves[layout.paths.index("['w_in']")]
+    assert w_in.shape == (5, 2) and w_in.dims == ((), ("model",))
+    host = {k: np.asarray(v) for k, v in params.items()}
+    _, p24, s24 = ck_train(mesh24, host, moved, range(2, 4))
+    ref, ref_state = ck_oracle([(range(2), 4), (range(2, 4), 2)])
+    assert_tree({k: np.asarray(v) for k, v in p24.items()}, ref)
+    assert_tree(zo.gather_state(s24), ref_state)
+
+    zo.reshard(tmp_path / "saved", tmp_path / "flat8", axis_sizes={"data": 8})
+    mesh8 = ck_mesh((8,))
+    one_d = handler().restore(tmp_path / "flat8", args=zo.ZeroRestore(ck_target(mesh8)))
+    assert not any(leaf.dims for leaf in zo.describe(one_d).leaves)
+    _, p8, s8 = ck_train(mesh8, host, one_d, range(2, 4))
+    ref, ref_state = ck_oracle([(range(2), 4), (range(2, 4), 8)])
+    assert_tree({k: np.asarray(v) for k, v in p8.items()}, ref)
+    assert_tree(zo.gather_state(s8), ref_state)
