@@ -240,3 +240,18 @@ def test_checkpoints_round_trip_and_reshard_to_other_meshes(tmp_path):
     ref, ref_state = ck_oracle([(range(2), 4), (range(2, 4), 8)])
     assert_tree({k: np.asarray(v) for k, v in p8.items()}, ref)
     assert_tree(zo.gather_state(s8), ref_state)
+
+
+def test_demo_mesh_flag():
+    """`python -m zero_optax.demo --mesh data=4,model=2` trains on a (data, model) mesh (a full run takes minutes:
+    `--partition leaf --mesh data=4,model=2` is recorded in benchmarks/RESULTS.md)."""
+    from zero_optax import demo
+
+    assert demo.parse_mesh("data=4,model=2") == (8, 2) and demo.parse_mesh(None) == (None, 1)
+    with pytest.raises(SystemExit, match="data=4,model=2"):
+        demo.parse_mesh("data=4,expert=2")
+    mesh = demo.data_mesh(jax.devices()[:8], 2)
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    model = demo.new_model(5, mesh, tensor_parallel=True)
+    assert model.blocks[0].qkv.kernel[...].sharding.spec == P(None, "model")
+    assert model.blocks[0].down.kernel[...].sharding.spec == P("model", None)
