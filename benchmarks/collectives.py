@@ -11,6 +11,9 @@ Everything here is counted, not timed, so it is deterministic: state bytes per d
   their reduction) against the same step written in `shard_map` with `zo.as_local`.
 * `mesh2d`: a tensor-parallel GPT on a (data=4, model=2) mesh: per-device state against full / (data x model), and
   the step's wire volume per mesh axis.
+* `mesh2d_owned`: the same GPT with the Muon recipe under `partition="auto"`: the hidden matrices owned whole
+  although sharded over `model` (their owner gathers the blocks over `model`), per-device state and the wire per
+  mesh axis.
 * `buckets`: an 86-leaf, single-dtype tree: collective ops per step and wire volume for several `bucket_bytes`,
   and agreement with the unbucketed step.
 """
@@ -236,6 +239,65 @@ def section_mesh2d() -> str:
             f"| wire per mesh axis (x this device's parameter block bytes) | {axis_text} |")
 
 
+def _muon_recipe(params):
+    """Muon for the hidden matrices, AdamW for the embedding and the vectors."""
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, x: "muon" if x.ndim == 2 and "embed" not in jax.tree_util.keystr(path) else "adam", params)
+    return optax.partition({"muon": optax.contrib.muon(1e-3), "adam": optax.adamw(1e-3)}, labels)
+
+
+def _wire_per_axis(ops, mesh) -> dict[tuple[str, ...], float]:
+    """Wire bytes per device of the collectives `ops`, by the mesh axes their groups span."""
+    per_axis: dict[tuple[str, ...], float] = {}
+    for o in ops:
+        axes = _axes_of(o["replica_groups"][0], mesh) if o["replica_groups"] else ("?",)
+        per_axis[axes] = per_axis.get(axes, 0.0) + WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"]
+    return per_axis
+
+
+def section_mesh2d_owned() -> str:
+    """`partition="auto"` with the Muon recipe on the tensor-parallel GPT: the matrices owned whole though sharded
+    over `model` (issue 31), the embedding and vectors sliced; wire per mesh axis."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params = gpt_params(2048, 256, 4)
+    specs = tensor_parallel_specs(params)
+    tx = zo.zero1(_muon_recipe(params), axis_name="data", partition="auto", param_specs=specs)
+    state_specs = zo.state_specs(tx, params, specs, mesh=mesh)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs))(placed)
+    g_specs = jax.tree.map(lambda s: P("data", *s), specs)
+    grads = jax.tree.map(lambda x, s: jax.device_put(jnp.full((4, *x.shape), 1e-3), NamedSharding(mesh, s)),
+                         params, g_specs)
+
+    def step(p, s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs, g_specs),
+                                 out_specs=(specs, state_specs)))
+    ops = _ops(step.lower(placed, state, grads).compile())
+    layout = zo.describe(state)
+    tp = [leaf for leaf in layout.leaves if leaf.dims]
+    block_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
+    tp_bytes = sum(leaf.size * 4 for leaf in tp)  # (float32 blocks of the owned tensor-parallel matrices)
+    share = max(sum(leaf.size * 4 for leaf in tp if leaf.owner == r) for r in range(layout.world_size))
+    axis_text = ", ".join(f"{'+'.join(a) or 'none'}: {b / 2**20:.3f} MB ({b / block_bytes:.2f} x)"
+                          for a, b in sorted(_wire_per_axis(ops, mesh).items()))
+    full = tree_bytes(jax.eval_shape(_muon_recipe(params).init, params))
+    return (f"Tensor-parallel GPT as in `mesh2d` ({param_count(params):,} float32 parameters), mesh (data=4, "
+            f"model=2), Muon on the {len(tp)} hidden matrices (owned, sharded over `model`: the owner gathers "
+            "them whole), AdamW on the embedding and vectors (sliced), partition=\"auto\", shard_map step.\n\n"
+            "| figure | value |\n|---|---|\n"
+            f"| state MB per device (max) | {max_state_bytes(state) / 2**20:.3f} |\n"
+            f"| full state / data; full state / (data x model) | {full / 4 / 2**20:.3f}; {full / 8 / 2**20:.3f} |\n"
+            f"| collectives per step | {_by_kind(ops)} |\n"
+            f"| wire per mesh axis (MB per device; x this device's parameter block bytes) | {axis_text} |\n"
+            f"| owned tensor-parallel blocks on this device: all; the busiest owner's share | "
+            f"{tp_bytes / 2**20:.3f} MB; {share / 2**20:.3f} MB |\n"
+            f"| expected on `model`: gradient + parameter rows, (model - 1) x 2 x that share | "
+            f"{2 * share / 2**20:.3f} MB |")
+
+
 def bucket_tree() -> dict:
     """86 float32 leaves: a 7-layer GPT without the final layer-norm bias."""
     params = gpt_params(2048, 256, 7)
@@ -275,7 +337,8 @@ def section_buckets() -> str:
     return f"{leaves} float32 leaves, {pbytes / 2**20:.1f} MB, AdamW, {N} devices.\n\n" + "\n".join(lines)
 
 
-SECTIONS = {"precision": section_precision, "jit": section_jit, "mesh2d": section_mesh2d, "buckets": section_buckets}
+SECTIONS = {"precision": section_precision, "jit": section_jit, "mesh2d": section_mesh2d,
+            "mesh2d_owned": section_mesh2d_owned, "buckets": section_buckets}
 
 
 def main(argv=None) -> int:

@@ -82,8 +82,27 @@ def pick_devices(count: int | None) -> list[jax.Device]:
     return devices[:count]
 
 
-def data_mesh(devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    return jax.make_mesh((len(devices),), ("data",), devices=devices)
+def data_mesh(devices: Sequence[jax.Device], model: int = 1) -> jax.sharding.Mesh:
+    """A 1-D "data" mesh over `devices`, or with `model > 1` a (data, model) mesh whose "model" axis is `Auto`:
+    XLA then places the tensor-parallel matrix products (under `Explicit` axes a row-parallel product would need
+    an explicit `out_sharding`)."""
+    if model == 1:
+        return jax.make_mesh((len(devices),), ("data",), devices=devices)
+    types = (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto)
+    return jax.make_mesh((len(devices) // model, model), ("data", "model"), devices=devices, axis_types=types)
+
+
+def parse_mesh(text: str | None) -> tuple[int | None, int]:
+    """`--mesh data=4,model=2` as (devices, model size); `(None, 1)` without it (a 1-D mesh of all devices)."""
+    if text is None:
+        return None, 1
+    sizes = dict(item.partition("=")[::2] for item in text.split(","))
+    if set(sizes) != {"data", "model"} or not all(v.isdigit() and int(v) >= 1 for v in sizes.values()):
+        raise SystemExit(f"--mesh must look like data=4,model=2; got {text!r}.")
+    data, model = int(sizes["data"]), int(sizes["model"])
+    if data % 2:
+        raise SystemExit(f"--mesh: the data size must be even (the run resumes on half of it); got {data}.")
+    return data * model, model
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -183,10 +202,22 @@ def place(node: nnx.Module | nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
     nnx.update(node, jax.tree.map(onto_mesh, nnx.state(node)))
 
 
-def new_model(vocab: int, mesh: jax.sharding.Mesh) -> CharLM:
-    """The model with its parameters replicated over `mesh` (the same initial values every time: seed 0)."""
+TENSOR_PARALLEL = {"qkv": P(None, "model"), "up": P(None, "model"), "out": P("model", None), "down": P("model", None)}
+"""Megatron-style specs of the blocks' matrices on a mesh with a "model" axis: qkv and up column-parallel, out and
+down row-parallel (`--mesh`); everything else replicated."""
+
+
+def new_model(vocab: int, mesh: jax.sharding.Mesh, tensor_parallel: bool = False) -> CharLM:
+    """The model with its parameters replicated over `mesh` (the same initial values every time: seed 0), or with
+    `tensor_parallel` its blocks' matrices sharded over "model" (`TENSOR_PARALLEL`)."""
     model = CharLM(vocab, rngs=nnx.Rngs(0))
     place(model, mesh)
+    if tensor_parallel:
+        def shard(path, x):
+            names = {getattr(k, "key", None) for k in path}
+            spec = next((s for name, s in TENSOR_PARALLEL.items() if name in names), None)
+            return x if spec is None or x.ndim != 2 else jax.device_put(x, NamedSharding(mesh, spec))
+        nnx.update(model, jax.tree_util.tree_map_with_path(shard, nnx.state(model, nnx.Param)))
     return model
 
 
@@ -306,7 +337,7 @@ def restore(directory: Path, step: int, recipe: Recipe, vocab: int,
     Returns:
       The model and optimizer with the restored values, and the restored zero1 state.
     """
-    model = new_model(vocab, mesh)
+    model = new_model(vocab, mesh, "model" in mesh.axis_names)
     tx = zo.zero1(recipe.make(), axis_name="data", mesh=mesh, partition=recipe.partition)
     optimizer = new_optimizer(model, tx, mesh)
     with ocp.CheckpointManager(directory) as manager:
@@ -320,7 +351,7 @@ def restore(directory: Path, step: int, recipe: Recipe, vocab: int,
 
 
 def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int, out: Path,
-          progress: Progress) -> Result:
+          progress: Progress, model_size: int = 1) -> Result:
     """Trains with zero1 and with plain optax side by side, checkpoints half-way, resumes on half the devices.
 
     Args:
@@ -330,6 +361,8 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
       steps: steps in all, `steps // 2` before the checkpoint.
       out: the output folder; the checkpoint goes to `out/checkpoints/<optimizer>_<partition>`.
       progress: where to show the progress bars.
+      model_size: with more than 1, the run is on a (data, model) mesh with the blocks' matrices sharded over
+        "model" (`--mesh`), resumed on half the data size; plain optax keeps them replicated.
 
     Returns:
       The losses, differences from optax and state bytes of the run.
@@ -337,11 +370,11 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
     t0 = time.perf_counter()
     vocab = len(text.alphabet)
     n, half, k = len(devices), len(devices) // 2, steps // 2
-    mesh = data_mesh(devices)
+    mesh = data_mesh(devices, model_size)
     result = Result(recipe, n, half, k)
 
     # The model twice, from the same initial parameters: one with zero1, one with the plain optax optimizer.
-    model = new_model(vocab, mesh)
+    model = new_model(vocab, mesh, model_size > 1)
     tx = zo.zero1(recipe.make(), axis_name="data", mesh=mesh, partition=recipe.partition)
     optimizer = new_optimizer(model, tx, mesh)
     reference = new_model(vocab, mesh)
@@ -372,7 +405,7 @@ def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int,
     ckpt_dir = (out / "checkpoints" / f"{recipe.name.lower()}_{recipe.partition}").absolute()
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: an old step k would not be overwritten
     save(ckpt_dir, k, model, optimizer)
-    small = data_mesh(devices[:half])
+    small = data_mesh(devices[:half], model_size)
     model, optimizer, restored = restore(ckpt_dir, k, recipe, vocab, small)
     result.restored_state = state_difference(restored, nnx.as_pure(ref_optimizer.opt_state))
     result.memory.append(Memory.of(f"{recipe.name} {recipe.partition}", optimizer, ref_optimizer))
@@ -444,6 +477,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "where there is no accelerator)")
     parser.add_argument("--partition", choices=("flat", "leaf", "auto", "both"), default="both",
                         help="flat: AdamW; leaf or auto: Muon; both (default): AdamW flat, then Muon leaf")
+    parser.add_argument("--mesh", default=None,
+                        help="a (data, model) mesh such as data=4,model=2: the blocks' matrices sharded over "
+                             "\"model\" (Muon's owner gathers them whole), resumed at half the data size; "
+                             "default: a 1-D data mesh")
     parser.add_argument("--out", type=Path, default=Path("zero_optax_demo"),
                         help="output folder for checkpoints and loss_curves.png (default: ./zero_optax_demo)")
     args = parser.parse_args(argv)
@@ -457,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     simulate_cpu_devices(max(SIMULATED_DEVICES, args.devices or 0))  # before anything starts the backend
     console = Console()
-    devices = pick_devices(args.devices)
+    count, model_size = parse_mesh(args.mesh)
+    devices = pick_devices(count or args.devices)
     text = Text.load()
     recipes = [RECIPES["flat"], RECIPES["leaf"]] if args.partition == "both" else [RECIPES[args.partition]]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -470,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                TextColumn("loss {task.fields[loss]:.3f}  rel. diff {task.fields[diff]:.0e}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         for recipe in recipes:
-            results.append(train(recipe, text, devices, args.steps, args.out, progress))
+            results.append(train(recipe, text, devices, args.steps, args.out, progress, model_size))
 
     console.print(memory_table(results))
     console.print(checks_table(results))

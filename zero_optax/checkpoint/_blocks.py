@@ -104,6 +104,8 @@ class Recut:
 def leaf_blocks(layout: Layout, leaf: ParamLeaf, where: str) -> Blocks:
     """The blocks of `leaf` in `layout`. A record lists the sizes of mesh axes other than the ZeRO axes; the size
     of a ZeRO axis a leaf is sharded over (an expert axis) is what its block count leaves over."""
+    if leaf.tp_owned:  # (an owned leaf's state is its whole tensor, whatever blocks its parameter has)
+        return Blocks(layout.whole_shape(leaf), ())
     sizes = dict(layout.axis_sizes)
     unknown = [a for a in leaf.axes if a not in sizes]
     if len(unknown) > 1:

@@ -27,7 +27,7 @@ PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
 """Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`zero_optax.checkpoint._blocks`)."""
-_BLOCKS = ("shape", "axes", "blocks")
+_BLOCKS = ("shape", "axes", "blocks", "dims")
 
 
 def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, keys) -> str | None:
@@ -47,11 +47,12 @@ def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, 
     return None
 
 
-def _invariant(rec: dict[str, Any], sliced: list[bool]) -> dict[str, Any]:
-    """The parts of a state record that resharding keeps, `sliced` saying which leaves are sliced on either side
-    (`partition_difference` checks the rest)."""
+def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> dict[str, Any]:
+    """The parts of a state record that resharding keeps, `sliced` saying which leaves are sliced on either side,
+    `blocked` which are sliced or cut into blocks of a whole owned tensor (`ParamLeaf.dims`) on either side: their
+    blocks may change, their entries' whole shapes may not (`partition_difference` checks the rest)."""
     leaves = [{k: v for k, v in x.items() if k not in _PER_MESH + (_BLOCKS if s else ())}
-              for x, s in zip(rec["leaves"], sliced)]
+              for x, s in zip(rec["leaves"], blocked)]
     entries = [dict(e, shape=None) if e["leaf"] is not None and sliced[e["leaf"]] else e for e in rec["entries"]]
     return dict(rec, leaves=leaves, entries=entries)
 
@@ -73,7 +74,9 @@ def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: boo
         difference = partition_difference(saved_layout, target, where, reshard=True)
         if difference is None:
             sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
-            difference = first_difference(_invariant(a, sliced), _invariant(b, sliced), where, RESHARD_KEYS)
+            blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
+            difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
+                                          RESHARD_KEYS)
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
@@ -97,7 +100,7 @@ def partition_difference(saved: Layout, target: Layout, where: str, reshard: boo
         if old.sliced == new.sliced or old.path != new.path:
             continue
         owned, layout = (new, target) if old.sliced else (old, saved)
-        per_coordinate = all(e.shape == owned.shape for e in layout.entries if e.leaf == i)
+        per_coordinate = all(e.shape == layout.whole_shape(owned) for e in layout.entries if e.leaf == i)
         if saved.partition == AUTO and per_coordinate:
             if reshard:
                 continue

@@ -18,7 +18,9 @@ The record (format version 2)::
         "mesh_axes": [["model", 2]],  # the other mesh axes parameters are sharded over, with their sizes
         "master_dtype": null | "float32",
         "owners": null | [int or null per leaf],
-        "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"}],
+        "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"[, "dims"]}],
+                     # dims: an owned leaf sharded over tensor-parallel axes, the axes cutting each dimension;
+                     # its entries have the whole parameter's shape
         "state_tree": "<tree_signature of the inner optimizer's state>",
         "entries": [{"path", "leaf", "shape", "dtype", "role"[, "key_impl"]}],   # key_impl: a typed key's data
         "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
@@ -86,8 +88,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
         "mesh_axes": [[a, s] for a, s in layout.axis_sizes if a not in zero],
         "master_dtype": layout.master_dtype,
         "owners": None if layout.owners is None else list(layout.owners),
-        "leaves": [{"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
-                    "axes": list(x.axes), "blocks": x.blocks, "group": x.group} for x in layout.leaves],
+        "leaves": [leaf_json(x) for x in layout.leaves],
         "state_tree": layout.state_tree,
         "entries": [entry_json(e) for e in layout.entries],
         "clocks": dict(clocks or {}),
@@ -96,6 +97,16 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
     }
     if layout.accumulate == "local":  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
+    return out
+
+
+def leaf_json(x) -> dict[str, Any]:
+    """One `ParamLeaf` as the record shows it; `dims` only for an owned leaf its owner gathers over tensor-parallel
+    axes (records without such leaves stay byte-identical to format 2's)."""
+    out = {"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
+           "axes": list(x.axes), "blocks": x.blocks, "group": x.group}
+    if x.dims:
+        out["dims"] = [list(cut) for cut in x.dims]
     return out
 
 

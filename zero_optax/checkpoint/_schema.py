@@ -27,6 +27,7 @@ from zero_optax.transform._layout import (
     Layout,
     ParamLeaf,
     StateEntry,
+    whole_shape,
 )
 
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
@@ -162,7 +163,7 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     paths = [x.path for x in leaves]
     if len(set(paths)) != len(paths):
         c.fail(f"{f}.leaves", "repeats a leaf path")
-    entries = _entries(c, rec["entries"], f, leaves, master_dtype)
+    entries = _entries(c, rec["entries"], f, leaves, master_dtype, mesh)
     state_tree = c.str(rec["state_tree"], f"{f}.state_tree", _record.MAX_RECORD_BYTES)
     accumulate, steps = None, 1
     if "accumulate" in rec:
@@ -228,7 +229,7 @@ def _clocks(c: _Checker, rec: Any, f: str, layout: Layout) -> dict[str, Any]:
 
 def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], mesh: dict[str, int],
           n: int) -> ParamLeaf:
-    c.dict(rec, f, _LEAF)
+    c.dict(rec, f, _LEAF | ({"dims"} if isinstance(rec, dict) and "dims" in rec else set()))
     path = c.str(rec["path"], f"{f}.path", empty=True)
     shape = c.shape(rec["shape"], f"{f}.shape")
     dtype = c.dtype(rec["dtype"], f"{f}.dtype")
@@ -245,11 +246,24 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
         c.fail(f"{f}", f"has blocks={blocks} and group={group}, which do not fit world size {n} and axes "
                f"{_record.short(list(axes))}")
     size = math.prod(shape)
+    dims = _dims(c, rec, f, shape, axes) if "dims" in rec else ()
     if rec["owner"] is None:
+        if dims:
+            c.fail(f"{f}.dims", "is given for a sliced leaf (it applies to owned leaves only)")
         owner, slots = None, _sliced_slots(c, rec, f, partition, size, blocks, group)
     else:
-        owner, slots = _owned_slots(c, rec, f, partition, size, axes, group, n)
-    return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group)
+        owner, slots = _owned_slots(c, rec, f, partition, size, () if dims else axes, group, n)
+    return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group, dims)
+
+
+def _dims(c: _Checker, rec: dict, f: str, shape: tuple[int, ...], axes: tuple[str, ...]
+          ) -> tuple[tuple[str, ...], ...]:
+    """An owned tensor-parallel leaf's `dims`: one list of axes per dimension, naming each of its `axes` once."""
+    dims = tuple(c.names(cut, f"{f}.dims[{d}]") for d, cut in enumerate(c.list(rec["dims"], f"{f}.dims", 64)))
+    if len(dims) != len(shape) or sorted(a for cut in dims for a in cut) != sorted(axes) or not axes:
+        c.fail(f"{f}.dims", f"is {_record.short([list(x) for x in dims])}, which does not cut the {len(shape)} "
+               f"dimensions over the leaf's axes {_record.short(list(axes))}, each once")
+    return dims
 
 
 def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blocks: int, group: int) -> int:
@@ -280,8 +294,8 @@ def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, axes
     return owner, slots
 
 
-def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None
-             ) -> tuple[StateEntry, ...]:
+def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None,
+             mesh: dict[str, int]) -> tuple[StateEntry, ...]:
     out = []
     for j, e in enumerate(c.list(rec, f"{f}.entries")):
         g = f"{f}.entries[{j}]"
@@ -311,8 +325,8 @@ def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], maste
     if out[:len(states)] != states:
         c.fail(f"{f}.entries", "lists a master copy before an optimizer state entry")
     want = [] if master_dtype is None else [
-        StateEntry(MASTER_PREFIX + x.path, i, (x.slots,) if x.sliced else x.shape, master_dtype, MASTER)
-        for i, x in enumerate(leaves)]
+        StateEntry(MASTER_PREFIX + x.path, i, (x.slots,) if x.sliced else whole_shape(x.shape, x.dims, mesh),
+                   master_dtype, MASTER) for i, x in enumerate(leaves)]
     if masters != want:
         c.fail(f"{f}.entries", f"holds {len(masters)} master copies, but master_dtype={_record.short(master_dtype)} "
                f"and {len(leaves)} leaves need {len(want)} (one per leaf, in order)")

@@ -26,7 +26,7 @@ from zero_optax.checkpoint import _blocks, _schema
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.transform import _owners
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import Layout, ParamLeaf
 
 Specs = dict[str, Sequence[Any]]
 """Leaf path -> its PartitionSpec (a sequence with one entry per dimension: None, an axis or a tuple of axes)."""
@@ -112,7 +112,7 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
                where: str) -> Layout:
     """`old` on a mesh of `n` devices along its ZeRO axes and axis sizes `sizes`: sliced leaves cut anew (their
     blocks over the target's axes, `zero_optax.checkpoint._blocks.target_blocks`), owned leaves given `owners`
-    (default: balanced the way `zero1` balances them at `init`)."""
+    (default: balanced the way `zero1` balances them at `init`) and their blocks on the target (`_owned_leaf`)."""
     owned = [not x.sliced for x in old.leaves]
     if owners is None:
         owners = _owners.owners_for_entries(old.entries, owned, n)
@@ -122,7 +122,7 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
     leaves = []
     for x, o in zip(old.leaves, owners):
         if not x.sliced:
-            leaves.append(dataclasses.replace(x, group=n, owner=o))
+            leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, specs.get(x.path), where), group=n, owner=o))
             continue
         saved = _blocks.leaf_blocks(old, x, where)
         cut, shape = _blocks.target_blocks(saved, sizes, specs.get(x.path), x.path, where)
@@ -136,3 +136,30 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
     used = {a for x in leaves for a in x.axes} | set(zero)
     axis_sizes = tuple((a, k) for a, k in sizes.items() if a in used)
     return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=axis_sizes)
+
+
+def _owned_leaf(old: Layout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
+                ) -> ParamLeaf:
+    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`. Its state is the whole tensor on any mesh; its
+    blocks (`ParamLeaf.dims`) are cut over the tensor-parallel axes that cut it, by `spec` where given, else as
+    saved, that the target has (an axis of size 1 only where it was saved)."""
+    whole = old.whole_shape(x)
+    if spec is not None:
+        cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        cut += [()] * (len(whole) - len(cut))
+    else:
+        cut = list(x.dims) or [()] * len(whole)
+    dims = tuple(tuple(a for a in c if a not in old.axes and a in sizes and (sizes[a] > 1 or a in x.axes))
+                 for c in cut)
+    if not any(dims):
+        return dataclasses.replace(x, shape=whole, axes=(), blocks=1, dims=(), slots=math.prod(whole))
+    k = [math.prod(sizes[a] for a in c) for c in dims]
+    if len(dims) != len(whole) or any(w % m for w, m in zip(whole, k)):
+        raise ZeroCheckpointError(
+            f"{where}: owned leaf `{x.path}` of shape {list(whole)} is to be cut over {[list(c) for c in dims]} "
+            f"into {k} blocks per dimension, which do not divide it; give the target mesh axis sizes that divide "
+            "the parameter, or `param_specs` with the spec it trains with.")
+    shape = tuple(w // m for w, m in zip(whole, k))
+    axes = tuple(a for a in sizes if any(a in c for c in dims))
+    return dataclasses.replace(x, shape=shape, axes=axes, blocks=math.prod(sizes[a] for a in axes), dims=dims,
+                               slots=math.prod(shape))

@@ -39,6 +39,7 @@ from zero_optax.transform import (
     _plan,
     _reduce,
     _sliced,
+    _tp,
 )
 from zero_optax.transform._layout import LOCAL, MASTER, Layout
 from zero_optax.transform._state import ZeroState
@@ -167,8 +168,7 @@ class Engine:
             first = {i: g.first for g in layout.groups for i in g.leaves}
             first.update((i, s[0]) for s in layout.stacks for i in s)
             present = {first.get(i, i) for i in range(len(layout.leaves))}
-            structs = [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, dt(leaf.dtype))
-                       for leaf in layout.leaves]
+            structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), dt(leaf.dtype)) for leaf in layout.leaves]
             view = _tree(layout, _layout.masked_view(structs, present))
             state = jax.eval_shape(self.cfg.inner.init, view)
             updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), view, state, view,
@@ -193,7 +193,8 @@ class Engine:
                 for g in layout.groups]
         full = None if full_state is None else _full_entries(layout, full_state)
         inner_state = self.groups.init(layout, rows, full, ranks)
-        buffers = self._build_owned(layout, values, full, rank)
+        whole = [_tp.gather_whole(layout, leaf, x) if leaf.tp_owned else x for leaf, x in zip(layout.leaves, values)]
+        buffers = self._build_owned(layout, whole, full, rank)
         master = None
         if cfg.master_dtype is not None:
             master = tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
@@ -441,59 +442,99 @@ class Engine:
     def _update_owned(self, step: _groups.Step, owned: list[int], g_leaves: list, state: ZeroState) -> tuple[dict, dict]:
         """The inner update on every device's owned view, in one `lax.switch` on the device index.
 
-        Gradients reach the owners (`_owned_gradients`), each device updates the state packed in its row of the
-        buffers (with `streamed`, buffers in host memory, bucket by bucket: `_owned_streamed`), and the owned
-        leaves' updates (or new master values, rounded) return to every device by an all-gather of one packing.
-        Returns the new buffers and those updates.
+        Gradients reach the owners (`_owned_gradients`; the blocks of leaves sharded over tensor-parallel axes
+        are then gathered whole, `_tp_inputs`), each device updates the state packed in its row of the buffers
+        (with `streamed`, buffers in host memory, bucket by bucket: `_owned_streamed`; `_owned_branch`), and the
+        owned leaves' updates (or new master values, rounded) return to every device by an all-gather of one
+        packing (of another for tensor-parallel leaves, whose blocks differ along their axes). Returns the new
+        buffers and those updates.
         """
         layout, denom, stepping, streamed = step.layout, step.denom, step.stepping, step.streamed
         n = layout.world_size
         master = self.cfg.master_dtype is not None
-        mode, plan_g, grad_input = self._owned_gradients(step, owned, g_leaves)
+        mode, plan_g, grad_input = self._owned_gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
+                                                         g_leaves)
+        tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
                     {i: d for i, d in self._update_dtypes(layout, step.extra).items() if i in owned})
-        plan_u = _owned.leaf_plan(layout, u_dtypes)
-        packing = layout.state_packing
-        shapes = {i: layout.leaves[i].shape for i in owned}
+        plans = _OwnedPlans(mode, plan_g, *(_owned.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
+                                                                      if layout.leaves[i].tp_owned == t})
+                                            for t in (False, True)), tp)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
-
-        def branch(r):
-            mine = [i for i in owned if layout.leaves[i].owner == r]
-
-            def run(grad_input, buffers, p_leaves):
-                here = dataclasses.replace(step, p_leaves=p_leaves)  # (the branch's operand)
-                if mode == "psum_scatter":
-                    g = _owned.Row(grad_input, plan_g.offsets[r], shapes,
-                                   lambda x, i: _reduce.divide(x, denom, step.inner_dt[i]))
-                else:
-                    g = {i: grad_input[i] for i in mine}
-                if streamed:
-                    new_buffers, u = self._owned_streamed(here, r, mine, g, buffers)
-                else:
-                    stored = _owned.Row(buffers, packing.offsets[r],
-                                        {j: layout.entries[j].shape for j in layout.rank_entries(r)})
-                    values, u = self._owned_view_update(here, r, mine, g, stored)
-                    new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes,
-                                              base=buffers if n > 1 else None)
-                if not stepping:
-                    return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
-                if n == 1:
-                    return new_buffers, _owned.unstacked(u)
-                u_buffers = _owned.pack(u, plan_u.offsets[r], plan_u.sizes)
-                return _compat.pvary((new_buffers, u_buffers), layout.axes)
-            return run
-
+        branches = [self._owned_branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
+                    for r in range(n)]
+        out = _owned.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
         if not stepping:
-            new = _owned.switch(step.rank, [branch(r) for r in range(n)], grad_input, old_buffers, step.p_leaves)
-            return {d: b[None] for d, b in new.items()}, {}
-        new, u_out = _owned.switch(step.rank, [branch(r) for r in range(n)], grad_input, old_buffers, step.p_leaves)
+            return {d: b[None] for d, b in out.items()}, {}
+        new, u_out, t_out = out
         if not streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
-        u = _gather_owned(layout, u_out, plan_u)
+        u = _gather_owned(layout, u_out, plans.u)
+        if n > 1:
+            u.update(_gather_owned(layout, t_out, plans.tp_u))
         if not master:
             u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
         return new_buffers, u
+
+    def _owned_branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
+        """Device `r`'s branch of `_update_owned`'s switch: the owned view's update of the leaves `mine` it owns.
+        Returns the new buffers, and when stepping the updates packed by `plans.u` and `plans.tp_u` (on one
+        device: per leaf)."""
+        layout, n = step.layout, step.layout.world_size
+        packing = layout.state_packing
+        shapes = {i: layout.leaves[i].shape for i in plans.g.offsets[r]}
+
+        def run(grad_input, buffers, p_leaves, tp_rows):
+            here = dataclasses.replace(step, p_leaves=p_leaves)  # (the branch's operand)
+            if plans.mode == "psum_scatter":
+                g = _owned.Row(grad_input, plans.g.offsets[r], shapes,
+                               lambda x, i: _reduce.divide(x, step.denom, step.inner_dt[i]))
+            else:
+                g = {i: grad_input[i] for i in mine if i in grad_input}
+            g, here = _tp_whole(here, plans, r, mine, g, tp_rows)
+            if step.streamed:
+                new_buffers, u = self._owned_streamed(here, r, mine, g, buffers)
+            else:
+                stored = _owned.Row(buffers, packing.offsets[r],
+                                    {j: layout.entries[j].shape for j in layout.rank_entries(r)})
+                values, u = self._owned_view_update(here, r, mine, g, stored)
+                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+            if not step.stepping:
+                return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
+            u = {k: _tp.own_block(layout.leaves[k], x) if isinstance(k, int) and layout.leaves[k].tp_owned else x
+                 for k, x in u.items()}  # (each device keeps its block of a tensor-parallel leaf's result)
+            if n == 1:
+                return new_buffers, _owned.unstacked(u), {}
+            tp_u = {i: x for i, x in u.items() if isinstance(i, int) and layout.leaves[i].tp_owned}
+            u_buffers = _owned.pack({k: x for k, x in u.items() if k not in tp_u}, plans.u.offsets[r], plans.u.sizes)
+            t_buffers = _owned.pack(tp_u, plans.tp_u.offsets[r], plans.tp_u.sizes)
+            return (*_compat.pvary((new_buffers, u_buffers), layout.axes),
+                    _compat.pvary(t_buffers, layout.axes + _tp.tp_axes(layout, range(len(layout.leaves)))))
+        return run
+
+    def _tp_inputs(self, step: _groups.Step, tp: list[int], mode: str | None, g_leaves: list
+                   ) -> tuple[_TpGathered | None, tuple]:
+        """The owned leaves `tp` sharded over tensor-parallel axes (`ParamLeaf.dims`): their gradients reduced by
+        `mode` (in buffers of their own: they vary along those axes), each device's row of them (and, without
+        master copies, of their parameters' blocks), gathered over those axes (`_tp.gather`). Returns the static
+        part and the arrays, for the switch's operands; `(None, ())` without such leaves."""
+        layout = step.layout
+        if not tp:
+            return None, ()
+        _, plan, reduced = self._owned_gradients(step, tp, g_leaves, mode)
+        if mode != "psum_scatter":  # (every device holds the reduced blocks of every leaf: its row of them)
+            plan = _owned.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
+            reduced = _tp.own_row(layout, reduced, plan, step.rank)
+        grads = _tp.gather(layout, reduced, plan, tp)
+        params = None
+        if step.p_leaves is not None and self.cfg.master_dtype is None and step.stepping:
+            plan_p = _owned.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
+            params = _tp.gather(layout, _tp.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank),
+                                plan_p, tp)
+        static = _TpGathered(dataclasses.replace(grads, rows=None),
+                             None if params is None else dataclasses.replace(params, rows=None))
+        return static, (grads.rows, None if params is None else params.rows)
 
     def _owned_streamed(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
                         ) -> tuple[dict, dict]:
@@ -604,19 +645,22 @@ class Engine:
         u, new = jax.vmap(run)(*args)
         return {tuple(stack): u}, dict(zip(keys, new))
 
-    def _owned_gradients(self, step: _groups.Step, owned: list[int], g_leaves: list) -> tuple[str, Any, dict]:
+    def _owned_gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
+                         ) -> tuple[str, Any, dict]:
         """How the owned leaves' gradients reach their owners, and the switch operand that carries them.
 
         `"psum_scatter"`: owner-packed rows, reduce-scattered (each owner receives its row, still to be divided);
         `"psum"`: every owned leaf all-reduced and divided; otherwise (the gradients already are the global mean)
-        the leaves as they are. Returns the mode, the gradients' packing and the operand.
+        the leaves as they are. The mode is chosen (`_owned.choose_reduce`) unless given. Returns the mode, the
+        gradients' packing and the operand.
         """
         cfg = self.cfg
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
-        mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
+        if mode == "choose":
+            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
         axes = layout.axes
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
@@ -627,6 +671,49 @@ class Engine:
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
         return mode, plan_g, grad_input
+
+
+@dataclasses.dataclass(frozen=True)
+class _TpGathered:
+    """The static part (`rows` None) of `_tp.gather`'s results for the tensor-parallel owned leaves: of their
+    gradients, and of their parameters (None with master copies, or without parameters)."""
+
+    grads: _tp.Gathered
+    params: _tp.Gathered | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnedPlans:
+    """How `_update_owned` moves the owned leaves' values: the gradient collective's `mode` and packing `g`, the
+    packings of the updates (`u`) and of the tensor-parallel leaves' updates (`tp_u`), and `tp` (`_TpGathered`,
+    None without tensor-parallel owned leaves)."""
+
+    mode: str | None
+    g: Any
+    u: Any
+    tp_u: Any
+    tp: _TpGathered | None
+
+
+def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g, tp_rows: tuple):
+    """Inside device `r`'s branch: `g` (its gradients: a `Row` or a dict) and `step` (its parameters) with the whole
+    tensors of the tensor-parallel leaves among `mine`, assembled from the gathered rows `tp_rows`."""
+    layout = step.layout
+    whole = [i for i in mine if layout.leaves[i].tp_owned]
+    if not whole:
+        return g, step
+    grads = dataclasses.replace(plans.tp.grads, rows=tp_rows[0])
+    g_whole = {i: grads.whole(layout, r, i) for i in whole}
+    if plans.mode == "psum_scatter":
+        g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
+    g = g.overlaid(g_whole) if isinstance(g, _owned.Row) else {**g, **g_whole}
+    if plans.tp.params is not None:
+        params = dataclasses.replace(plans.tp.params, rows=tp_rows[1])
+        p_leaves = list(step.p_leaves)
+        for i in whole:
+            p_leaves[i] = params.whole(layout, r, i)
+        step = dataclasses.replace(step, p_leaves=p_leaves)
+    return g, step
 
 
 def _vectorisable(jaxpr) -> bool:

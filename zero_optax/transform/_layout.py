@@ -62,6 +62,15 @@ def slot_count(size: int, group: int) -> int:
     return -(-size // group)
 
 
+def whole_shape(shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...], sizes: dict[str, int]
+                ) -> tuple[int, ...]:
+    """A parameter's whole shape from its block's `shape`, the axes cutting each dimension (`ParamLeaf.dims`;
+    empty: the block is whole) and the axes' `sizes`."""
+    if not dims:
+        return tuple(shape)
+    return tuple(n * math.prod(sizes[a] for a in cut) for n, cut in zip(shape, dims))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamLeaf:
     """One trainable parameter leaf.
@@ -76,6 +85,9 @@ class ParamLeaf:
         along them and each block's state is sharded separately.
       blocks: the number of distinct blocks, the product of the sizes of `axes`.
       group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
+      dims: an owned leaf sharded over tensor-parallel axes: per dimension of the parameter, the mesh axes that
+        cut it (major first, as in its `PartitionSpec`); its owner updates it whole (`zero_optax.transform._tp`)
+        and its state entries have the whole parameter's shape. Empty for every other leaf.
     """
 
     path: str
@@ -86,10 +98,16 @@ class ParamLeaf:
     axes: tuple[str, ...] = ()
     blocks: int = 1
     group: int = 1
+    dims: tuple[tuple[str, ...], ...] = ()
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def tp_owned(self) -> bool:
+        """Whether this is an owned leaf whose blocks its owner gathers over tensor-parallel axes (`dims`)."""
+        return bool(self.dims)
 
     @property
     def sliced(self) -> bool:
@@ -315,6 +333,15 @@ class Layout:
     def inner_entries(self) -> tuple[int, ...]:
         """Indices of the inner optimizer's entries (not master copies), in full-state order."""
         return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
+
+    def whole_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
+        """The parameter's whole (global) shape: its block's shape times the sizes of the axes cutting each
+        dimension (`ParamLeaf.dims`); the block's shape for a leaf without `dims`."""
+        return whole_shape(leaf.shape, leaf.dims, dict(self.axis_sizes))
+
+    def view_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
+        """The shape the inner transformation sees `leaf` in: its slots (sliced), its whole shape (owned)."""
+        return (leaf.slots,) if leaf.sliced else self.whole_shape(leaf)
 
     def zero_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
         """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""

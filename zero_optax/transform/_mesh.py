@@ -96,10 +96,11 @@ class Bound:
                     del values
                     return self.zero.engine.init(params)
             traced = _specs.traced_state(_Tx(lambda args: init(*args)), (hoisted.values, params),
-                                         (hoisted.specs, specs), self.mesh)
+                                         (hoisted.specs, specs), self.mesh, declare=specs)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
                                                    out_specs=_specs.tree_specs(traced)))
-        state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
+        with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
+            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
         self._specs[state.layout] = specs
         return state
 

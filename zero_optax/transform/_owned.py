@@ -90,9 +90,17 @@ class Row:
                  shapes: dict[int, tuple[int, ...]], convert: Callable[[jax.Array, int], jax.Array] | None = None):
         self.buffers, self.offsets, self.shapes = buffers, offsets, shapes
         self.convert = convert or (lambda x, _: x)
+        self.values: dict[int, jax.Array] = {}
+
+    def overlaid(self, values: dict[int, jax.Array]) -> Row:
+        """This row, reading `values` (item -> array, as they are) in place of those items: the whole tensors of
+        tensor-parallel leaves (`zero_optax.transform._tp`)."""
+        row = Row(self.buffers, self.offsets, self.shapes, self.convert)
+        row.values = dict(values)
+        return row
 
     def __contains__(self, item: int) -> bool:
-        return item in self.offsets
+        return item in self.offsets or item in self.values
 
     def _read(self, item: int, count: int) -> jax.Array:
         dtype, off = self.offsets[item]
@@ -100,6 +108,8 @@ class Row:
         return lax.slice_in_dim(self.buffers[dtype], off, off + count * size)
 
     def __getitem__(self, item: int) -> jax.Array:
+        if item in self.values:
+            return self.values[item]
         return self.convert(self._read(item, 1).reshape(self.shapes[item]), item)
 
     def stack(self, items: Sequence[int]) -> jax.Array:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from zero_optax.analysis import _coupling
 from zero_optax.core import _compat, _names, _reach
@@ -25,7 +26,7 @@ from zero_optax.core._errors import (
     ZeroError,
     ZeroStructureError,
 )
-from zero_optax.transform import _keys, _layout, _owners
+from zero_optax.transform import _keys, _layout, _owners, _specs
 from zero_optax.transform._layout import (
     AUTO,
     FLAT,
@@ -62,11 +63,21 @@ parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim >
 partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
 
 TENSOR_PARALLEL_HELP = """\
-zero1 updates `{path}` as a whole tensor on one owner device (it is {why}), but the parameter is sharded over
-mesh axis `{axis}`, so no device holds the whole tensor: updating its blocks separately would be silently wrong
-for an optimizer that needs the whole matrix (Muon's orthogonalisation, Adafactor's factored moments). Keep such
-leaves replicated over `{axis}` (in_specs P() for them), or give them an elementwise optimizer so that they can
-be sliced (partition="flat", or "auto" decides per leaf)."""
+zero1 updates `{path}` as a whole tensor on one owner (it is {why}), but the parameter is sharded over
+mesh axis `{axis}`: its owner gathers the blocks over `{axis}` and updates the whole tensor, for which zero1 must
+know which dimension `{axis}` cuts, and inside your shard_map it sees only the local block. Either
+  * bind zero1 to the mesh, zero1(..., mesh=mesh), and call init and update outside shard_map (under jax.jit):
+    it reads the dimensions from the parameters' shardings; or
+  * pass the parameters' PartitionSpecs, the in_specs of your shard_map: zero1(..., param_specs=param_specs)
+    (zo.state_specs(tx, params, param_specs) reads them too); or
+  * keep the leaf replicated over `{axis}` (in_specs P() for it), or give it an elementwise optimizer so that it
+    can be sliced (partition="flat", or "auto" decides per leaf)."""
+
+TENSOR_PARALLEL_SPEC_HELP = """\
+zero1 updates `{path}` as a whole tensor on one owner and reads from its PartitionSpec {spec} which mesh axes cut
+which dimension, but inside shard_map the parameter's local block (shape {shape}) varies over the mesh axes
+{axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
+PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -84,6 +95,7 @@ class Config:
     accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
     offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
     typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
+    param_specs: Any = None     # the parameters' PartitionSpecs (`zero1(..., param_specs=)`), for `_tp_dims`
 
     @property
     def accumulate(self) -> str | None:
@@ -377,25 +389,28 @@ def build_layout(cfg: Config, params) -> Layout:
         real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
-    _check_owned_placement(cfg, found, placement, paths)
+    _check_owned_placement(cfg, found)
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
+    dims = _tp_dims(cfg, params, _Owned(owned, tuple(placement), tuple(paths)), real)
     slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
-    mixed = [x if owned[i] else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
-    entries = real_entries if all(owned) else _entries_on_slices(cfg, treedef, mixed, real_state, owned)
+    mixed = [jax.ShapeDtypeStruct(_layout.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
+             else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
+    entries = real_entries if all(owned) and not any(dims) else \
+        _entries_on_slices(cfg, treedef, mixed, real_state, owned)
     replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
     by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
     entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
     _check_histories(cfg, entries, owned, slots, paths)
 
     entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
-    owners = _leaf_owners(cfg, entries, real, owned, n, paths)
+    owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
-                             owners[i] if owned[i] else None, *placement[i]) for i, x in enumerate(values))
+                             owners[i] if owned[i] else None, *placement[i], dims[i]) for i, x in enumerate(values))
     views = _Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
-    entries = entries + _master_entries(cfg, leaves)
+    entries = entries + _master_entries(cfg, leaves, axis_sizes)
     groups = () if all(owned) else _groups(views, entries, programs)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
@@ -405,19 +420,50 @@ def build_layout(cfg: Config, params) -> Layout:
                   found.joint and bool(groups), replicas)
 
 
-def _check_owned_placement(cfg: Config, found: Coupling, placement, paths: list[str]) -> None:
-    """Refuses offload with a joint view (a chunk cannot compute a full reduction), and a leaf that needs an owner
-    but is sharded over a tensor-parallel axis (no device holds it whole)."""
+def _check_owned_placement(cfg: Config, found: Coupling) -> None:
+    """Refuses offload with a joint view (a chunk cannot compute a full reduction)."""
     if found.joint and cfg.offload:
         raise ZeroCouplingError(
             "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
             "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
             "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
             "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
-    for i in found.coupled:
-        if placement[i][0]:
-            why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
-            raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owned:
+    """Per leaf, what `_tp_dims` reads: whether it is owned, its `_placement`, its path."""
+
+    owned: list[bool]
+    placement: tuple
+    paths: tuple[str, ...]
+
+
+def _tp_dims(cfg: Config, params, leaves: _Owned, real: list) -> list[tuple[tuple[str, ...], ...]]:
+    """Per leaf, its `ParamLeaf.dims`: for an owned leaf sharded over tensor-parallel axes, the mesh axes that cut
+    each of its dimensions, read from the parameters' `PartitionSpec`s (`_specs.declared_specs`, else
+    `zero1(..., param_specs=)`); `()` for every other leaf. Refuses such a leaf where no specs are known, or where
+    its spec does not name exactly the axes its block varies over."""
+    need = [i for i, o in enumerate(leaves.owned) if o and leaves.placement[i][0]]
+    out: list[tuple[tuple[str, ...], ...]] = [()] * len(leaves.owned)
+    if not need:
+        return out
+    specs = _specs.declared() if _specs.declared() is not None else cfg.param_specs
+    if specs is None:
+        i = need[0]
+        why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
+        raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=leaves.paths[i], why=why,
+                                                            axis=leaves.placement[i][0][0]))
+    per_leaf = jax.tree.leaves(_specs.broadcast_specs(specs, params), is_leaf=lambda x: isinstance(x, P))
+    for i in need:
+        spec, axes, ndim = tuple(per_leaf[i]), leaves.placement[i][0], len(real[i].shape)
+        cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        named = [a for c in cut for a in c]
+        if len(cut) > ndim or sorted(named) != sorted(axes):
+            raise ZeroStructureError(TENSOR_PARALLEL_SPEC_HELP.format(
+                path=leaves.paths[i], spec=P(*spec), shape=tuple(real[i].shape), axes=list(axes)))
+        out[i] = tuple(cut) + ((),) * (ndim - len(cut))
+    return out
 
 
 def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
@@ -549,7 +595,7 @@ def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntr
     keyed: dict[Any, list[int]] = {}
     nbytes: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
-        if leaf.sliced or i not in programs:
+        if leaf.sliced or i not in programs or leaf.tp_owned:  # (a tensor-parallel leaf's view is its whole tensor)
             continue
         view = tuple((entries[j].leaf is None, entries[j].shape, entries[j].dtype)
                      for j in sorted(shared + own.get(i, [])))  # the entries of its view, in order
@@ -633,19 +679,20 @@ def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: l
     return _owners.owners_for_entries(costs, owned, n)
 
 
-def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...]) -> tuple[StateEntry, ...]:
-    """With `master_dtype`, one master-copy entry per leaf (a slice for sliced leaves), after the inner state's."""
+def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str, int]) -> tuple[StateEntry, ...]:
+    """With `master_dtype`, one master-copy entry per leaf (a slice for sliced leaves, the whole parameter for owned
+    ones), after the inner state's."""
     if cfg.master_dtype is None:
         return ()
-    return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else leaf.shape,
-                            np.dtype(cfg.master_dtype).name, MASTER) for i, leaf in enumerate(leaves))
+    return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else
+                            _layout.whole_shape(leaf.shape, leaf.dims, sizes), np.dtype(cfg.master_dtype).name,
+                            MASTER) for i, leaf in enumerate(leaves))
 
 
 def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
     """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
     leaves are exactly the entries `expected`, in order."""
-    structs = [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, cfg.inner_dtype(leaf.dtype))
-               for leaf in layout.leaves]
+    structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), cfg.inner_dtype(leaf.dtype)) for leaf in layout.leaves]
     tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
     state = jax.eval_shape(cfg.inner.init, tree)
     paths = _names.leaf_paths(state)

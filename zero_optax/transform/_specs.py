@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import jax
@@ -13,6 +15,26 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.transform import _handle, _shared
 from zero_optax.transform._layout import Layout, ParamLeaf
 from zero_optax.transform._state import SlicedState, ZeroState, is_state
+
+_DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
+"""The parameters' `PartitionSpec`s while a mesh-bound `init` or `zo.state_specs` traces `init` (`declared_specs`)."""
+
+
+@contextlib.contextmanager
+def declared_specs(specs: Any):
+    """While active, `init` reads the parameters' `PartitionSpec`s `specs` (a tree like the parameters, or a prefix
+    of it) for owned leaves it gathers over tensor-parallel axes (`zero_optax.transform._tp`): the mesh-bound form
+    and `zo.state_specs` know them, a `shard_map` body does not."""
+    token = _DECLARED.set(specs)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def declared() -> Any:
+    """The specs `declared_specs` declares, or None."""
+    return _DECLARED.get()
 
 
 def _spec(axes: tuple[str, ...]) -> P:
@@ -78,9 +100,10 @@ def broadcast_specs(specs: Any, tree: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(expanded, is_leaf=_is_spec))
 
 
-def traced_state(tx, params, param_specs, mesh):
+def traced_state(tx, params, param_specs, mesh, declare: Any = None):
     """The state `tx.init` returns inside `shard_map` over `mesh` for `params` laid out by `param_specs`, traced
-    abstractly (its arrays are tracers: read its structure and layouts only)."""
+    abstractly (its arrays are tracers: read its structure and layouts only). `init` reads the parameters' specs
+    as `declare` (`declared_specs`; by default `param_specs`)."""
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     params = _compat.pure(params)
     specs = broadcast_specs(param_specs, params)
@@ -93,7 +116,8 @@ def traced_state(tx, params, param_specs, mesh):
         captured.append(tx.init(p))
         return ()
 
-    jax.eval_shape(jax.shard_map(capture, mesh=abstract_mesh, in_specs=(param_specs,), out_specs=()), structs)
+    with declared_specs(param_specs if declare is None else declare):
+        jax.eval_shape(jax.shard_map(capture, mesh=abstract_mesh, in_specs=(param_specs,), out_specs=()), structs)
     return captured[0]
 
 

@@ -28,7 +28,7 @@ def _require_global(state: ZeroState, what: str) -> Layout:
             f"{what} reads the global state; call it outside shard_map (eagerly or inside jax.jit), on the state "
             "that a shard_map'ed init or update returned.")
     for leaf in layout.leaves:
-        if leaf.blocks > 1:
+        if leaf.blocks > 1 and leaf.sliced:  # (an owned leaf's state is whole, `ParamLeaf.dims`)
             raise ZeroError(
                 f"{what}: the parameter `{leaf.path}` is sharded over mesh axes {leaf.axes}, and the state records "
                 "its blocks, not how they tile the global parameter. Gather such states inside shard_map, block "
@@ -159,4 +159,5 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     fn = jax.jit(jax.shard_map(zero.engine.build, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
     inner_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), jax.sharding.NamedSharding(bound.mesh, P())),
                                inner_state)
-    return fn(_mesh.placed(params, specs, bound.mesh), inner_state)
+    with _specs.declared_specs(specs):
+        return fn(_mesh.placed(params, specs, bound.mesh), inner_state)

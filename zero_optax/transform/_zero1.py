@@ -105,6 +105,7 @@ def zero1(
     accumulate_steps: int = 1,
     accumulate: str = SHARDED,
     offload: bool = False,
+    param_specs=None,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
 
@@ -177,6 +178,11 @@ def zero1(
         leaves in buckets of at most `bucket_bytes` of state (or one leaf, if its state is larger), each brought
         to the device, updated and returned before the next, so the device never holds the whole shard. Refused
         where the devices have no `pinned_host` memory.
+      param_specs: the parameters' `PartitionSpec`s (a tree like the parameters, or a prefix of it: the in_specs
+        of your `shard_map`). Needed only inside your own `shard_map` where a leaf that gets an owner (`"leaf"`,
+        or a matrix `"auto"` owns) is sharded over a tensor-parallel axis: its owner gathers the blocks and
+        updates the whole tensor, and the spec says which dimension each axis cuts. The mesh-bound form and
+        `zo.state_specs` read them from the parameters themselves.
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
@@ -227,6 +233,7 @@ def zero1(
         accumulating=accumulating,
         offload=bool(offload),
         typed_init=typed_init,
+        param_specs=param_specs,
     )
     z = Zero1(cfg, mesh)
     tx = optax.GradientTransformationExtraArgs(z.init, z.update)
