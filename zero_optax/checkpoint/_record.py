@@ -42,7 +42,7 @@ from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import LOCAL, Layout
 from zero_optax.transform._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"
@@ -94,7 +94,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
         "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
         "packing": packing_json(layout, pack),
     }
-    if layout.accumulate == "local":  # sharded accumulators are ordinary entries; local ones are extra arrays
+    if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
     return out
 

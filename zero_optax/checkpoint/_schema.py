@@ -21,12 +21,14 @@ from zero_optax.transform._layout import (
     AUTO,
     FLAT,
     LEAF,
+    LOCAL,
     MASTER,
     MASTER_PREFIX,
     STATE,
     Layout,
     ParamLeaf,
     StateEntry,
+    slot_count,
 )
 
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
@@ -167,9 +169,9 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     accumulate, steps = None, 1
     if "accumulate" in rec:
         acc = c.dict(rec["accumulate"], f"{f}.accumulate", {"mode", "steps"})
-        if acc["mode"] != "local":
-            c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"local\"")
-        accumulate, steps = "local", c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
+        if acc["mode"] != LOCAL:
+            c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"{LOCAL}\"")
+        accumulate, steps = LOCAL, c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
     layout = Layout(partition, axis_name, n, leaves, entries, None, state_tree, None, master_dtype,
                     tuple(mesh.items()), accumulate, steps)
     arrays = _implied(c, rec, f, layout, k)
@@ -257,9 +259,9 @@ def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blo
     if partition == LEAF:
         c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
     slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-    if slots != -(-size // group):
+    if slots != slot_count(size, group):
         c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
-               f"{-(-size // group)}")
+               f"{slot_count(size, group)}")
     if blocks * group * slots > MAX_ELEMENTS:
         c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
     return slots

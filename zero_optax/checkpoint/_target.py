@@ -26,7 +26,7 @@ from zero_optax.checkpoint import _blocks, _schema
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.transform import _owners
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import Layout, slot_count
 
 Specs = dict[str, Sequence[Any]]
 """Leaf path -> its PartitionSpec (a sequence with one entry per dimension: None, an axis or a tuple of axes)."""
@@ -130,7 +130,7 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
         group = math.prod(sizes[a] for a in zero if a not in axes) if all(a in sizes for a in zero) else n
         blocks = math.prod(sizes[a] for a in axes)
         leaves.append(dataclasses.replace(x, shape=shape, axes=axes, blocks=blocks, group=group,
-                                          slots=-(-math.prod(shape) // group)))
+                                          slots=slot_count(math.prod(shape), group)))
     entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
                     if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
     used = {a for x in leaves for a in x.axes} | set(zero)
