@@ -33,7 +33,7 @@ import numpy as np
 
 from zero_optax.core import _names
 from zero_optax.transform import _entries, _offload
-from zero_optax.transform._layout import LOCAL, MASTER, Layout, Packing
+from zero_optax.transform._layout import LOCAL, MASTER, Layout, Packing, StoredLayout
 from zero_optax.transform._state import ZeroState, canonical, shared_arrays
 
 
@@ -60,7 +60,7 @@ class StoredArray:
     local: int | None = None
 
 
-def unowned_entries(layout: Layout) -> list[int]:
+def unowned_entries(layout: StoredLayout | Layout) -> list[int]:
     """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
     entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
     inner = list(layout.unpacked_entries)
@@ -68,7 +68,7 @@ def unowned_entries(layout: Layout) -> list[int]:
     return inner + masters
 
 
-def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
+def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
     """The arrays zero1 state number `k` of a checkpoint stores, in `state_values` order."""
     zero = tuple(layout.axes)
     out = []

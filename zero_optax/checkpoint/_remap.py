@@ -36,7 +36,7 @@ from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import LOCAL, MICRO_STEP_PATH, Layout
+from zero_optax.transform._layout import LOCAL, MICRO_STEP_PATH, Layout, StoredLayout
 
 Read = Callable[[str, Region], np.ndarray]
 """`read(name, region)`: a region of a saved array."""
@@ -80,7 +80,7 @@ def shared_values(saved: SavedState, read: Read, where: str) -> dict[int, np.nda
     return out
 
 
-def micro_step(layout: Layout, shared: dict[int, np.ndarray]) -> int:
+def micro_step(layout: StoredLayout | Layout, shared: dict[int, np.ndarray]) -> int:
     """How far into an accumulation cycle a state was taken: the value of its `MICRO_STEP_PATH` entry among the
     shared entries' values `shared` (entry index -> value); 0 at a cycle boundary and without accumulation."""
     for j, v in shared.items():
@@ -109,14 +109,14 @@ class Remap:
 
     Args:
       saved: the saved state (its layout and array names).
-      target: the target's layout (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
+      target: the target's layout, or the offline tool's `StoredLayout` for it (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
       read: reads a region of a saved array.
       shared: the shared entries' values (`shared_values`).
       where: how error messages name the state.
       specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
     """
 
-    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray],
+    def __init__(self, saved: SavedState, target: StoredLayout | Layout, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
         self.saved, self.target, self.read, self.shared = saved, target, read, shared
         self.cuts = _blocks.recuts(saved.layout, target, where, specs)

@@ -1,7 +1,9 @@
 """The static layout of a ZeRO state: which parameter leaves exist, how each is sharded, and where its state lives.
 
 A `Layout` is hashable and travels as static pytree metadata inside the state, so `update`, `describe`, the
-checkpoint code and the offline tools all read the same description that `init` computed.
+checkpoint code and the offline tools all read the same description that `init` computed. What a checkpoint
+records of it, without the run-time plan (treedefs, groups, stacks, memory kind), is a `StoredLayout`; the views
+both answer (`StoredViews`: owners, packing, which entries are stored how) are defined once.
 
 Every parameter leaf is either *sliced* or *owned*:
 
@@ -217,8 +219,119 @@ def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
     return Packing(tuple(offsets), sizes, tuple(used))
 
 
+class StoredViews:
+    """What follows from the fields that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`):
+    the views that `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share."""
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """`axis_name` as a tuple."""
+        return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(leaf.path for leaf in self.leaves)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(leaf.shape for leaf in self.leaves)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(leaf.slots for leaf in self.leaves)
+
+    @property
+    def owners(self) -> tuple[int | None, ...] | None:
+        """One owner per leaf (None for sliced leaves); None altogether when every leaf is sliced."""
+        if all(leaf.sliced for leaf in self.leaves):
+            return None
+        return tuple(leaf.owner for leaf in self.leaves)
+
+    @property
+    def sharding(self) -> tuple[str, ...]:
+        """Per leaf, how its state is sharded: `"sliced"` or `"owned"` (what `partition="auto"` decided)."""
+        return tuple("sliced" if leaf.sliced else "owned" for leaf in self.leaves)
+
+    @functools.cached_property
+    def inner_entries(self) -> tuple[int, ...]:
+        """Indices of the inner optimizer's entries (not master copies), in full-state order."""
+        return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
+
+    def zero_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""
+        return tuple(a for a in self.axes if a not in leaf.axes)
+
+    def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
+        return tuple(leaf.axes) + self.zero_axes(leaf)
+
+    @functools.cached_property
+    def unpacked_entries(self) -> tuple[int, ...]:
+        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
+        `ZeroState.inner_state`."""
+        return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
+
+    @functools.cached_property
+    def shared_entries(self) -> tuple[int, ...]:
+        """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
+        return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
+
+    def kind(self, entry: StateEntry) -> str:
+        """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
+        if entry.leaf is None:
+            return "shared"
+        return "sliced" if self.leaves[entry.leaf].sliced else "owned"
+
+    @functools.cached_property
+    def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i, e in enumerate(self.entries):
+            if e.leaf is not None and not self.leaves[e.leaf].sliced:
+                per_rank[self.leaves[e.leaf].owner].append(i)
+        return tuple(tuple(r) for r in per_rank)
+
+    def rank_entries(self, rank: int) -> tuple[int, ...]:
+        """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
+        return self._owned_by_rank[rank]
+
+    @functools.cached_property
+    def state_packing(self) -> Packing:
+        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
+        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
+                          for owned in self._owned_by_rank])
+
+
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StoredLayout(StoredViews):
+    """What a checkpoint persists and validates of a zero1 state: its leaves, entries, mesh and partition, with
+    none of the plan `init` decides for running it (treedefs, groups, stacks, memory kind: `Layout`).
+
+    `zero_optax.checkpoint._schema` builds one from a checked record, and the offline tools
+    (`zero_optax.checkpoint._target`) one for another mesh; the checkpoint code reads either this or a target's
+    `Layout`, through the views both share (`StoredViews`).
+
+    Attributes:
+      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps:
+        as `Layout`'s.
+      axis_sizes: `(name, size)` of the mesh axes named by `axis_name` or by a leaf's `axes`, as far as they are
+        known: a record lists the axes other than the ZeRO axes, whose sizes it knows only as their product,
+        `world_size` (`zero_optax.checkpoint._blocks.leaf_blocks` infers an expert axis's size from its blocks).
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    state_tree: str
+    master_dtype: str | None
+    axis_sizes: tuple[tuple[str, int], ...]
+    accumulate: str | None = None
+    accumulate_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(StoredViews):
     """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
 
     Attributes:
@@ -281,60 +394,6 @@ class Layout:
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
                      self.groups, self.stacks, self.joint, self.replicas))
 
-    # Views that users read.
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """`axis_name` as a tuple."""
-        return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(leaf.path for leaf in self.leaves)
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(leaf.shape for leaf in self.leaves)
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        return tuple(leaf.slots for leaf in self.leaves)
-
-    @property
-    def owners(self) -> tuple[int | None, ...] | None:
-        """One owner per leaf (None for sliced leaves); None altogether when every leaf is sliced."""
-        if all(leaf.sliced for leaf in self.leaves):
-            return None
-        return tuple(leaf.owner for leaf in self.leaves)
-
-    @property
-    def sharding(self) -> tuple[str, ...]:
-        """Per leaf, how its state is sharded: `"sliced"` or `"owned"` (what `partition="auto"` decided)."""
-        return tuple("sliced" if leaf.sliced else "owned" for leaf in self.leaves)
-
-    @functools.cached_property
-    def inner_entries(self) -> tuple[int, ...]:
-        """Indices of the inner optimizer's entries (not master copies), in full-state order."""
-        return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
-
-    def zero_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
-        """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""
-        return tuple(a for a in self.axes if a not in leaf.axes)
-
-    def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
-        """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
-        return tuple(leaf.axes) + self.zero_axes(leaf)
-
-    @functools.cached_property
-    def unpacked_entries(self) -> tuple[int, ...]:
-        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
-        `ZeroState.inner_state`."""
-        return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
-
-    @functools.cached_property
-    def shared_entries(self) -> tuple[int, ...]:
-        """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
-        return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
-
     def view_shared(self, present) -> tuple[int, ...]:
         """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
         absent = {j for j, i in self.replicas if i not in present}
@@ -352,30 +411,6 @@ class Layout:
                 if group.masters:
                     out[group.masters[m]] = (g, -1, off)
         return out
-
-    def kind(self, entry: StateEntry) -> str:
-        """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
-        if entry.leaf is None:
-            return "shared"
-        return "sliced" if self.leaves[entry.leaf].sliced else "owned"
-
-    @functools.cached_property
-    def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
-        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
-        for i, e in enumerate(self.entries):
-            if e.leaf is not None and not self.leaves[e.leaf].sliced:
-                per_rank[self.leaves[e.leaf].owner].append(i)
-        return tuple(tuple(r) for r in per_rank)
-
-    def rank_entries(self, rank: int) -> tuple[int, ...]:
-        """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
-        return self._owned_by_rank[rank]
-
-    @functools.cached_property
-    def state_packing(self) -> Packing:
-        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
-        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
-                          for owned in self._owned_by_rank])
 
     @property
     def owned_leaves_per_device(self) -> tuple[int, ...]:
