@@ -1,7 +1,7 @@
 """Exact memory and communication of zero1 steps: `python -m benchmarks.collectives [--section ...]`.
 
 Everything here is counted, not timed, so it is deterministic: state bytes per device from the arrays'
-`addressable_shards`, collective bytes and op counts from the compiled HLO (`benchmarks/hlo.py`). Sections:
+`addressable_shards`, collective bytes and op counts from the compiled HLO (`zero_optax/core/_hlo.py`). Sections:
 
 * `precision`: AdamW with float32 master copies of bf16 parameters (flat partition, 8 devices): state + master
   bytes per device against 12 B x params / N, and the wire volume of a step (reduce-scatter of the gradients in
@@ -39,9 +39,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 from benchmarks.memory import max_state_bytes
 from benchmarks.model import gpt_params, param_count, tensor_parallel_specs, tree_bytes
+from tests._models import bucket_tree
+from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
 
 N = 8
 
@@ -296,13 +297,6 @@ def section_mesh2d_owned() -> str:
             f"{tp_bytes / 2**20:.3f} MB; {share / 2**20:.3f} MB |\n"
             f"| expected on `model`: gradient + parameter rows, (model - 1) x 2 x that share | "
             f"{2 * share / 2**20:.3f} MB |")
-
-
-def bucket_tree() -> dict:
-    """86 float32 leaves: a 7-layer GPT without the final layer-norm bias."""
-    params = gpt_params(2048, 256, 7)
-    del params["ln_f"]["bias"]
-    return params
 
 
 def section_buckets() -> str:

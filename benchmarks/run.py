@@ -40,7 +40,6 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.hlo import KINDS, collective_bytes, wire_volume
 from benchmarks.memory import (
     partition_bound_bytes,
     replicated_state_bytes,
@@ -55,6 +54,7 @@ from benchmarks.variants import (
     make_mesh,
     optimizers,
 )
+from zero_optax.core._hlo import KINDS, collective_bytes, wire_volume
 
 MB = 1024 * 1024
 _SKIP_REPORTED: set[str] = set()

@@ -42,6 +42,8 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests._models import muon_recipe
+
 AXIS = "data"
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -83,15 +85,6 @@ def make_mesh(n: int, devices: list[Any] | None = None) -> Mesh:
     if len(devs) < n:
         raise ValueError(f"need {n} devices, have {len(devs)}")
     return Mesh(np.array(devs), (AXIS,), axis_types=(AxisType.Auto,))
-
-
-def muon_recipe() -> optax.GradientTransformation:
-    """The usual Muon recipe: Muon for the hidden matrices, AdamW for the embedding and every vector."""
-    def labels(params: Any) -> Any:
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: "muon" if x.ndim == 2 and "embed" not in jax.tree_util.keystr(path) else "adamw", params)
-
-    return optax.partition({"muon": optax.contrib.muon(2e-2), "adamw": optax.adamw(3e-4, weight_decay=0.1)}, labels)
 
 
 def optimizers() -> dict[str, optax.GradientTransformation]:

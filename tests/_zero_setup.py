@@ -162,11 +162,16 @@ class MeshTrainer:
         return {k: global_array(v, NamedSharding(self.mesh, self.param_specs[k]))
                 for k, v in params_np(self.shapes).items()}
 
+    def grads_np(self, t: int) -> dict[str, np.ndarray]:
+        """The gradients of step `t`: per leaf, one row per device of the ZeRO axes it is not sharded over,
+        `[rows, *global shape]` (their mean over the rows is the leaf's global mean gradient)."""
+        rng = np.random.default_rng(3000 + t)
+        return {k: rng.standard_normal((self.grad_rows[k], *shape)).astype(np.float32)
+                for k, shape in self.shapes.items()}
+
     def train(self, p, s, start: int, stop: int):
         for t in range(start, stop):
-            rng = np.random.default_rng(3000 + t)
-            g = {k: global_array(rng.standard_normal((self.grad_rows[k], *shape)).astype(np.float32),
-                                 NamedSharding(self.mesh, self.grad_specs[k])) for k, shape in self.shapes.items()}
+            g = {k: global_array(v, NamedSharding(self.mesh, self.grad_specs[k])) for k, v in self.grads_np(t).items()}
             p, s = self._step(p, s, g)
         return p, s
 

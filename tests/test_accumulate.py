@@ -24,10 +24,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.hlo import branch_collectives
-from benchmarks.variants import muon_recipe
 from tests import _harness as h
+from tests._models import muon_recipe
 from tests.test_jit import MLP
+from zero_optax.core._hlo import branch_collectives
 
 K = 2
 

@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.collectives import bucket_tree
-from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 from tests import _harness as h
+from tests._models import bucket_tree
+from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
 from zero_optax.transform._sliced import DEFAULT_BUCKET_BYTES
 
 N = 8

@@ -114,7 +114,7 @@ def test_frozen_leaves_hold_no_state():
 
 
 def test_state_bytes_are_one_nth_on_a_model_shaped_tree():
-    from benchmarks.model import gpt_params  # the benchmarks' GPT-shaped pytree
+    from tests._models import gpt_params
     params = gpt_params(vocab=1000, d_model=40, n_layers=2)
     n = 8
     mesh = h.mesh_of(n)

@@ -141,7 +141,7 @@ def test_leaf_coupling_is_refused():
 
 
 def test_state_bytes_near_the_whole_tensor_limit_on_a_gpt_shaped_tree():
-    from benchmarks.model import gpt_params
+    from tests._models import gpt_params
     params = gpt_params(vocab=512, d_model=32, n_layers=12)
     n = 8
     for inner in (optax.adamw(1e-3), optax.contrib.muon(2e-2)):

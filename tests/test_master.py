@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.model import gpt_params
 from tests import _harness as h
+from tests._models import gpt_params
 
 STEPS = 50
 INNER = {"flat": lambda: optax.adamw(3e-3, weight_decay=0.1), "leaf": lambda: optax.contrib.muon(1e-2)}

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks.model import gpt_params, tensor_parallel_specs
+from tests._models import gpt_params, tensor_parallel_specs
 
 # Leaf shapes divide neither the data axis (4, or 2 x 2) nor, per block, anything: (5, 6) splits into (5, 3)
 # blocks of 15 elements.

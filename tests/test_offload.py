@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from benchmarks import hlo
-from benchmarks.variants import muon_recipe
+from tests._models import muon_recipe
+from zero_optax.core import _hlo as hlo
 
 N = 3
 STEPS = 3

@@ -30,11 +30,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _names
 from zero_optax.transform import _entries, _offload
-from zero_optax.transform._layout import MASTER, Layout, Packing
+from zero_optax.transform._layout import LOCAL, MASTER, Layout, Packing, StoredLayout
 from zero_optax.transform._state import ZeroState, canonical, shared_arrays
 
 
@@ -60,12 +59,8 @@ class StoredArray:
     buffer: str | None = None
     local: int | None = None
 
-    @property
-    def partition_spec(self) -> P:
-        return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in self.spec))
 
-
-def unowned_entries(layout: Layout) -> list[int]:
+def unowned_entries(layout: StoredLayout | Layout) -> list[int]:
     """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
     entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
     inner = list(layout.unpacked_entries)
@@ -73,7 +68,7 @@ def unowned_entries(layout: Layout) -> list[int]:
     return inner + masters
 
 
-def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
+def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
     """The arrays zero1 state number `k` of a checkpoint stores, in `state_values` order."""
     zero = tuple(layout.axes)
     out = []
@@ -90,7 +85,7 @@ def stored_arrays(layout: Layout, k: int, pack: Packing | None = None) -> list[S
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
                                buffer=d))
-    if layout.accumulate == "local":
+    if layout.accumulate == LOCAL:
         for i, leaf in enumerate(layout.leaves):
             out.append(StoredArray(_names.local_array(k, i), (leaf.blocks * leaf.group, *leaf.shape),
                                    np.dtype(np.promote_types(leaf.dtype, np.float32)).name,

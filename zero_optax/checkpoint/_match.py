@@ -20,7 +20,7 @@ from typing import Any
 
 from zero_optax.checkpoint import _blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import AUTO, Layout
+from zero_optax.transform._layout import AUTO, Layout, StoredLayout
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
@@ -57,7 +57,7 @@ def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> 
     return dict(rec, leaves=leaves, entries=entries)
 
 
-def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: bool) -> None:
+def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshard: bool) -> None:
     """Raises `ZeroCheckpointError` naming the first way zero1 state `k` of a checkpoint cannot be restored into
     a state with layout `target`."""
     a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
@@ -83,7 +83,7 @@ def check(saved_layout: Layout, target: Layout, k: int, where: str, reshard: boo
         _blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
-def partition_difference(saved: Layout, target: Layout, where: str, reshard: bool = False) -> str | None:
+def partition_difference(saved: StoredLayout, target: StoredLayout | Layout, where: str, reshard: bool = False) -> str | None:
     """A sentence naming how the partition differs between a checkpoint and a target (the partition itself, or
     a leaf sliced in one and owned in the other), and what to do; None if it does not.
 

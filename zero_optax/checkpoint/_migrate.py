@@ -21,6 +21,7 @@ import numpy as np
 from zero_optax.checkpoint import _remap, _reshard
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
+from zero_optax.transform._layout import slot_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +187,9 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
             if x.dtype != y.dtype:
                 raise _Error(f"{where}: buffer `{name}` dtype differs: {y.dtype} in records[{first}], {x.dtype} in "
                              f"records[{s}].")
-            if x.shape != (-(-size // len(group)),):
+            if x.shape != (slot_count(size, len(group)),):
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
-                             f"parameter of {size} elements on {len(group)} ranks has ({-(-size // len(group))},).")
+                             f"parameter of {size} elements on {len(group)} ranks has ({slot_count(size, len(group))},).")
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
@@ -244,7 +245,7 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
                          f"clocks differ: {diff}.")
         src = group[0].params[m.param]
         size = math.prod(src.shape)
-        s_new = -(-size // n)
+        s_new = slot_count(size, n)
         buffers = {}
         for name, first in src.buffers.items():
             history = np.concatenate([rec.params[m.param].buffers[name] for rec in group])

@@ -44,7 +44,7 @@ from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import LOCAL, Layout, StoredLayout
 from zero_optax.transform._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"
@@ -69,7 +69,7 @@ def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
     return out
 
 
-def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
+def packing_json(layout: StoredLayout | Layout, pack=None) -> dict[str, Any] | None:
     pack = layout.state_packing if pack is None else pack
     if not pack.sizes:
         return None
@@ -77,7 +77,7 @@ def packing_json(layout: Layout, pack=None) -> dict[str, Any] | None:
             "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]}
 
 
-def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
+def state_record(layout: StoredLayout | Layout, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
     pack = layout.state_packing
@@ -95,7 +95,7 @@ def state_record(layout: Layout, k: int, clocks: dict[str, Any] | None = None) -
         "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
         "packing": packing_json(layout, pack),
     }
-    if layout.accumulate == "local":  # sharded accumulators are ordinary entries; local ones are extra arrays
+    if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
     return out
 
@@ -123,7 +123,7 @@ def entry_json(e) -> dict:
     return out
 
 
-def clock_entries(layout: Layout) -> list[int]:
+def clock_entries(layout: StoredLayout | Layout) -> list[int]:
     """The entries the record shows as clocks: shared real scalars (step counts, injected hyperparameters)."""
     return [j for j, e in enumerate(layout.entries)
             if e.leaf is None and e.size == 1 and np.dtype(e.dtype).kind in "biuf"]

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays, _restore, _tree
+from zero_optax.checkpoint import _arrays, _remap, _restore, _tree
 from zero_optax.checkpoint._migrate import ParamSlice, RankRecord, clock_difference
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import LOCAL, Layout
 
 WHERE = "state_from_rank_records"
 
@@ -155,8 +155,7 @@ def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Seq
                      "rank-local records hold sliced leaves only; move owned leaves with "
                      "zo.ZeroRestore(target, reshard=True) or zo.reshard(..., owners=).")
     slices, shared = _slices(layout, recs), _shared(layout, recs)
-    steps = [v for j, v in shared.items() if layout.entries[j].path == ".micro_step"]
-    if layout.accumulate == "local" and any(np.any(v != 0) for v in steps):
+    if layout.accumulate == LOCAL and _remap.micro_step(layout, shared):
         raise _Error(f"{WHERE}: the records were taken mid-cycle of accumulate=\"local\", whose per-device sums "
                      "they do not hold; take them at a cycle boundary.")
     regions = _Regions(layout, slices, shared)

@@ -36,7 +36,7 @@ from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import Layout
+from zero_optax.transform._layout import LOCAL, MICRO_STEP_PATH, Layout, StoredLayout
 
 Read = Callable[[str, Region], np.ndarray]
 """`read(name, region)`: a region of a saved array."""
@@ -80,6 +80,15 @@ def shared_values(saved: SavedState, read: Read, where: str) -> dict[int, np.nda
     return out
 
 
+def micro_step(layout: StoredLayout | Layout, shared: dict[int, np.ndarray]) -> int:
+    """How far into an accumulation cycle a state was taken: the value of its `MICRO_STEP_PATH` entry among the
+    shared entries' values `shared` (entry index -> value); 0 at a cycle boundary and without accumulation."""
+    for j, v in shared.items():
+        if layout.entries[j].path == MICRO_STEP_PATH and np.any(v != 0):
+            return int(np.max(v))
+    return 0
+
+
 def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: int,
           dtype: Any = np.float64) -> np.ndarray:
     """Elements `[start, stop)` of one block's zero-padded history of `size` coordinates, from a reader of that
@@ -100,29 +109,27 @@ class Remap:
 
     Args:
       saved: the saved state (its layout and array names).
-      target: the target's layout (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
+      target: the target's layout, or the offline tool's `StoredLayout` for it (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
       read: reads a region of a saved array.
       shared: the shared entries' values (`shared_values`).
       where: how error messages name the state.
       specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
     """
 
-    def __init__(self, saved: SavedState, target: Layout, read: Read, shared: dict[int, np.ndarray],
+    def __init__(self, saved: SavedState, target: StoredLayout | Layout, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
         self.saved, self.target, self.read, self.shared = saved, target, read, shared
         self.cuts = _blocks.recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
         self.old_pack = saved.layout.state_packing
         self.new_pack = target.state_packing
-        if target.accumulate == "local":
-            steps = [v for j, v in shared.items() if saved.layout.entries[j].path == ".micro_step"]
-            if any(np.any(v != 0) for v in steps):
-                raise ZeroCheckpointError(
-                    f"This checkpoint was taken {int(np.max(steps[0]))} micro-batches into an accumulation cycle of "
-                    "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
-                    f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
-                    "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
-                    "accumulate=\"sharded\", whose accumulators reshard.")
+        if target.accumulate == LOCAL and (step := micro_step(saved.layout, shared)):
+            raise ZeroCheckpointError(
+                f"This checkpoint was taken {step} micro-batches into an accumulation cycle of "
+                "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
+                f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
+                "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
+                "accumulate=\"sharded\", whose accumulators reshard.")
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""

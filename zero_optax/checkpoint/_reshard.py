@@ -38,7 +38,7 @@ from zero_optax.checkpoint import (
     _target,
 )
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import LEAF, Layout
+from zero_optax.transform._layout import LEAF, StoredLayout
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
@@ -57,7 +57,7 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
     return saved, store, [_remap.shared_values(s, store.read, str(path)) for s in saved.states]
 
 
-def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] | None]:
+def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
     """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
     leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
     if owners is not None and not isinstance(owners, (list, tuple)):
@@ -84,14 +84,14 @@ def _owners_per_state(owners: Any, layouts: list[Layout]) -> list[Sequence[int] 
 
 
 def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
-            specs: _target.Specs, owners: Sequence[int] | None, where: str) -> Layout:
+            specs: _target.Specs, owners: Sequence[int] | None, where: str) -> StoredLayout:
     """The layout saved state `saved` has on the target mesh."""
     where = f"{where}: state {saved.index}"
     n, sizes = _target.target_sizes(saved.layout, world_size, axis_sizes, where)
     return _target.new_layout(saved.layout, n, sizes, owners, specs, where)
 
 
-def _chunks(a: _arrays.StoredArray, layout: Layout) -> tuple[int, ...]:
+def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
     """Chunks of an output array: one device's share where it fits in `CHUNK_ELEMENTS`, else balanced pieces."""
     def fit(n: int) -> int:
         return max(1, -(-n // -(-n // CHUNK_ELEMENTS))) if n else 1
@@ -123,7 +123,7 @@ def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
 
 
 def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
-           layouts: list[Layout], specs: list[_target.Specs], progress: Progress | None) -> None:
+           layouts: list[StoredLayout], specs: list[_target.Specs], progress: Progress | None) -> None:
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
     done = 0

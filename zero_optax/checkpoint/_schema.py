@@ -1,7 +1,8 @@
 """Checking a decoded record field by field, before any of it is used: types, ranges and consistency.
 
-`parse` turns a record (`zero_optax.checkpoint._record.decode`) into one `SavedState` per zero1 state: a `Layout`
-rebuilt from checked values, the arrays it stores and its clocks. Every problem is a `ZeroCheckpointError` naming
+`parse` turns a record (`zero_optax.checkpoint._record.decode`) into one `SavedState` per zero1 state: its
+`StoredLayout` (what the record describes, no run-time plan) built from checked values, the arrays it stores and
+its clocks. Every problem is a `ZeroCheckpointError` naming
 the field (`states[0].leaves[2].slots`), never a `TypeError`, `KeyError` or `IndexError` later on: a negative leaf
 index, a slot count that does not match `ceil(size / group)`, an owner outside the world size, a dtype outside the
 allow-list, a duplicate path, a list of arrays or a packing other than the layout implies, or an unknown field all
@@ -21,12 +22,14 @@ from zero_optax.transform._layout import (
     AUTO,
     FLAT,
     LEAF,
+    LOCAL,
     MASTER,
     MASTER_PREFIX,
     STATE,
-    Layout,
     ParamLeaf,
     StateEntry,
+    StoredLayout,
+    slot_count,
     whole_shape,
 )
 
@@ -53,13 +56,13 @@ class SavedState:
 
     Attributes:
       index: its position among the checkpoint's zero1 states.
-      layout: its layout (no parameter treedef: offline tools need none).
+      layout: what the record says of it (`StoredLayout`: leaves, entries, mesh, partition).
       arrays: the arrays it stores (`zero_optax.checkpoint._arrays.stored_arrays`).
       clocks: the recorded values of its shared scalar entries, by entry path.
     """
 
     index: int
-    layout: Layout
+    layout: StoredLayout
     arrays: tuple[_arrays.StoredArray, ...]
     clocks: dict[str, Any]
 
@@ -168,11 +171,11 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     accumulate, steps = None, 1
     if "accumulate" in rec:
         acc = c.dict(rec["accumulate"], f"{f}.accumulate", {"mode", "steps"})
-        if acc["mode"] != "local":
-            c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"local\"")
-        accumulate, steps = "local", c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
-    layout = Layout(partition, axis_name, n, leaves, entries, None, state_tree, None, master_dtype,
-                    tuple(mesh.items()), accumulate, steps)
+        if acc["mode"] != LOCAL:
+            c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"{LOCAL}\"")
+        accumulate, steps = LOCAL, c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
+    layout = StoredLayout(partition, axis_name, n, leaves, entries, state_tree, master_dtype, tuple(mesh.items()),
+                          accumulate, steps)
     arrays = _implied(c, rec, f, layout, k)
     clocks = _clocks(c, rec["clocks"], f, layout)
     return SavedState(k, layout, arrays, clocks)
@@ -202,7 +205,7 @@ def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...]) -> dict[str
     return mesh
 
 
-def _implied(c: _Checker, rec: dict, f: str, layout: Layout, k: int) -> tuple[_arrays.StoredArray, ...]:
+def _implied(c: _Checker, rec: dict, f: str, layout: StoredLayout, k: int) -> tuple[_arrays.StoredArray, ...]:
     """The arrays state `k` stores, after checking that its `owners`, `packing` and `arrays` are what its checked
     leaves and entries imply."""
     owners = None if all(x.sliced for x in layout.leaves) else [x.owner for x in layout.leaves]
@@ -217,7 +220,7 @@ def _implied(c: _Checker, rec: dict, f: str, layout: Layout, k: int) -> tuple[_a
     return arrays
 
 
-def _clocks(c: _Checker, rec: Any, f: str, layout: Layout) -> dict[str, Any]:
+def _clocks(c: _Checker, rec: Any, f: str, layout: StoredLayout) -> dict[str, Any]:
     """A state's `clocks`: a number for each of its shared scalar entries, and nothing else."""
     clocks = c.dict(rec, f"{f}.clocks", {layout.entries[j].path for j in _record.clock_entries(layout)})
     for path, value in clocks.items():
@@ -271,9 +274,9 @@ def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blo
     if partition == LEAF:
         c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
     slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-    if slots != -(-size // group):
+    if slots != slot_count(size, group):
         c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
-               f"{-(-size // group)}")
+               f"{slot_count(size, group)}")
     if blocks * group * slots > MAX_ELEMENTS:
         c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
     return slots

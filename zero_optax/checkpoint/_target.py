@@ -2,8 +2,8 @@
 
 `zero_optax.reshard` is told the target mesh (`world_size=`, or `axis_sizes={"data": 2, "model": 4}`) and,
 where the blocks alone cannot tell it, the parameters' `PartitionSpec`s (`param_specs=`). From those and the
-saved layout it builds the layout a `zero1` state on that mesh has: sliced leaves with their new axes, block
-shapes, groups and slots; owned leaves with their new owners.
+saved `StoredLayout` it builds the one a `zero1` state on that mesh records: sliced leaves with their new axes,
+block shapes, groups and slots; owned leaves with their new owners.
 
 Examples:
   >>> from zero_optax.checkpoint import _target
@@ -26,7 +26,7 @@ from zero_optax.checkpoint import _blocks, _schema
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.transform import _owners
-from zero_optax.transform._layout import Layout, ParamLeaf
+from zero_optax.transform._layout import ParamLeaf, StoredLayout, slot_count
 
 Specs = dict[str, Sequence[Any]]
 """Leaf path -> its PartitionSpec (a sequence with one entry per dimension: None, an axis or a tuple of axes)."""
@@ -81,7 +81,7 @@ def specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
     return out
 
 
-def target_sizes(old: Layout, world_size: int | None, axis_sizes: dict[str, int] | None, where: str
+def target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None, where: str
                  ) -> tuple[int, dict[str, int]]:
     """The target's world size and axis sizes: `axis_sizes` as given (every ZeRO axis named; a mesh axis left out
     is absent), or the saved mesh axes with the ZeRO axes at `world_size`."""
@@ -108,8 +108,8 @@ def target_sizes(old: Layout, world_size: int | None, axis_sizes: dict[str, int]
     return n, dict(axis_sizes)
 
 
-def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int] | None, specs: Specs,
-               where: str) -> Layout:
+def new_layout(old: StoredLayout, n: int, sizes: dict[str, int], owners: Sequence[int] | None, specs: Specs,
+               where: str) -> StoredLayout:
     """`old` on a mesh of `n` devices along its ZeRO axes and axis sizes `sizes`: sliced leaves cut anew (their
     blocks over the target's axes, `zero_optax.checkpoint._blocks.target_blocks`), owned leaves given `owners`
     (default: balanced the way `zero1` balances them at `init`) and their blocks on the target (`_owned_leaf`)."""
@@ -130,7 +130,7 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
         group = math.prod(sizes[a] for a in zero if a not in axes) if all(a in sizes for a in zero) else n
         blocks = math.prod(sizes[a] for a in axes)
         leaves.append(dataclasses.replace(x, shape=shape, axes=axes, blocks=blocks, group=group,
-                                          slots=-(-math.prod(shape) // group)))
+                                          slots=slot_count(math.prod(shape), group)))
     entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
                     if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
     used = {a for x in leaves for a in x.axes} | set(zero)
@@ -138,7 +138,7 @@ def new_layout(old: Layout, n: int, sizes: dict[str, int], owners: Sequence[int]
     return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=axis_sizes)
 
 
-def _owned_leaf(old: Layout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
+def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
                 ) -> ParamLeaf:
     """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`. Its state is the whole tensor on any mesh; its
     blocks (`ParamLeaf.dims`) are cut over the tensor-parallel axes that cut it, by `spec` where given, else as

@@ -125,7 +125,7 @@ def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> ja
     A plain `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects;
     `to="invarying"` (public since JAX 0.10; zero_optax supports JAX >= 0.10.2) compiles to the same single
     all-gather. There is deliberately no masked-psum fallback: it would move one and a half times the bytes
-    (`tests/test_bench_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
+    (`tests/test_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
     """
     axes = as_tuple(axes)
     if not vma_enabled(axes):

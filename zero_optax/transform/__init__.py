@@ -5,8 +5,9 @@
 * `_handle`: the record of which `Zero1` object each transformation `zero1` returned is, found without reading its bound methods.
 * `_plan`: what `init` decides once: each leaf sliced or owned, and where its state lives (a `Layout`); the extra
   arguments the inner update requires, read from signatures.
-* `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing; the names every layer shares
-  (partitions, accumulate modes, accumulator paths) and the slot rule `slot_count`.
+* `_layout`: the static `Layout` a state carries: leaves, entries, owners, packing; `StoredLayout`, what a
+  checkpoint records of one (no treedefs, groups or stacks), with the views both answer (`StoredViews`); the names
+  every layer shares (partitions, accumulate modes, accumulator paths) and the slot rule `slot_count`.
 * `_state`: the `ZeroState` pytree.
 * `_shared`: the inner state's own tree inside it (shared fields as values, per-parameter fields as markers), for optax's tree utilities.
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike, a step in named parts

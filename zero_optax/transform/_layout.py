@@ -1,7 +1,9 @@
 """The static layout of a ZeRO state: which parameter leaves exist, how each is sharded, and where its state lives.
 
 A `Layout` is hashable and travels as static pytree metadata inside the state, so `update`, `describe`, the
-checkpoint code and the offline tools all read the same description that `init` computed.
+checkpoint code and the offline tools all read the same description that `init` computed. What a checkpoint
+records of it, without the run-time plan (treedefs, groups, stacks, memory kind), is a `StoredLayout`; the views
+both answer (`StoredViews`: owners, packing, which entries are stored how) are defined once.
 
 Every parameter leaf is either *sliced* or *owned*:
 
@@ -235,71 +237,10 @@ def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
     return Packing(tuple(offsets), sizes, tuple(used))
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
+class StoredViews:
+    """What follows from the fields that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`):
+    the views that `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share."""
 
-    Attributes:
-      partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
-      axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
-      world_size: the number of devices along those axes.
-      leaves: the trainable parameter leaves, in tree-flatten order.
-      entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
-        copies (if any) in parameter order.
-      treedef: the parameter tree structure.
-      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
-      state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
-      master_dtype: the dtype name of the master copies, or None.
-      axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
-      accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
-        (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
-      accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
-      memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
-        `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
-        arrays are in.
-      groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
-        exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
-        leaf.
-      stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
-        member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
-      joint: whether the sliced leaves' update runs in one view of them all (issue 29): the inner update reduces
-        their coordinates to scalars (a global norm, a trust ratio), which then run across the devices, or draws
-        random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
-        draws whole and keeps its slice of (`zero_optax.transform._varying`). Each sliced leaf is then a group of
-        its own. How they are updated, not stored.
-      replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
-        per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
-        `leaf` None), and present only in views holding `leaf` (`view_shared`).
-    """
-
-    partition: str
-    axis_name: str | tuple[str, ...]
-    world_size: int
-    leaves: tuple[ParamLeaf, ...]
-    entries: tuple[StateEntry, ...]
-    treedef: Any = dataclasses.field(repr=False)
-    state_tree: str = dataclasses.field(default="", repr=False)
-    state_treedef: Any = dataclasses.field(default=None, repr=False)
-    master_dtype: str | None = None
-    axis_sizes: tuple[tuple[str, int], ...] = ()
-    accumulate: str | None = None
-    accumulate_steps: int = 1
-    memory_kind: str = dataclasses.field(default="device", compare=False)
-    groups: tuple[Group, ...] = ()
-    stacks: tuple[tuple[int, ...], ...] = ()
-    joint: bool = False
-    replicas: tuple[tuple[int, int], ...] = ()
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    @functools.cached_property
-    def _hash(self) -> int:
-        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
-                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks, self.joint, self.replicas))
-
-    # Views that users read.
     @property
     def axes(self) -> tuple[str, ...]:
         """`axis_name` as a tuple."""
@@ -362,24 +303,6 @@ class Layout:
         """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
         return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
 
-    def view_shared(self, present) -> tuple[int, ...]:
-        """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
-        absent = {j for j, i in self.replicas if i not in present}
-        return tuple(j for j in self.shared_entries if j not in absent)
-
-    @functools.cached_property
-    def stored_at(self) -> dict[int, tuple[int, int, int]]:
-        """Sliced entry (history or master) -> `(group, k, offset)`: it is the `offset..offset+slots` part of each
-        device's part of history `k` of group `group` (`k` = -1: the group's master copy)."""
-        out = {}
-        for g, group in enumerate(self.groups):
-            for m, off in enumerate(group.offsets):
-                for k, j in enumerate(group.histories[m]):
-                    out[j] = (g, k, off)
-                if group.masters:
-                    out[group.masters[m]] = (g, -1, off)
-        return out
-
     def kind(self, entry: StateEntry) -> str:
         """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
         if entry.leaf is None:
@@ -403,6 +326,118 @@ class Layout:
         """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
         return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
                           for owned in self._owned_by_rank])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLayout(StoredViews):
+    """What a checkpoint persists and validates of a zero1 state: its leaves, entries, mesh and partition, with
+    none of the plan `init` decides for running it (treedefs, groups, stacks, memory kind: `Layout`).
+
+    `zero_optax.checkpoint._schema` builds one from a checked record, and the offline tools
+    (`zero_optax.checkpoint._target`) one for another mesh; the checkpoint code reads either this or a target's
+    `Layout`, through the views both share (`StoredViews`).
+
+    Attributes:
+      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps:
+        as `Layout`'s.
+      axis_sizes: `(name, size)` of the mesh axes named by `axis_name` or by a leaf's `axes`, as far as they are
+        known: a record lists the axes other than the ZeRO axes, whose sizes it knows only as their product,
+        `world_size` (`zero_optax.checkpoint._blocks.leaf_blocks` infers an expert axis's size from its blocks).
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    state_tree: str
+    master_dtype: str | None
+    axis_sizes: tuple[tuple[str, int], ...]
+    accumulate: str | None = None
+    accumulate_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(StoredViews):
+    """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
+
+    Attributes:
+      partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
+      axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
+      world_size: the number of devices along those axes.
+      leaves: the trainable parameter leaves, in tree-flatten order.
+      entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
+        copies (if any) in parameter order.
+      treedef: the parameter tree structure.
+      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
+      state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
+      master_dtype: the dtype name of the master copies, or None.
+      axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
+      accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
+        (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
+      accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
+      memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
+        `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
+        arrays are in.
+      groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
+        exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
+        leaf.
+      stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
+        member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
+      joint: whether the sliced leaves' update runs in one view of them all (issue 29): the inner update reduces
+        their coordinates to scalars (a global norm, a trust ratio), which then run across the devices, or draws
+        random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
+        draws whole and keeps its slice of (`zero_optax.transform._varying`). Each sliced leaf is then a group of
+        its own. How they are updated, not stored.
+      replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
+        per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
+        `leaf` None), and present only in views holding `leaf` (`view_shared`).
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    treedef: Any = dataclasses.field(repr=False)
+    state_tree: str = dataclasses.field(default="", repr=False)
+    state_treedef: Any = dataclasses.field(default=None, repr=False)
+    master_dtype: str | None = None
+    axis_sizes: tuple[tuple[str, int], ...] = ()
+    accumulate: str | None = None
+    accumulate_steps: int = 1
+    memory_kind: str = dataclasses.field(default="device", compare=False)
+    groups: tuple[Group, ...] = ()
+    stacks: tuple[tuple[int, ...], ...] = ()
+    joint: bool = False
+    replicas: tuple[tuple[int, int], ...] = ()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
+                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
+                     self.groups, self.stacks, self.joint, self.replicas))
+
+    def view_shared(self, present) -> tuple[int, ...]:
+        """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
+        absent = {j for j, i in self.replicas if i not in present}
+        return tuple(j for j in self.shared_entries if j not in absent)
+
+    @functools.cached_property
+    def stored_at(self) -> dict[int, tuple[int, int, int]]:
+        """Sliced entry (history or master) -> `(group, k, offset)`: it is the `offset..offset+slots` part of each
+        device's part of history `k` of group `group` (`k` = -1: the group's master copy)."""
+        out = {}
+        for g, group in enumerate(self.groups):
+            for m, off in enumerate(group.offsets):
+                for k, j in enumerate(group.histories[m]):
+                    out[j] = (g, k, off)
+                if group.masters:
+                    out[group.masters[m]] = (g, -1, off)
+        return out
 
     @property
     def owned_leaves_per_device(self) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ The small arrays move in buckets of at least `bucket_bytes` (the notion the coll
 several arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
 XLA's host-offload passes turn into a copy; XLA:CPU lowers `device_put` between memory kinds to nothing (host and
 device memory are the same RAM), so there only the entry parameters and results are marked host (`S(5)`):
-`benchmarks/hlo.py` counts both.
+`zero_optax/core/_hlo.py` counts both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Collective-communication accounting from optimized HLO text.
+"""What a compiled program moves, read from its HLO text: collective bytes, memory-kind transfers, kernel traffic.
+
+The accounting behind the wire and memory claims of the tests and of `benchmarks/` (it runs nothing and imports
+nothing else of zero_optax).
 
 ``collective_bytes`` parses ``compiled.as_text()`` (the post-SPMD-partitioning HLO of
 ``jax.jit(f).lower(...).compile()``), so every shape in it is a *per-device* shape. For each
