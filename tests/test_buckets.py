@@ -12,7 +12,7 @@ import zero_optax as zo
 from benchmarks.collectives import bucket_tree
 from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 from tests import _harness as h
-from zero_optax.transform._sliced import DEFAULT_BUCKET_BYTES
+from zero_optax.transform._wire import DEFAULT_BUCKET_BYTES
 
 N = 8
 

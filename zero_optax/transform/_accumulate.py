@@ -177,14 +177,12 @@ def update(engine, grads, state, params, weight, extra):
     cfg = engine.cfg
     acc: Accumulating = cfg.accumulating
     layout, g_leaves = engine.checked(state, grads)
-    axes = layout.axes
     w = _call_weight(cfg.reduce is not None, weight, layout)
     acc.cast = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
     sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
     shared = shared_arrays(state)
     position = shared[micro_step_entry(layout)][0]
-    if _compat.vma_enabled(axes):
-        position = lax.pmax(position, axes)  # the same on every device; typed invariant for the branch
+    position = engine.wire.agree(position)  # the same on every device; typed invariant for the branch
     final = position + 1 >= acc.steps
     local = acc.mode == LOCAL
 

@@ -39,6 +39,7 @@ from zero_optax.transform import (
     _plan,
     _reduce,
     _sliced,
+    _wire,
 )
 from zero_optax.transform._layout import LOCAL, MASTER, Layout
 from zero_optax.transform._state import ZeroState
@@ -129,6 +130,7 @@ class Engine:
     def __init__(self, cfg: _plan.Config):
         self.cfg = cfg
         self.groups = _groups.Groups(cfg)
+        self.wire = _wire.Wire.of(cfg)
         self._views: dict = {}
         self._udtypes: dict = {}
 
@@ -289,7 +291,7 @@ class Engine:
         denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
         inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
                     else hooks.grad_dtypes)
-        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
+        sum_dt = {i: self.wire.sum_dtype(g.dtype) for i, g in enumerate(g_leaves)}
         return _groups.Step(layout, cfg.inner if hooks is None else hooks.inner, extra, denom, inner_dt, sum_dt, ranks,
                             hooks is None or hooks.step, cfg.offload, p_leaves)
 
@@ -392,21 +394,21 @@ class Engine:
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets from each group's part of the buffer. Buckets are
         planned in tree order; a run of one group's members in a bucket is one slice of the group's buffer."""
-        cfg = self.cfg
+        wire = self.wire
         updates: dict[int, jax.Array] = {}
         if not layout.groups:
             return updates
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
-        buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)
+        buckets = wire.plan(layout, order, [dtypes[i] for i in order])
         if _by_rows(layout, buckets):
-            updates.update(_sliced.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
+            updates.update(wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
         else:
             per_leaf = {}
             for g, x in zip(layout.groups, values):
                 per_leaf.update(_groups.split(g, x, layout))
-            updates.update(_sliced.gather(per_leaf, layout, buckets))
+            updates.update(wire.gather(per_leaf, layout, buckets))
         return updates
 
     def _reduce_groups(self, layout: Layout, g_leaves, denom, inner_dt, sum_dt, ranks) -> list:
@@ -427,14 +429,15 @@ class Engine:
         if cfg.reduce is None:  # already the global mean
             return [_sliced.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
                                      ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-        buckets = _sliced.plan_buckets(layout, sliced, [sum_dt[i] for i in sliced], cfg.bucket_bytes)
+        buckets = self.wire.plan(layout, sliced, [sum_dt[i] for i in sliced])
         if cfg.reduce == "psum":
-            parts = _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
+            parts = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
+            parts = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in parts.items()}
             return [_groups.joined(g, parts) for g in layout.groups]
         if _by_rows(layout, buckets):
-            joined = _groups.parts_from_rows(layout, _sliced.reduce_scatter_rows(grads, layout, buckets), buckets)
+            joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
         else:
-            parts = _sliced.reduce_scatter(grads, layout, buckets)
+            parts = self.wire.reduce_scatter(grads, layout, buckets)
             joined = [_groups.joined(g, parts) for g in layout.groups]
         return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
@@ -490,7 +493,7 @@ class Engine:
         if not streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
-        u = _gather_owned(layout, u_out, plan_u)
+        u = _gather_owned(self.wire, layout, u_out, plan_u)
         if not master:
             u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
         return new_buffers, u
@@ -617,12 +620,11 @@ class Engine:
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
-        axes = layout.axes
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
-            grad_input = {d: _compat.psum_scatter(b, axes) for d, b in rows.items()}
+            grad_input = self.wire.scatter_packed(rows)
         elif mode == "psum":
-            grad_input = {i: _reduce.divide(jax.lax.psum(g_leaves[i].astype(sum_dt[i]), axes), denom, inner_dt[i])
+            grad_input = {i: _reduce.divide(self.wire.all_reduce(g_leaves[i].astype(sum_dt[i])), denom, inner_dt[i])
                           for i in owned}
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
@@ -667,11 +669,9 @@ def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dic
             if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
 
 
-def _gather_owned(layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
+def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
-    axes = layout.axes
     if layout.world_size == 1:  # a psum of one device only retypes the value as replicated, which untyped
         # values (`check_vma=False`) need not be
-        return {i: jax.lax.psum(x, axes) for i, x in u_out.items()} if _compat.vma_enabled(axes) else u_out
-    gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
-    return _owned.gathered_leaves(gathered, plan_u, layout)
+        return {i: wire.all_reduce(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
+    return _owned.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)
