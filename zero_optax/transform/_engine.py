@@ -1,5 +1,10 @@
 """`init` and `update` of zero1 inside `shard_map`, for sliced and owned leaves alike.
 
+`Engine.update` reads top to bottom as its stages: (offload: the small arrays to the device), (accumulation: the
+cycle position picks the final call or a micro-step, `Engine._accumulate`), then the step itself (`Engine._run`):
+reduce, update the sliced groups and the owned leaves, gather; (offload: the small arrays back to host memory).
+Every value that moves between devices moves through the step's `_wire.Wire`.
+
 A step runs the inner transformation on `optax.masked`-style views of the parameter tree:
 
 * the *group views* (`zero_optax.transform._groups`): for each group of sliced leaves that run one program, this
@@ -43,6 +48,18 @@ from zero_optax.transform import (
 )
 from zero_optax.transform._layout import LOCAL, MASTER, Layout
 from zero_optax.transform._state import ZeroState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One `update` call's checked arguments (`Engine.update`): the state's layout, the gradient and parameter
+    leaves (None without parameters), the state and the extra arguments."""
+
+    layout: Layout
+    g_leaves: list
+    p_leaves: list | None
+    state: ZeroState
+    extra: dict
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,11 +176,13 @@ class Engine:
         groups = {layout.zero_axes(leaf) for leaf in layout.leaves} | {layout.axes}
         return {axes: _compat.axis_index(axes) for axes in groups}
 
-    def _update_dtypes(self, layout: Layout, extra: dict) -> dict[int, str]:
-        """The dtype of the inner transformation's update for each leaf (cached). One abstract trace of a view of
-        one leaf per group and per stack, whose members run one program on one dtype, and every other owned leaf."""
-        key = (layout, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
-                                                         for x in jax.tree.leaves(extra)))
+    def _update_dtypes(self, layout: Layout, extra: dict, phase: _accumulate.Phase | None = None) -> dict[int, str]:
+        """The dtype of the update of the inner transformation (of `phase`'s with accumulation) for each leaf
+        (cached). One abstract trace of a view of one leaf per group and per stack, whose members run one program
+        on one dtype, and every other owned leaf."""
+        key = (layout, phase, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
+                                                                for x in jax.tree.leaves(extra)))
+        inner = self.cfg.inner if phase is None else phase.inner
         if key not in self._udtypes:
             dt = self.cfg.inner_dtype
             first = {i: g.first for g in layout.groups for i in g.leaves}
@@ -172,9 +191,8 @@ class Engine:
             structs = [jax.ShapeDtypeStruct((leaf.slots,) if leaf.sliced else leaf.shape, dt(leaf.dtype))
                        for leaf in layout.leaves]
             view = _tree(layout, _layout.masked_view(structs, present))
-            state = jax.eval_shape(self.cfg.inner.init, view)
-            updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), view, state, view,
-                                        extra)
+            state = jax.eval_shape(inner.init, view)
+            updates, _ = jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), view, state, view, extra)
             got = {i: np.dtype(u.dtype).name for i, u in zip(sorted(present), jax.tree.leaves(updates))}
             self._udtypes[key] = {i: got[first.get(i, i)] for i in range(len(layout.leaves))}
         return self._udtypes[key]
@@ -235,72 +253,96 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def checked(self, state, grads) -> tuple[Layout, list[jax.Array]]:
-        """The state's layout and the gradient leaves, after `check_layout` and `check_tree`."""
-        layout = check_layout(state, self.cfg.axis_name)
-        return layout, check_tree(grads, layout, "gradients")
-
-    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-               apply: bool = False, **extra):
-        """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
-        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step.
+    def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
+        """One `update` call, its stages top to bottom: with `offload` the state's small arrays come to the device;
+        with accumulation the cycle position picks the final call or a micro-step (`_accumulate`); the step
+        (`_run`: reduce, update the sliced groups and the owned leaves, gather); with `offload` the small arrays
+        go back to host memory.
 
         With `apply` (`zero_optax.apply_gradients`, which passes it only without accumulation or offload) it
         returns the new parameters instead of the updates: each device adds its own coordinates' updates to its
         slice of the parameters before the all-gather."""
         cfg = self.cfg
-        if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
-            return _offload.update(self.on_device, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight,
-                                   **extra)
-        return self.on_device(grads, state, params, weight=weight, hooks=hooks, apply=apply, **extra)
+        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra, cfg.accumulate != LOCAL)
+        if cfg.offload:  # the stored state stays in host memory and streams through the device
+            state = _offload.small_to_device(state, cfg.bucket_bytes)
+        if cfg.accumulating is None:
+            denom = _reduce.denominator(weight, layout.axes, layout.world_size)
+            step = self._step(layout, g_leaves, p_leaves, denom, extra)
+            updates, new_state = self._run(step, g_leaves, state, apply)
+        else:
+            updates, new_state = self._accumulate(_Call(layout, g_leaves, p_leaves, state, extra), weight)
+        if cfg.offload:
+            new_state = _offload.small_to_host(new_state, cfg.bucket_bytes)
+        return updates, new_state
 
-    def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-                  apply: bool = False, **extra):
-        """`update` on a state whose arrays are in device memory, except with `offload` the stored histories,
-        owned buffers and master copies, which stay in host memory and stream through the device: the groups'
-        arrays in chunks (`_groups.Groups.update_streamed`), the owned buffers bucket by bucket of leaves
-        (`_owned_streamed`)."""
-        cfg = self.cfg
-        if cfg.accumulating is not None and hooks is None:
-            return _accumulate.update(self, grads, state, params, weight, extra)
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra,
-                                                      hooks is None or hooks.checked)
-        step = self._step(layout, g_leaves, p_leaves, weight, hooks, extra)
+    def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False):
+        """The step's stages: reduce the sliced leaves' gradients, update the sliced groups (with `step.streamed`
+        their arrays stream through the device chunk by chunk), reduce the owned leaves' gradients to their
+        owners and update them (`_update_owned`), gather. A micro-step that only accumulates gathers nothing and
+        returns no updates (None)."""
+        layout = step.layout
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
-
-        # Group views: every device, its own coordinates.
-        done = self._update_groups(step, g_leaves, state)
-
-        # Owned views: one switch branch per device.
+        g_parts = self._reduce_groups(step, g_leaves)     # reduce: the sliced leaves' gradients, in buckets
+        done = self._update_groups(step, g_parts, state)  # update the groups: every device, its own coordinates
         new_buffers, u_owned = dict(state.buffers), {}
-        if owned:
+        if owned:  # update the owned leaves: reduced to their owners, one switch branch per device
             step = dataclasses.replace(step, shared_old=done.shared_old)
             new_buffers, u_owned = self._update_owned(step, owned, g_leaves, state)
         if not step.stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
             return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
+        return self._finish(step, done, state, new_buffers, u_owned, apply)  # gather: updates or new parameters
 
-        # New parameters (master copies) or updates, gathered to every device.
-        return self._finish(step, done, state, new_buffers, u_owned, apply)
+    def _accumulate(self, call: _Call, weight):
+        """An accumulating call: the cycle position, the same on every device, picks with `lax.cond` the final
+        call (`_run` on the cycle's sums, then the step) or a micro-step (`_run` adding to the sharded
+        accumulators, or with `accumulate="local"` no collective at all), which returns zero updates."""
+        cfg, layout = self.cfg, call.layout
+        acc = cfg.accumulating
+        w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)
+        extra = {**call.extra, "accumulate_weight": w}
+        final, micro = _accumulate.phases(acc, call.g_leaves, cfg.inner_dtype)
+        local = acc.mode == LOCAL
+        dtypes = ({i: np.dtype(cfg.master_dtype).name for i in range(len(layout.leaves))}
+                  if cfg.master_dtype is not None else self._update_dtypes(layout, extra, final))
 
-    def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, weight, hooks: _accumulate.Hooks | None,
-              extra: dict) -> _groups.Step:
-        """The step's `_groups.Step`: the transformation that runs, the denominator and dtypes (from `hooks` for an
-        accumulating call), this device's ranks."""
+        def last(operands):
+            g_leaves, state, p_leaves = operands
+            if local:
+                g_leaves = _accumulate.with_local(g_leaves, state)
+            step = self._step(layout, g_leaves, p_leaves, final.denom, extra, final)
+            updates, new = self._run(step, g_leaves, state)
+            return updates, (_accumulate.cleared(new) if local else new)
+
+        def middle(operands):
+            g_leaves, state, p_leaves = operands
+            # typed like the final call's updates: varying over the leaf's own (tensor- or expert-parallel) axes
+            zeros = _tree(layout, [_compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes)
+                                   for i, g in enumerate(g_leaves)])
+            if local:
+                return zeros, _accumulate.add_local(layout, state, g_leaves, w)
+            _, new = self._run(self._step(layout, g_leaves, p_leaves, micro.denom, extra, micro), g_leaves, state)
+            return zeros, new
+
+        position = self.wire.agree(_accumulate.position(layout, call.state))  # typed invariant for the branch
+        return lax.cond(position + 1 >= acc.steps, last, middle, (call.g_leaves, call.state, call.p_leaves))
+
+    def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, denom: _reduce.Denominator, extra: dict,
+              phase: _accumulate.Phase | None = None) -> _groups.Step:
+        """The step's `_groups.Step`: the transformation that runs and the dtypes (from `phase` for an
+        accumulating call), the denominator, this device's ranks."""
         cfg = self.cfg
-        ranks = self._ranks(layout)
-        denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
-        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
-                    else hooks.grad_dtypes)
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if phase is None
+                    else phase.grad_dtypes)
         sum_dt = {i: self.wire.sum_dtype(g.dtype) for i, g in enumerate(g_leaves)}
-        return _groups.Step(layout, cfg.inner if hooks is None else hooks.inner, extra, denom, inner_dt, sum_dt, ranks,
-                            hooks is None or hooks.step, cfg.offload, p_leaves)
+        return _groups.Step(layout, cfg.inner if phase is None else phase.inner, extra, denom, inner_dt, sum_dt,
+                            self._ranks(layout), phase is None or phase.step, cfg.offload, p_leaves, phase=phase)
 
-    def _update_groups(self, step: _groups.Step, g_leaves: list, state: ZeroState) -> _GroupsDone:
-        """The group views: the gradients reduced to this device's coordinates, and the inner update on them
-        (streamed through the device chunk by chunk with `step.streamed`)."""
+    def _update_groups(self, step: _groups.Step, g_parts: list, state: ZeroState) -> _GroupsDone:
+        """The group views: the inner update on each group's part of the reduced gradient, `g_parts` (streamed
+        through the device chunk by chunk with `step.streamed`)."""
         cfg, layout, ranks, p_leaves = self.cfg, step.layout, step.ranks, step.p_leaves
         ok = step.denom.ok
-        g_parts = self._reduce_groups(layout, g_leaves, step.denom, step.inner_dt, step.sum_dt, ranks)
         if step.streamed and layout.groups:
             params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
                 self._sliced_params(layout, p_leaves, state, ranks)
@@ -411,11 +453,12 @@ class Engine:
             updates.update(wire.gather(per_leaf, layout, buckets))
         return updates
 
-    def _reduce_groups(self, layout: Layout, g_leaves, denom, inner_dt, sum_dt, ranks) -> list:
+    def _reduce_groups(self, step: _groups.Step, g_leaves: list) -> list:
         """Each group's part of the reduced gradient on this device (its members' slots, concatenated), in the
         inner's dtype; `[None]` without sliced leaves (the view of no leaf). The reduction goes in buckets over
         all sliced leaves."""
-        cfg = self.cfg
+        cfg, layout, denom, inner_dt, sum_dt, ranks = (self.cfg, step.layout, step.denom, step.inner_dt, step.sum_dt,
+                                                       step.ranks)
         if not layout.groups:
             return [None]
         for g in layout.groups:
@@ -454,7 +497,7 @@ class Engine:
         master = self.cfg.master_dtype is not None
         mode, plan_g, grad_input = self._owned_gradients(step, owned, g_leaves)
         u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
-                    {i: d for i, d in self._update_dtypes(layout, step.extra).items() if i in owned})
+                    {i: d for i, d in self._update_dtypes(layout, step.extra, step.phase).items() if i in owned})
         plan_u = _owned.leaf_plan(layout, u_dtypes)
         packing = layout.state_packing
         shapes = {i: layout.leaves[i].shape for i in owned}

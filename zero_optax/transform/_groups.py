@@ -138,7 +138,7 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
-    """What the parts of one `update` call read alike (`_engine.Engine.on_device`, the group and owned views).
+    """What the parts of one `update` call read alike (`_engine.Engine._run`, the group and owned views).
 
     Attributes:
       layout: the state's layout.
@@ -154,6 +154,7 @@ class Step:
       p_leaves: the parameter leaves (None when `update` got none), as the code that reads them holds them (inside
         an owner's branch, the branch's operand).
       shared_old: the shared entries' old values (entry -> array), once the group views have read them.
+      phase: under accumulation, the side of the call that runs (`_accumulate.Phase`); None otherwise.
     """
 
     layout: Layout
@@ -167,6 +168,7 @@ class Step:
     streamed: bool = False
     p_leaves: list | None = None
     shared_old: dict | None = None
+    phase: Any = None
 
     @property
     def rank(self):
