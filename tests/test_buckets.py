@@ -12,7 +12,7 @@ import zero_optax as zo
 from tests import _harness as h
 from tests._models import bucket_tree
 from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
-from zero_optax.transform._sliced import DEFAULT_BUCKET_BYTES
+from zero_optax.transform._wire import DEFAULT_BUCKET_BYTES
 
 N = 8
 

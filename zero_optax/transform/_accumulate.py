@@ -15,25 +15,28 @@ which is the same on every device: non-final calls add the micro-batch's reduce-
 gradients (local) to the accumulators and return zero updates, moving no all-gather and running no inner update;
 the final call divides the accumulated sums by the cycle's total weight in float32, runs the inner update once and
 all-gathers once. A cycle of total weight zero is skipped.
+
+This module holds the pieces; the engine composes them into its step (`zero_optax.transform._engine.Engine.
+_accumulate`): the two `Phase`s of a call (which transformation runs, in which dtypes, whether it steps), the cycle
+position, the call's weight, and the local sums' arithmetic. Nothing here calls the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from zero_optax.core import _compat
-from zero_optax.core._errors import WeightError, ZeroError
+from zero_optax.core._errors import ZeroError
 from zero_optax.transform import _reduce, _shared
 from zero_optax.transform._layout import (
     ACCUMULATE_MODES,
-    LOCAL,
     MICRO_STEP_PATH,
     SHARDED,
     WEIGHT_SUM_PATH,
@@ -75,20 +78,19 @@ def _map_present(fn, tree, *rest):
     return jax.tree.unflatten(treedef, out)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Accumulating:
     """`accumulating(inner, k, mode)`: the transformation the engine runs for `zero1(..., accumulate_steps=k)`.
 
-    `update` is the final call of a cycle (its gradient is the last micro-batch's sum, `accumulate_weight` that
-    micro-batch's global weight): the analyses at `init` see exactly the step that runs the inner update. `add` is a
-    non-final call. `cast` (leaf index -> dtype name) is the dtype the inner update sees each mean gradient in; it is
-    set by `update` below for the call being traced, and the gradient's own dtype is used when unset.
+    `transformation("final", cast)` is the final call of a cycle (its gradient is the last micro-batch's sum,
+    `accumulate_weight` that micro-batch's global weight): the analyses at `init` see exactly the step that runs the
+    inner update. `cast` (per leaf, a dtype name) is the dtype the inner update sees each mean gradient in (the
+    sum's own dtype without it). `transformation("add")` is a non-final call.
     """
 
-    def __init__(self, inner: optax.GradientTransformationExtraArgs, steps: int, mode: str):
-        self.inner = inner
-        self.steps = steps
-        self.mode = mode
-        self.cast: dict[int, str] | None = None
+    inner: optax.GradientTransformationExtraArgs
+    steps: int
+    mode: str
 
     def init(self, params) -> AccumulateState:
         acc = (jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype(p.dtype)), params)
@@ -100,13 +102,13 @@ class Accumulating:
             return _map_present(lambda i, g: g.astype(acc_dtype(g.dtype)), grads)
         return _map_present(lambda i, g, a: a + g.astype(a.dtype), grads, state.acc)
 
-    def update(self, grads, state: AccumulateState, params=None, *, accumulate_weight, **extra):
+    def update(self, grads, state: AccumulateState, params=None, *, accumulate_weight, cast=None, **extra):
         total = state.weight_sum + accumulate_weight
         ok = total > 0
         denom = jnp.where(ok, total, 1.0)
 
         def mean(i, s):
-            dt = s.dtype if self.cast is None else self.cast[i]
+            dt = s.dtype if cast is None else cast[i]
             return (s / denom.astype(s.dtype)).astype(dt)
         mean_grads = _map_present(mean, self._sums(grads, state))
         updates, new_inner = self.inner.update(mean_grads, state.inner, params, **extra)
@@ -121,29 +123,41 @@ class Accumulating:
         acc = self._sums(grads, state) if self.mode == SHARDED else state.acc
         return grads, AccumulateState(state.inner, acc, state.micro_step + 1, state.weight_sum + accumulate_weight)
 
-    def transformation(self, which: str) -> optax.GradientTransformationExtraArgs:
-        return optax.GradientTransformationExtraArgs(self.init, self.update if which == "final" else self.add)
+    def transformation(self, which: str, cast: tuple[str, ...] | None = None) -> optax.GradientTransformationExtraArgs:
+        if which != "final":
+            return optax.GradientTransformationExtraArgs(self.init, self.add)
+        update = self.update if cast is None else functools.partial(self.update, cast=cast)
+        return optax.GradientTransformationExtraArgs(self.init, update)
 
 
 @dataclasses.dataclass(frozen=True)
-class Hooks:
-    """How the engine runs one accumulating call (`zero_optax.transform._engine.Engine.update`).
+class Phase:
+    """One side of an accumulating call, as the engine's stages run it (`zero_optax.transform._engine`). Two
+    phases are equal when they run the same program: the same side, the same `cast`.
 
     Attributes:
-      inner: the transformation to run in place of the configured one (`Accumulating.update` or `.add`).
-      step: whether this call is an optimizer step: it moves the master copies and all-gathers the updates.
+      inner: the transformation that runs in place of the configured one (`Accumulating.update` or `.add`).
+      step: whether this side is an optimizer step: it moves the master copies and all-gathers the updates.
         Otherwise the updates are zeros and nothing is gathered.
       grad_dtypes: leaf index -> the dtype the reduced gradient sums are handed over in (float32).
-      checked: whether the gradients' varying/invariant types are checked against the reduction.
+      cast: the final side: per leaf, the dtype the inner update sees its mean gradient in (`Accumulating.update`).
     """
 
-    inner: optax.GradientTransformationExtraArgs
+    inner: optax.GradientTransformationExtraArgs = dataclasses.field(compare=False)
     step: bool
-    grad_dtypes: dict[int, str]
-    checked: bool = True
+    grad_dtypes: dict[int, str] = dataclasses.field(compare=False)
+    cast: tuple[str, ...] = ()
 
     denom = _reduce.Denominator(1, None)
     """Sums: the division by the cycle's weight happens in `Accumulating.update`."""
+
+
+def phases(acc: Accumulating, g_leaves: list, inner_dtype) -> tuple[Phase, Phase]:
+    """The final and the micro-step phase of a call with gradients `g_leaves`; `inner_dtype` maps a gradient's
+    dtype to the one the inner update sees (`zero_optax.transform._plan.Config.inner_dtype`)."""
+    sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
+    cast = tuple(np.dtype(inner_dtype(g.dtype)).name for g in g_leaves)
+    return Phase(acc.transformation("final", cast), True, sums, cast), Phase(acc.transformation("add"), False, sums)
 
 
 def check_args(accumulate_steps, accumulate) -> None:
@@ -172,67 +186,13 @@ def weight_sum_entry(layout) -> int | None:
     return _shared_entry(layout, WEIGHT_SUM_PATH)
 
 
-def update(engine, grads, state, params, weight, extra):
-    """One accumulating `update` call of `engine` (inside `shard_map`)."""
-    cfg = engine.cfg
-    acc: Accumulating = cfg.accumulating
-    layout, g_leaves = engine.checked(state, grads)
-    axes = layout.axes
-    w = _call_weight(cfg.reduce is not None, weight, layout)
-    acc.cast = {i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)}
-    sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
-    shared = shared_arrays(state)
-    position = shared[micro_step_entry(layout)][0]
-    if _compat.vma_enabled(axes):
-        position = lax.pmax(position, axes)  # the same on every device; typed invariant for the branch
-    final = position + 1 >= acc.steps
-    local = acc.mode == LOCAL
-
-    def last(operands):
-        grads, state, params = operands
-        if local:
-            grads = _tree_add(grads, state.local)
-        hooks = Hooks(acc.transformation("final"), True, sums, checked=not local)
-        updates, new = engine.update(grads, state, params, hooks=hooks, accumulate_weight=w, **extra)
-        if local:
-            new = dataclasses.replace(new, local=jax.tree.map(jnp.zeros_like, state.local))
-        return updates, new
-
-    def middle(operands):
-        grads, state, params = operands
-        dtypes = ({i: np.dtype(cfg.master_dtype).name for i in range(len(layout.leaves))}
-                  if cfg.master_dtype is not None else
-                  engine._update_dtypes(layout, {**extra, "accumulate_weight": w}))  # pylint: disable=protected-access
-        # typed like the final call's updates: varying over the leaf's own (tensor- or expert-parallel) axes
-        zeros = jax.tree.map(lambda g, i: _compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes),
-                             grads, _indices(layout))
-        if local:
-            step, total = micro_step_entry(layout), weight_sum_entry(layout)
-            inner = state.inner_state
-            inner = inner._replace(shared=_shared.tree(layout, [
-                x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
-                for j, x in shared_arrays(state).items()]))
-            new_local = _tree_add(grads, state.local, keep_lead=True)
-            return zeros, dataclasses.replace(state, inner_state=inner, local=new_local)
-        hooks = Hooks(acc.transformation("add"), False, sums)
-        _, new = engine.update(grads, state, params, hooks=hooks, accumulate_weight=w, **extra)
-        return zeros, new
-
-    try:
-        if acc.steps == 1:
-            return last((grads, state, params))
-        return lax.cond(final, last, middle, (grads, state, params))
-    finally:
-        acc.cast = None
+def position(layout, state) -> jax.Array:
+    """This device's copy of the cycle position: the number of calls of this cycle so far."""
+    return shared_arrays(state)[micro_step_entry(layout)][0]
 
 
-def _call_weight(reducing: bool, weight, layout) -> jax.Array:
+def call_weight(reducing: bool, weight, layout) -> jax.Array:
     """The global weight of one call, in float32: its share of the cycle's mean."""
-    if weight is not None and not reducing:
-        raise WeightError(
-            "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
-            "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
-            "reduce=True.")
     if not reducing:
         return jnp.ones((), jnp.float32)                    # each call's gradient is already a mean
     if weight is None:
@@ -240,16 +200,27 @@ def _call_weight(reducing: bool, weight, layout) -> jax.Array:
     return _reduce.global_weight(weight, layout.axes)
 
 
-def _indices(layout):
-    return jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.leaves))))
+def with_local(g_leaves: list, state) -> list:
+    """The final call of `accumulate="local"`: the gradients plus this device's sums so far, in float32."""
+    return [a[0] + g.astype(a.dtype) for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
 
 
-def _tree_add(grads, local, keep_lead: bool = False):
-    """`grads + local` in the accumulators' dtype; `local` holds `[1, *shape]` per-device blocks."""
-    def one(g, a):
-        s = a[0] + g.astype(a.dtype)
-        return s[None] if keep_lead else s
-    return jax.tree.map(one, grads, local)
+def cleared(state):
+    """`state` with its local sums back at zero (`accumulate="local"`, after the final call)."""
+    return dataclasses.replace(state, local=jax.tree.map(jnp.zeros_like, state.local))
+
+
+def add_local(layout, state, g_leaves: list, w: jax.Array):
+    """A non-final call of `accumulate="local"`: no collective, no inner update; the gradients are added to this
+    device's sums and the cycle's position and weight advance."""
+    step, total = micro_step_entry(layout), weight_sum_entry(layout)
+    inner = state.inner_state._replace(shared=_shared.tree(layout, [
+        x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
+        for j, x in shared_arrays(state).items()]))
+    local = jax.tree.leaves(state.local)
+    new_local = [(a[0] + g.astype(a.dtype))[None] for g, a in zip(g_leaves, local)]
+    return dataclasses.replace(state, inner_state=inner,
+                               local=jax.tree.unflatten(jax.tree.structure(state.local), new_local))
 
 
 def init_local(layout, params, axes):

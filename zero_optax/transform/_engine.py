@@ -1,5 +1,10 @@
 """`init` and `update` of zero1 inside `shard_map`, for sliced and owned leaves alike.
 
+`Engine.update` reads top to bottom as its stages: (offload: the small arrays to the device), (accumulation: the
+cycle position picks the final call or a micro-step, `Engine._accumulate`), then the step itself (`Engine._run`):
+reduce, update the sliced groups and the owned leaves, gather; (offload: the small arrays back to host memory).
+Every value that moves between devices moves through the step's `_wire.Wire`.
+
 A step runs the inner transformation on `optax.masked`-style views of the parameter tree:
 
 * the *group views* (`zero_optax.transform._groups`): for each group of sliced leaves that run one program, this
@@ -40,9 +45,22 @@ from zero_optax.transform import (
     _reduce,
     _sliced,
     _tp,
+    _wire,
 )
 from zero_optax.transform._layout import LOCAL, MASTER, Layout
 from zero_optax.transform._state import ZeroState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One `update` call's checked arguments (`Engine.update`): the state's layout, the gradient and parameter
+    leaves (None without parameters), the state and the extra arguments."""
+
+    layout: Layout
+    g_leaves: list
+    p_leaves: list | None
+    state: ZeroState
+    extra: dict
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -130,6 +148,7 @@ class Engine:
     def __init__(self, cfg: _plan.Config):
         self.cfg = cfg
         self.groups = _groups.Groups(cfg)
+        self.wire = _wire.Wire.of(cfg)
         self._views: dict = {}
         self._udtypes: dict = {}
 
@@ -158,11 +177,13 @@ class Engine:
         groups = {layout.zero_axes(leaf) for leaf in layout.leaves} | {layout.axes}
         return {axes: _compat.axis_index(axes) for axes in groups}
 
-    def _update_dtypes(self, layout: Layout, extra: dict) -> dict[int, str]:
-        """The dtype of the inner transformation's update for each leaf (cached). One abstract trace of a view of
-        one leaf per group and per stack, whose members run one program on one dtype, and every other owned leaf."""
-        key = (layout, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
-                                                         for x in jax.tree.leaves(extra)))
+    def _update_dtypes(self, layout: Layout, extra: dict, phase: _accumulate.Phase | None = None) -> dict[int, str]:
+        """The dtype of the update of the inner transformation (of `phase`'s with accumulation) for each leaf
+        (cached). One abstract trace of a view of one leaf per group and per stack, whose members run one program
+        on one dtype, and every other owned leaf."""
+        key = (layout, phase, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
+                                                                for x in jax.tree.leaves(extra)))
+        inner = self.cfg.inner if phase is None else phase.inner
         if key not in self._udtypes:
             dt = self.cfg.inner_dtype
             first = {i: g.first for g in layout.groups for i in g.leaves}
@@ -170,9 +191,8 @@ class Engine:
             present = {first.get(i, i) for i in range(len(layout.leaves))}
             structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), dt(leaf.dtype)) for leaf in layout.leaves]
             view = _tree(layout, _layout.masked_view(structs, present))
-            state = jax.eval_shape(self.cfg.inner.init, view)
-            updates, _ = jax.eval_shape(lambda g, s, p, e: self.cfg.inner.update(g, s, p, **e), view, state, view,
-                                        extra)
+            state = jax.eval_shape(inner.init, view)
+            updates, _ = jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), view, state, view, extra)
             got = {i: np.dtype(u.dtype).name for i, u in zip(sorted(present), jax.tree.leaves(updates))}
             self._udtypes[key] = {i: got[first.get(i, i)] for i in range(len(layout.leaves))}
         return self._udtypes[key]
@@ -193,7 +213,8 @@ class Engine:
                 for g in layout.groups]
         full = None if full_state is None else _full_entries(layout, full_state)
         inner_state = self.groups.init(layout, rows, full, ranks)
-        whole = [_tp.gather_whole(layout, leaf, x) if leaf.tp_owned else x for leaf, x in zip(layout.leaves, values)]
+        whole = [_tp.gather_whole(self.wire, layout, leaf, x) if leaf.tp_owned else x
+                 for leaf, x in zip(layout.leaves, values)]
         buffers = self._build_owned(layout, whole, full, rank)
         master = None
         if cfg.master_dtype is not None:
@@ -234,72 +255,96 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def checked(self, state, grads) -> tuple[Layout, list[jax.Array]]:
-        """The state's layout and the gradient leaves, after `check_layout` and `check_tree`."""
-        layout = check_layout(state, self.cfg.axis_name)
-        return layout, check_tree(grads, layout, "gradients")
-
-    def update(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-               apply: bool = False, **extra):
-        """One `update` call. With `accumulate_steps > 1` it is one micro-batch (`_accumulate.update`), which
-        calls back here with `hooks`: run `hooks.inner` on the reduced sums, and gather only on a step.
+    def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
+        """One `update` call, its stages top to bottom: with `offload` the state's small arrays come to the device;
+        with accumulation the cycle position picks the final call or a micro-step (`_accumulate`); the step
+        (`_run`: reduce, update the sliced groups and the owned leaves, gather); with `offload` the small arrays
+        go back to host memory.
 
         With `apply` (`zero_optax.apply_gradients`, which passes it only without accumulation or offload) it
         returns the new parameters instead of the updates: each device adds its own coordinates' updates to its
         slice of the parameters before the all-gather."""
         cfg = self.cfg
-        if cfg.offload and hooks is None:  # the stored state stays in host memory and streams through the device
-            return _offload.update(self.on_device, grads, state, params, bucket_bytes=cfg.bucket_bytes, weight=weight,
-                                   **extra)
-        return self.on_device(grads, state, params, weight=weight, hooks=hooks, apply=apply, **extra)
+        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra, cfg.accumulate != LOCAL)
+        if cfg.offload:  # the stored state stays in host memory and streams through the device
+            state = _offload.small_to_device(state, cfg.bucket_bytes)
+        if cfg.accumulating is None:
+            denom = _reduce.denominator(weight, layout.axes, layout.world_size)
+            step = self._step(layout, g_leaves, p_leaves, denom, extra)
+            updates, new_state = self._run(step, g_leaves, state, apply)
+        else:
+            updates, new_state = self._accumulate(_Call(layout, g_leaves, p_leaves, state, extra), weight)
+        if cfg.offload:
+            new_state = _offload.small_to_host(new_state, cfg.bucket_bytes)
+        return updates, new_state
 
-    def on_device(self, grads, state, params=None, *, weight=None, hooks: _accumulate.Hooks | None = None,
-                  apply: bool = False, **extra):
-        """`update` on a state whose arrays are in device memory, except with `offload` the stored histories,
-        owned buffers and master copies, which stay in host memory and stream through the device: the groups'
-        arrays in chunks (`_groups.Groups.update_streamed`), the owned buffers bucket by bucket of leaves
-        (`_owned_streamed`)."""
-        cfg = self.cfg
-        if cfg.accumulating is not None and hooks is None:
-            return _accumulate.update(self, grads, state, params, weight, extra)
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra,
-                                                      hooks is None or hooks.checked)
-        step = self._step(layout, g_leaves, p_leaves, weight, hooks, extra)
+    def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False):
+        """The step's stages: reduce the sliced leaves' gradients, update the sliced groups (with `step.streamed`
+        their arrays stream through the device chunk by chunk), reduce the owned leaves' gradients to their
+        owners and update them (`_update_owned`), gather. A micro-step that only accumulates gathers nothing and
+        returns no updates (None)."""
+        layout = step.layout
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
-
-        # Group views: every device, its own coordinates.
-        done = self._update_groups(step, g_leaves, state)
-
-        # Owned views: one switch branch per device.
+        g_parts = self._reduce_groups(step, g_leaves)     # reduce: the sliced leaves' gradients, in buckets
+        done = self._update_groups(step, g_parts, state)  # update the groups: every device, its own coordinates
         new_buffers, u_owned = dict(state.buffers), {}
-        if owned:
+        if owned:  # update the owned leaves: reduced to their owners, one switch branch per device
             step = dataclasses.replace(step, shared_old=done.shared_old)
             new_buffers, u_owned = self._update_owned(step, owned, g_leaves, state)
         if not step.stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
             return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
+        return self._finish(step, done, state, new_buffers, u_owned, apply)  # gather: updates or new parameters
 
-        # New parameters (master copies) or updates, gathered to every device.
-        return self._finish(step, done, state, new_buffers, u_owned, apply)
+    def _accumulate(self, call: _Call, weight):
+        """An accumulating call: the cycle position, the same on every device, picks with `lax.cond` the final
+        call (`_run` on the cycle's sums, then the step) or a micro-step (`_run` adding to the sharded
+        accumulators, or with `accumulate="local"` no collective at all), which returns zero updates."""
+        cfg, layout = self.cfg, call.layout
+        acc = cfg.accumulating
+        w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)
+        extra = {**call.extra, "accumulate_weight": w}
+        final, micro = _accumulate.phases(acc, call.g_leaves, cfg.inner_dtype)
+        local = acc.mode == LOCAL
+        dtypes = ({i: np.dtype(cfg.master_dtype).name for i in range(len(layout.leaves))}
+                  if cfg.master_dtype is not None else self._update_dtypes(layout, extra, final))
 
-    def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, weight, hooks: _accumulate.Hooks | None,
-              extra: dict) -> _groups.Step:
-        """The step's `_groups.Step`: the transformation that runs, the denominator and dtypes (from `hooks` for an
-        accumulating call), this device's ranks."""
+        def last(operands):
+            g_leaves, state, p_leaves = operands
+            if local:
+                g_leaves = _accumulate.with_local(g_leaves, state)
+            step = self._step(layout, g_leaves, p_leaves, final.denom, extra, final)
+            updates, new = self._run(step, g_leaves, state)
+            return updates, (_accumulate.cleared(new) if local else new)
+
+        def middle(operands):
+            g_leaves, state, p_leaves = operands
+            # typed like the final call's updates: varying over the leaf's own (tensor- or expert-parallel) axes
+            zeros = _tree(layout, [_compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes)
+                                   for i, g in enumerate(g_leaves)])
+            if local:
+                return zeros, _accumulate.add_local(layout, state, g_leaves, w)
+            _, new = self._run(self._step(layout, g_leaves, p_leaves, micro.denom, extra, micro), g_leaves, state)
+            return zeros, new
+
+        position = self.wire.agree(_accumulate.position(layout, call.state))  # typed invariant for the branch
+        return lax.cond(position + 1 >= acc.steps, last, middle, (call.g_leaves, call.state, call.p_leaves))
+
+    def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, denom: _reduce.Denominator, extra: dict,
+              phase: _accumulate.Phase | None = None) -> _groups.Step:
+        """The step's `_groups.Step`: the transformation that runs and the dtypes (from `phase` for an
+        accumulating call), the denominator, this device's ranks."""
         cfg = self.cfg
-        ranks = self._ranks(layout)
-        denom = _reduce.denominator(weight, layout.axes, layout.world_size) if hooks is None else hooks.denom
-        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if hooks is None
-                    else hooks.grad_dtypes)
-        sum_dt = {i: np.dtype(cfg.reduce_dtype or cfg.master_dtype or g.dtype).name for i, g in enumerate(g_leaves)}
-        return _groups.Step(layout, cfg.inner if hooks is None else hooks.inner, extra, denom, inner_dt, sum_dt, ranks,
-                            hooks is None or hooks.step, cfg.offload, p_leaves)
+        inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if phase is None
+                    else phase.grad_dtypes)
+        sum_dt = {i: self.wire.sum_dtype(g.dtype) for i, g in enumerate(g_leaves)}
+        return _groups.Step(layout, cfg.inner if phase is None else phase.inner, extra, denom, inner_dt, sum_dt,
+                            self._ranks(layout), phase is None or phase.step, cfg.offload, p_leaves, phase=phase)
 
-    def _update_groups(self, step: _groups.Step, g_leaves: list, state: ZeroState) -> _GroupsDone:
-        """The group views: the gradients reduced to this device's coordinates, and the inner update on them
-        (streamed through the device chunk by chunk with `step.streamed`)."""
+    def _update_groups(self, step: _groups.Step, g_parts: list, state: ZeroState) -> _GroupsDone:
+        """The group views: the inner update on each group's part of the reduced gradient, `g_parts` (streamed
+        through the device chunk by chunk with `step.streamed`)."""
         cfg, layout, ranks, p_leaves = self.cfg, step.layout, step.ranks, step.p_leaves
         ok = step.denom.ok
-        g_parts = self._reduce_groups(layout, g_leaves, step.denom, step.inner_dt, step.sum_dt, ranks)
         if step.streamed and layout.groups:
             params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
                 self._sliced_params(layout, p_leaves, state, ranks)
@@ -393,28 +438,29 @@ class Engine:
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets from each group's part of the buffer. Buckets are
         planned in tree order; a run of one group's members in a bucket is one slice of the group's buffer."""
-        cfg = self.cfg
+        wire = self.wire
         updates: dict[int, jax.Array] = {}
         if not layout.groups:
             return updates
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
-        buckets = _sliced.plan_buckets(layout, order, [dtypes[i] for i in order], cfg.bucket_bytes)
+        buckets = wire.plan(layout, order, [dtypes[i] for i in order])
         if _by_rows(layout, buckets):
-            updates.update(_sliced.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
+            updates.update(wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
         else:
             per_leaf = {}
             for g, x in zip(layout.groups, values):
                 per_leaf.update(_groups.split(g, x, layout))
-            updates.update(_sliced.gather(per_leaf, layout, buckets))
+            updates.update(wire.gather(per_leaf, layout, buckets))
         return updates
 
-    def _reduce_groups(self, layout: Layout, g_leaves, denom, inner_dt, sum_dt, ranks) -> list:
+    def _reduce_groups(self, step: _groups.Step, g_leaves: list) -> list:
         """Each group's part of the reduced gradient on this device (its members' slots, concatenated), in the
         inner's dtype; `[None]` without sliced leaves (the view of no leaf). The reduction goes in buckets over
         all sliced leaves."""
-        cfg = self.cfg
+        cfg, layout, denom, inner_dt, sum_dt, ranks = (self.cfg, step.layout, step.denom, step.inner_dt, step.sum_dt,
+                                                       step.ranks)
         if not layout.groups:
             return [None]
         for g in layout.groups:
@@ -428,14 +474,15 @@ class Engine:
         if cfg.reduce is None:  # already the global mean
             return [_sliced.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
                                      ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-        buckets = _sliced.plan_buckets(layout, sliced, [sum_dt[i] for i in sliced], cfg.bucket_bytes)
+        buckets = self.wire.plan(layout, sliced, [sum_dt[i] for i in sliced])
         if cfg.reduce == "psum":
-            parts = _sliced.all_reduce_slices(grads, layout, buckets, denom, inner_dt, ranks)
+            parts = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
+            parts = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in parts.items()}
             return [_groups.joined(g, parts) for g in layout.groups]
         if _by_rows(layout, buckets):
-            joined = _groups.parts_from_rows(layout, _sliced.reduce_scatter_rows(grads, layout, buckets), buckets)
+            joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
         else:
-            parts = _sliced.reduce_scatter(grads, layout, buckets)
+            parts = self.wire.reduce_scatter(grads, layout, buckets)
             joined = [_groups.joined(g, parts) for g in layout.groups]
         return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
@@ -456,7 +503,7 @@ class Engine:
                                                          g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
-                    {i: d for i, d in self._update_dtypes(layout, step.extra).items() if i in owned})
+                    {i: d for i, d in self._update_dtypes(layout, step.extra, step.phase).items() if i in owned})
         plans = _OwnedPlans(mode, plan_g, *(_owned.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
                                                                       if layout.leaves[i].tp_owned == t})
                                             for t in (False, True)), tp)
@@ -470,9 +517,9 @@ class Engine:
         if not streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         new_buffers = {d: b[None] for d, b in new.items()}
-        u = _gather_owned(layout, u_out, plans.u)
+        u = _gather_owned(self.wire, layout, u_out, plans.u)
         if n > 1:
-            u.update(_gather_owned(layout, t_out, plans.tp_u))
+            u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))
         if not master:
             u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
         return new_buffers, u
@@ -526,11 +573,11 @@ class Engine:
         if mode != "psum_scatter":  # (every device holds the reduced blocks of every leaf: its row of them)
             plan = _owned.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
             reduced = _tp.own_row(layout, reduced, plan, step.rank)
-        grads = _tp.gather(layout, reduced, plan, tp)
+        grads = _tp.gather(self.wire, layout, reduced, plan, tp)
         params = None
         if step.p_leaves is not None and self.cfg.master_dtype is None and step.stepping:
             plan_p = _owned.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
-            params = _tp.gather(layout, _tp.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank),
+            params = _tp.gather(self.wire, layout, _tp.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank),
                                 plan_p, tp)
         static = _TpGathered(dataclasses.replace(grads, rows=None),
                              None if params is None else dataclasses.replace(params, rows=None))
@@ -661,12 +708,11 @@ class Engine:
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
             mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
-        axes = layout.axes
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
-            grad_input = {d: _compat.psum_scatter(b, axes) for d, b in rows.items()}
+            grad_input = self.wire.scatter_packed(rows)
         elif mode == "psum":
-            grad_input = {i: _reduce.divide(jax.lax.psum(g_leaves[i].astype(sum_dt[i]), axes), denom, inner_dt[i])
+            grad_input = {i: _reduce.divide(self.wire.all_reduce(g_leaves[i].astype(sum_dt[i])), denom, inner_dt[i])
                           for i in owned}
         else:
             grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
@@ -754,11 +800,9 @@ def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dic
             if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
 
 
-def _gather_owned(layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
+def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
-    axes = layout.axes
     if layout.world_size == 1:  # a psum of one device only retypes the value as replicated, which untyped
         # values (`check_vma=False`) need not be
-        return {i: jax.lax.psum(x, axes) for i, x in u_out.items()} if _compat.vma_enabled(axes) else u_out
-    gathered = {d: _compat.all_gather_invariant(b, axes) for d, b in u_out.items()}
-    return _owned.gathered_leaves(gathered, plan_u, layout)
+        return {i: wire.all_reduce(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
+    return _owned.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)

@@ -33,6 +33,7 @@ from zero_optax.transform import (
     _shared,
     _sliced,
     _varying,
+    _wire,
 )
 from zero_optax.transform._layout import Group, Layout
 from zero_optax.transform._state import SlicedState
@@ -81,7 +82,7 @@ def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
-def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_sliced.Bucket]) -> list[jax.Array]:
+def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
     """Each group's part of the buffer, cut from the buckets' rows (a bucket's row is its leaves' slots, in order):
     one slice per run of members that share a bucket, not one per leaf."""
     where = {}
@@ -91,7 +92,7 @@ def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence
     return [_pieces(rows, [(*where[i], layout.leaves[i].slots) for i in g.leaves]) for g in layout.groups]
 
 
-def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequence[_sliced.Bucket]) -> list[jax.Array]:
+def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
     """The inverse of `parts_from_rows`: every bucket's row, cut from the groups' parts."""
     where = {i: (g, off) for g, group in enumerate(layout.groups) for i, off in zip(group.leaves, group.offsets)}
     return [_pieces(parts, [(*where[i], layout.leaves[i].slots) for i in b.leaves]) for b in buckets]
@@ -137,7 +138,7 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
-    """What the parts of one `update` call read alike (`_engine.Engine.on_device`, the group and owned views).
+    """What the parts of one `update` call read alike (`_engine.Engine._run`, the group and owned views).
 
     Attributes:
       layout: the state's layout.
@@ -153,6 +154,7 @@ class Step:
       p_leaves: the parameter leaves (None when `update` got none), as the code that reads them holds them (inside
         an owner's branch, the branch's operand).
       shared_old: the shared entries' old values (entry -> array), once the group views have read them.
+      phase: under accumulation, the side of the call that runs (`_accumulate.Phase`); None otherwise.
     """
 
     layout: Layout
@@ -166,6 +168,7 @@ class Step:
     streamed: bool = False
     p_leaves: list | None = None
     shared_old: dict | None = None
+    phase: Any = None
 
     @property
     def rank(self):

@@ -16,7 +16,6 @@ traced (under `jax.jit`) or concrete, which `jax.set_mesh` types on the mesh (is
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 from typing import Any
@@ -305,8 +304,7 @@ class _Hoisted:
         if cfg.accumulating is None:
             cfg = dataclasses.replace(cfg, inner=self._wrap(cfg.inner))
         else:  # the accumulating transformation calls its own inner one: wrap that
-            accumulating = copy.copy(cfg.accumulating)
-            accumulating.inner = self._wrap(accumulating.inner)
+            accumulating = dataclasses.replace(cfg.accumulating, inner=self._wrap(cfg.accumulating.inner))
             cfg = dataclasses.replace(cfg, inner=accumulating.transformation("final"), accumulating=accumulating)
         self.engine = _engine.Engine(cfg)
         self.mean = _engine.Engine(dataclasses.replace(cfg, reduce=None))

@@ -12,7 +12,8 @@ device never holds it whole:
   `bucket_bytes` of their state, or one leaf's if it has more, since a matrix optimizer updates a whole tensor
   (`zero_optax.transform._engine.Engine._owned_streamed`);
 * the small arrays (step counts and other shared entries) and `accumulate="local"`'s local sums, which are
-  gradient-sized, come to the device for the step and go back (`update` below).
+  gradient-sized, come to the device for the step and go back (`small_to_device`, `small_to_host`: the first
+  and last stages of `zero_optax.transform._engine.Engine.update`).
 
 The small arrays move in buckets of at least `bucket_bytes` (the notion the collectives use): one `device_put` of
 several arrays per bucket. On GPU and TPU each moved array lowers to one `annotate_device_placement` custom call, which
@@ -120,16 +121,22 @@ def store(x: jax.Array, value: jax.Array, start: Any) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, jax.device_put(value, jax.memory.Space.Host), start, 0)
 
 
-def update(step, grads, state, params, *, bucket_bytes: int, **kwargs):
-    """`step(grads, state, params, **kwargs)` with the state's small arrays (shared entries such as step counts, and
-    local accumulators, which are gradient-sized) brought to the device first and returned to host memory after.
-    The stored histories, owned buffers and master copies stay in host memory: `step` streams them through the
-    device itself (`zero_optax.transform._engine.Engine.on_device`, which streams them with `offload`)."""
-    def moved(state, to):
-        inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
-        return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))
-    updates, new_state = step(grads, moved(state, to_device), params, **kwargs)
-    return updates, moved(new_state, to_host)
+def _small(state: Any, to, bucket_bytes: int) -> Any:
+    inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
+    return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))
+
+
+def small_to_device(state: Any, bucket_bytes: int) -> Any:
+    """The first stage of an offloaded step: the state's small arrays (shared entries such as step counts, and
+    local accumulators, which are gradient-sized) brought to the device. The stored histories, owned buffers and
+    master copies stay in host memory: the step streams them through the device itself (`_groups.Groups.
+    update_streamed`, `_engine.Engine._owned_streamed`)."""
+    return _small(state, to_device, bucket_bytes)
+
+
+def small_to_host(state: Any, bucket_bytes: int) -> Any:
+    """The last stage of an offloaded step: the new state's small arrays returned to host memory."""
+    return _small(state, to_host, bucket_bytes)
 
 
 def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.sharding.Sharding:

@@ -23,6 +23,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroGradientError
 from zero_optax.core._names import leaf_paths
+from zero_optax.transform import _wire
 
 INVARIANT_HELP = """\
 {what} got gradients that are the same on every device of `{axis}` (typed invariant), for example `{path}`.
@@ -57,13 +58,13 @@ def global_weight(weight, axes) -> jax.Array:
     elif jnp.ndim(weight) != 0:
         raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {jnp.shape(weight)}.")
     w = jnp.asarray(weight, jnp.float32)
-    axis = _compat.as_tuple(axes)
+    wire = _wire.Wire(_compat.as_tuple(axes))
     if not isinstance(weight, (numbers.Number, np.ndarray)):
         # A traced weight is checked on the devices; only a negative one calls back to the host, which raises
         # (the step then fails with this message inside a JaxRuntimeError).
-        negative = lax.psum((w < 0).astype(jnp.int32), axis) > 0
+        negative = wire.weight_sum((w < 0).astype(jnp.int32)) > 0
         lax.cond(negative, lambda: jax.debug.callback(_raise_negative, negative), lambda: None)
-    return lax.psum(w, axis)
+    return wire.weight_sum(w)
 
 
 class Denominator(NamedTuple):
@@ -114,11 +115,11 @@ def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes
 
 def mean_gradients(grads: Any, axes, denom: Denominator, reduce_dtype=None) -> Any:
     """All-reduces `grads` and divides by `denom`, summing in `reduce_dtype` if given; keeps each leaf's dtype."""
-    axis = _compat.as_tuple(axes)
+    wire = _wire.Wire(_compat.as_tuple(axes))
 
     def one(g):
         wide = g.astype(reduce_dtype) if reduce_dtype is not None else g
-        return divide(lax.psum(wide, axis), denom, g.dtype)
+        return divide(wire.all_reduce(wide), denom, g.dtype)
     return jax.tree.map(one, grads)
 
 
@@ -205,9 +206,6 @@ class Coordinates(NamedTuple):
     group: int = 1
 
 
-_COLLECTIVES = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
-
-
 def _identity(kind: str, dtype) -> jax.Array:
     """The value that leaves a `kind` reduction unchanged, in `dtype`."""
     dtype = np.dtype(dtype)
@@ -229,4 +227,4 @@ def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
 def across_slices(local: jax.Array, where: Coordinates, kind: str) -> jax.Array:
     """The reduction of a whole leaf from each device's reduction of its slice (`without_padding`): `psum`,
     `pmax` or `pmin` over the leaf's ZeRO axes, a few bytes on the wire. Every device gets the same value."""
-    return _COLLECTIVES[kind](local, where.axes) if where.axes else local
+    return _wire.Wire(where.axes).joint(local, kind)

@@ -7,7 +7,7 @@ parameters' `PartitionSpec`s (mesh-bound, `zo.state_specs`, or `zero1(..., param
 1. The gradient blocks are reduced over the ZeRO axes as for any owned leaf, in buffers of their own (their
    values differ along the tensor-parallel axes, the other owned leaves' do not); each device of the owner's ZeRO
    rank then holds the reduced gradient of its own block (one row of the owner-packed buffers).
-2. Those devices all-gather their rows over the tensor-parallel axes (`gather_rows`: one all-gather per dtype,
+2. Those devices all-gather their rows over the tensor-parallel axes (`gather`: one all-gather per dtype,
    outside the `lax.switch`, the same program on every device) and assemble the whole gradient (`whole_leaf`).
    Without master copies the parameter's blocks travel the same way.
 3. Every device of the owner's rank runs the inner update on the whole tensor (the same values on each: its
@@ -18,7 +18,7 @@ parameters' `PartitionSpec`s (mesh-bound, `zo.state_specs`, or `zero1(..., param
 State: the owner's tensor-parallel peers each keep the leaf's whole state (the packed buffers are replicated over
 those axes), so an owned leaf's state costs its whole size on each of them.
 
-The collectives live in small functions (`gather_rows`, `gather_whole`) so they can move with the others.
+The all-gathers over the tensor-parallel axes are the wire's (`zero_optax.transform._wire.Wire.gather_blocks`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jax import lax
 from zero_optax.core import _compat
 from zero_optax.transform import _owned
 from zero_optax.transform._layout import Layout, Packing, ParamLeaf
+from zero_optax.transform._wire import Wire
 
 
 def tp_axes(layout: Layout, leaves: Sequence[int]) -> tuple[str, ...]:
@@ -40,17 +41,9 @@ def tp_axes(layout: Layout, leaves: Sequence[int]) -> tuple[str, ...]:
     return tuple(a for a, _ in layout.axis_sizes if a in cut)
 
 
-# ---------------------------------------------------------------------- collectives
-
-def gather_rows(rows: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax.Array]:
-    """Every device's 1-D `rows` (dtype -> buffer) from all devices of `axes`: `[devices, size]` buffers, typed
-    invariant over `axes` (one all-gather per dtype)."""
-    return {d: _compat.all_gather_invariant(x, axes) for d, x in rows.items()}
-
-
-def gather_whole(layout: Layout, leaf: ParamLeaf, x: jax.Array) -> jax.Array:
+def gather_whole(wire: Wire, layout: Layout, leaf: ParamLeaf, x: jax.Array) -> jax.Array:
     """The whole parameter from every device's block `x` of it (one all-gather over `leaf.axes`)."""
-    blocks = _compat.all_gather_invariant(x, leaf.axes)
+    blocks = wire.gather_blocks(x, leaf.axes)
     sizes = dict(layout.axis_sizes)
     return assemble(layout, leaf, blocks.reshape(tuple(sizes[a] for a in leaf.axes) + leaf.shape))
 
@@ -117,8 +110,10 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
     return _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values)
 
 
-def gather(layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]) -> Gathered:
-    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves`."""
+def gather(wire: Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]
+           ) -> Gathered:
+    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves` (one all-gather per
+    dtype, `[devices, size]` buffers)."""
     axes = tp_axes(layout, leaves)
-    return Gathered(plan, gather_rows(rows, axes), axes)
+    return Gathered(plan, wire.gather_blocks(rows, axes), axes)
 

@@ -21,7 +21,7 @@ from zero_optax.transform import (
     _mesh,
     _offload,
     _plan,
-    _sliced,
+    _wire,
 )
 from zero_optax.transform._layout import LEAF, PARTITIONS, SHARDED, Layout
 from zero_optax.transform._state import ZeroState, canonical, find_states
@@ -101,7 +101,7 @@ def zero1(
     master_dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     assume_elementwise: bool = False,
-    bucket_bytes: int = _sliced.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
     accumulate_steps: int = 1,
     accumulate: str = SHARDED,
     offload: bool = False,

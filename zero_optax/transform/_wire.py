@@ -1,0 +1,243 @@
+"""What zero1 puts on the wire: every collective it emits, the buckets they move, and the dtype each travels in.
+
+A step's stages (`zero_optax.transform._engine`) move values between devices only through a `Wire`, built once
+from the config:
+
+* sliced leaves travel in *buckets* (`plan`): contiguous per-dtype buffers of whole leaves' slices (DeepSpeed's and
+  FSDP's device), so a tree of hundreds of leaves costs a few reduce-scatters and all-gathers instead of one per
+  leaf. A bucket is closed once it holds at least `bucket_bytes`, so a tree of `B` bytes needs at most
+  `ceil(B / bucket_bytes)` buckets per dtype and group. Gradients are summed in `sum_dtype` (`reduce_dtype`, else
+  `master_dtype`, else their own); results travel in the dtype they have.
+* owned leaves travel packed per owner (`zero_optax.transform._owned`): `scatter_packed`, `gather_packed`; the
+  blocks of owned leaves sharded over tensor-parallel axes are gathered over those axes (`gather_blocks`);
+* scalars: the global weight (`weight_sum`), the accumulation cycle's position (`agree`), and the full reductions
+  an inner update computes over a sliced leaf (`joint`, `zero_optax.transform._varying`).
+
+Every collective goes through the three primitives at the bottom of `Wire` (`_sum`, `_scatter`, `_gather`, and
+`joint` for max and min), over the axes they are given. A new way to move gradients (a second reduction level over
+replica axes, quantized collectives) is a change to those and to the fields `Wire.of` fills, and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zero_optax.core import _compat
+from zero_optax.transform._layout import Layout
+from zero_optax.transform._sliced import own_slice, padded, split, unpadded
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+"""Chosen by `benchmarks/collectives.py --section buckets` and `benchmarks/first_step.py` (`benchmarks/RESULTS.md`):
+with at most `MAX_BUCKET_LEAVES` leaves a bucket, 4 MiB keeps a tree of B bytes within 2 x ceil(B / 4 MiB)
+collectives per step, and a 4 MiB collective is long enough to amortise its launch latency on GPUs."""
+
+MAX_BUCKET_LEAVES = 32
+"""A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of the number of slices
+taken from one buffer (0.64 s for a 100-leaf update unbucketed, 1.2 s with 32-leaf buckets, 2.3 s with one
+bucket), so longer buckets cost seconds of compilation for no bandwidth gain."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Leaves whose slices travel in one collective: same ZeRO axes, own axes and dtype, in tree order."""
+
+    leaves: tuple[int, ...]
+    axes: tuple[str, ...]
+    dtype: str
+
+
+_JOINT = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """The collectives of one zero1 configuration.
+
+    Attributes:
+      axes: the ZeRO axes (`axis_name` as a tuple): what the owned leaves, weights and cycle positions travel over.
+        A bucket of sliced leaves travels over its own `Bucket.axes` (the ZeRO axes minus a leaf's own).
+      bucket_bytes: the size at which a bucket closes (`plan`); `<= 0` gives one bucket per leaf.
+      sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
+    """
+
+    axes: tuple[str, ...]
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sum_dtype_of: np.dtype | None = None
+
+    @classmethod
+    def of(cls, cfg) -> Wire:
+        """The wire of a `zero_optax.transform._plan.Config`."""
+        wide = cfg.reduce_dtype if cfg.reduce_dtype is not None else cfg.master_dtype
+        return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide))
+
+    def sum_dtype(self, dtype) -> str:
+        """The dtype name a gradient of `dtype` is summed in."""
+        return np.dtype(self.sum_dtype_of if self.sum_dtype_of is not None else dtype).name
+
+    # ------------------------------------------------------------------ the bucket plan
+
+    def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> list[Bucket]:
+        """Groups the sliced leaves `indices` (with the dtype each travels in) into buckets of at least
+        `bucket_bytes`.
+
+        A leaf of at least `bucket_bytes` travels alone, and the smaller ones around it keep filling the open
+        bucket: a leaf alone in its all-gather needs no cut out of a shared buffer, so its gathered values can be
+        the step's output (`zero_optax.apply_gradients`). `bucket_bytes <= 0` gives one bucket per leaf.
+        """
+        out: list[Bucket] = []
+        keyed = {}
+        for i, dtype in zip(indices, dtypes):
+            leaf = layout.leaves[i]
+            keyed.setdefault((layout.zero_axes(leaf), leaf.axes, dtype), []).append(i)
+        for (axes, _, dtype), members in keyed.items():
+            current: list[int] = []
+            nbytes = 0
+            for i in members:
+                leaf = layout.leaves[i]
+                size = leaf.slots * leaf.group * np.dtype(dtype).itemsize
+                if size >= self.bucket_bytes:
+                    out.append(Bucket((i,), axes, dtype))
+                    continue
+                current.append(i)
+                nbytes += size
+                if nbytes >= self.bucket_bytes or len(current) >= MAX_BUCKET_LEAVES:
+                    out.append(Bucket(tuple(current), axes, dtype))
+                    current, nbytes = [], 0
+            if current:
+                out.append(Bucket(tuple(current), axes, dtype))
+        return out
+
+    # ------------------------------------------------------------------ sliced leaves, bucket by bucket
+
+    def reduce_scatter(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
+                       ) -> dict[int, jax.Array]:
+        """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype (still to
+        be divided by the reduction's denominator)."""
+        out = {}
+        for b in buckets:
+            leaves = [layout.leaves[i] for i in b.leaves]
+            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum
+                rows = [padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
+            else:
+                rows = split(self.reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
+            out.update(zip(b.leaves, rows))
+        return out
+
+    def reduce_scatter_rows(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
+                            ) -> list[jax.Array]:
+        """Like `reduce_scatter`, but each bucket's row whole (the concatenation of its leaves' `(slots,)`
+        parts), for buckets of groups of more than one device.
+
+        A bucket is `[group, sum(slots)]`: row `r` is the concatenation of device `r`'s slices of its leaves, so
+        one tiled reduce-scatter leaves every device its row.
+        """
+        out = []
+        for b in buckets:
+            leaves = [layout.leaves[i] for i in b.leaves]
+            group = leaves[0].group
+            parts = [padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
+                     for i, leaf in zip(b.leaves, leaves)]
+            stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+            out.append(self._scatter(stacked, b.axes)[0])
+        return out
+
+    def all_reduce_slices(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
+                          ranks: dict) -> dict[int, jax.Array]:
+        """Like `reduce_scatter`, but all-reduces the bucket and slices it (3x the wire volume with the gather).
+
+        The bucket is one variadic all-reduce of its leaves (no concatenation: `lax.psum` of a list is one op).
+        """
+        out = {}
+        for b in buckets:
+            leaves = [layout.leaves[i] for i in b.leaves]
+            parts = [grads[i].astype(b.dtype) for i in b.leaves]
+            if b.axes:
+                parts = self._sum(parts, b.axes)
+            for i, leaf, g in zip(b.leaves, leaves, parts):
+                out[i] = own_slice(g, leaf, ranks[b.axes])
+        return out
+
+    def gather(self, values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
+               ) -> dict[int, jax.Array]:
+        """The full block of every sliced leaf of `buckets`, invariant across the group, from each device's
+        `(slots,)` values: one all-gather per bucket of the concatenated values."""
+        out = {}
+        for b in buckets:
+            leaves = [layout.leaves[i] for i in b.leaves]
+            parts = [values[i].astype(b.dtype) for i in b.leaves]
+            if b.axes and leaves[0].group > 1:
+                out.update(self.gather_rows([parts[0] if len(parts) == 1 else jnp.concatenate(parts)], layout, [b]))
+                continue
+            if b.axes and _compat.vma_enabled(b.axes):  # one device: a gather of one block only retypes the value
+                # as invariant (XLA:CPU keeps it as a copy, a psum costs more); untyped (`check_vma=False`), it
+                # needs none
+                parts = [self._gather(p, b.axes, tiled=True) for p in parts]
+            for i, leaf, x in zip(b.leaves, leaves, parts):
+                out[i] = unpadded(x, leaf)
+        return out
+
+    def gather_rows(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]
+                    ) -> dict[int, jax.Array]:
+        """Like `gather`, from each bucket's row whole, for buckets of groups of more than one device."""
+        out = {}
+        for b, row in zip(buckets, rows):
+            leaves = [layout.leaves[i] for i in b.leaves]
+            cols = self._gather(row.astype(b.dtype), b.axes, tiled=True).reshape(leaves[0].group, -1)
+            cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
+            for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
+                out[i] = unpadded(cols[:, a:c].reshape(-1), leaf)
+        return out
+
+    # ------------------------------------------------------------------ owned leaves and whole values
+
+    def scatter_packed(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Owner-packed `[n * size]` buffers reduce-scattered: every device keeps the sum of its own row."""
+        return {d: self._scatter(b, self.axes) for d, b in rows.items()}
+
+    def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Every device's packed buffers, gathered to every device as `[n, size]` (typed invariant)."""
+        return {d: self._gather(b, self.axes) for d, b in buffers.items()}
+
+    def gather_blocks(self, x, axes: tuple[str, ...]):
+        """Every device's `x` (a pytree) from all devices of the tensor-parallel `axes`, stacked on a new leading
+        axis (row-major over `axes`), typed invariant over them: the blocks of owned leaves sharded over those
+        axes, which their owner updates whole (`zero_optax.transform._tp`)."""
+        return jax.tree.map(lambda b: self._gather(b, axes), x)
+
+    def all_reduce(self, x):
+        """The sum of `x` (a pytree, one collective) over every device of the ZeRO axes; invariant across them."""
+        return self._sum(x, self.axes)
+
+    def weight_sum(self, w: jax.Array) -> jax.Array:
+        """The sum of every device's weight (a scalar) over the ZeRO axes."""
+        return self._sum(w, self.axes)
+
+    def agree(self, x: jax.Array) -> jax.Array:
+        """`x`, the same on every device, typed invariant across the ZeRO axes (the largest value: one scalar)."""
+        return lax.pmax(x, self.axes) if _compat.vma_enabled(self.axes) else x
+
+    def joint(self, local: jax.Array, kind: str) -> jax.Array:
+        """The `kind` ("sum", "max" or "min") reduction over the axes of every device's `local` reduction of its
+        slice of one leaf: a few bytes on the wire. Every device gets the same value."""
+        return _JOINT[kind](local, self.axes) if self.axes else local
+
+    # ------------------------------------------------------------------ the primitives
+
+    @staticmethod
+    def _sum(x, axes: tuple[str, ...]):
+        return lax.psum(x, axes)
+
+    @staticmethod
+    def _scatter(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        return _compat.psum_scatter(x, axes)
+
+    @staticmethod
+    def _gather(x: jax.Array, axes: tuple[str, ...], tiled: bool = False) -> jax.Array:
+        return _compat.all_gather_invariant(x, axes, tiled=tiled)
