@@ -3,6 +3,7 @@ tensor, and every device keeps its block; against single-device optax fed the gl
 and state."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -163,6 +164,76 @@ def test_owners_balance_whole_sizes_and_state_lives_whole_on_the_owners_peers():
         sum(np.asarray(x).nbytes for x in jax.tree.leaves(plain))
     specs = zo.state_specs(tx, params_np(), TP_SPECS, mesh=mesh)
     assert all(s == P("data") for s in jax.tree.leaves(specs))
+
+
+
+# Accumulation, offload and master copies: (partition, form, zero1 options, parameter dtype). Each case compiles
+# one init and one step; mesh-bound (jit) and shard_map forms alternate so both meet every option.
+ACC2 = {"accumulate_steps": 2}
+OPTION_CASES = [
+    ("leaf", "shard_map", dict(ACC2, accumulate="sharded"), np.float32),
+    ("auto", "jit", dict(ACC2, accumulate="sharded"), np.float32),
+    ("leaf", "jit", dict(ACC2, accumulate="local"), np.float32),
+    ("auto", "shard_map", dict(ACC2, accumulate="local"), np.float32),
+    ("leaf", "shard_map", {"offload": True}, np.float32),
+    ("auto", "jit", {"offload": True}, np.float32),
+    ("leaf", "jit", {"master_dtype": jnp.float32}, jnp.bfloat16),
+    ("auto", "shard_map", dict(ACC2, master_dtype=jnp.float32, offload=True), jnp.bfloat16),
+]
+
+
+def micro_grads(t: int, n_data: int, dtype, form: str) -> dict:
+    """Update call `t`'s gradients in `dtype`: per device (`[n_data, *shape]`) for shard_map, their mean for jit."""
+    g = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in grads_np(t, n_data).items()}
+    return g if form == "shard_map" else {k: np.asarray(jnp.asarray(v.astype(np.float64).mean(0), dtype))
+                                          for k, v in grads_np(t, n_data).items()}
+
+
+def options_oracle(inner, calls: int, k: int, n_data: int, dtype, form: str):
+    """Float32 optax on one device over `calls // k` steps, each fed the mean over its `k` update calls of the
+    global mean gradient zero1 saw (`micro_grads`, widened to float32)."""
+    params = {kk: np.asarray(jnp.asarray(v, dtype), np.float32) for kk, v in params_np().items()}
+    state, update = inner.init(params), jax.jit(inner.update)
+    for c in range(calls // k):
+        cycle = [micro_grads(t, n_data, dtype, form) for t in range(c * k, c * k + k)]
+        g = {kk: np.float32(sum(np.asarray(m[kk], np.float64).reshape(-1, *SHAPES[kk]).mean(0) for m in cycle) / k)
+             for kk in SHAPES}
+        u, state = update(g, state, params)
+        params = optax.apply_updates(params, u)
+    return params, state
+
+
+@pytest.mark.parametrize("partition,form,options,dtype", OPTION_CASES)
+def test_accumulation_offload_and_master_copies(partition, form, options, dtype):
+    """Owned tensor-parallel leaves under `accumulate_steps=2` (sharded and local accumulators), `offload=True` and
+    float32 master copies of bf16 parameters, on a (data=4, model=2) mesh: parameters (the master copy's, and the
+    bf16 parameters its rounding) and state equal single-device optax fed the cycles' global mean gradients."""
+    mesh, inner = mesh_of(), {"leaf": muon, "auto": muon_recipe}[partition]
+    calls, k = 4, options.get("accumulate_steps", 1)
+    bound = {"mesh": mesh} if form == "jit" else {"param_specs": TP_SPECS}
+    tx = zo.zero1(inner(), axis_name="data", partition=partition, **bound, **options)
+    params = placed({kk: np.asarray(jnp.asarray(v, dtype)) for kk, v in params_np().items()}, mesh, TP_SPECS)
+    if form == "jit":
+        state, step, g_specs = tx.init(params), jit_step(tx), TP_SPECS
+    else:
+        init, step, g_specs = shard_map_fns(tx, mesh, params)
+        state = init(params)
+    for t in range(calls):
+        params, state = step(params, state, placed(micro_grads(t, 4, dtype, form), mesh, g_specs))
+    ref, ref_state = options_oracle(inner(), calls, k, 4, dtype, form)
+    got = zo.master_params(state) if "master_dtype" in options else params
+    assert_tree({kk: np.asarray(v, np.float32) for kk, v in got.items()}, ref)
+    if "master_dtype" in options:
+        for kk, p in params.items():
+            assert p.dtype == dtype and p.sharding.is_equivalent_to(NamedSharding(mesh, TP_SPECS[kk]), p.ndim)
+            np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(got[kk].astype(dtype), np.float32))
+    gathered = zo.gather_state(state)
+    if k > 1:  # (a cycle boundary: the accumulators start afresh)
+        assert int(gathered.micro_step) == 0
+        gathered = gathered.inner
+    assert_tree(gathered, ref_state)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    assert kinds == ({"pinned_host"} if options.get("offload") else {"device"})
 
 
 # Checkpoints: shapes that model=4 divides too.

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
@@ -254,3 +255,26 @@ def test_expert_leaves(tmp_path):
     assert sorted(records[-1].params) == ["['e']#block0", "['e']#block1"]
     e0 = np.concatenate([r.params["['e']#block0"].buffers["[0].nu['e']"] for r in records[-2:]])
     np.testing.assert_allclose(e0.reshape(2, 3), np.asarray(want[0].nu["e"])[:2], rtol=RTOL, atol=ATOL)
+
+
+
+def test_a_lone_leaf_is_restored_without_a_second_copy():
+    """Restoring joins the entries' arrays into the groups' (`_arrays.rebuild`): a lone leaf kept 1-D stores its
+    entries' arrays as they are, so a restore holds the state once (benchmarks/RESULTS.md, the 2-D restore); a
+    group of small leaves is joined, and both come back exactly."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    specs = {"big": P(None, "model"), "a": P(), "b": P()}
+    params = {k: jax.device_put(np.arange(np.prod(s), dtype=np.float32).reshape(s) / 7, NamedSharding(mesh, specs[k]))
+              for k, s in {"big": (130, 200), "a": (5,), "b": (3,)}.items()}
+    state = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh, master_dtype=np.float32).init(params)
+    layout = state.layout
+    assert sorted(len(g.leaves) for g in layout.groups) == [1, 2] and all(g.shape is None for g in layout.groups)
+    values = _arrays.state_values(state)
+    again = _arrays.rebuild(state, values)
+    by_entry = dict(zip(_arrays.unowned_entries(layout), values))
+    lone = next(g for g, group in enumerate(layout.groups) if len(group.leaves) == 1)
+    assert again.inner_state.histories[lone][0] is by_entry[layout.groups[lone].histories[0][0]]
+    assert again.master[lone] is by_entry[layout.groups[lone].masters[0]]
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(state), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

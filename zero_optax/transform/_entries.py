@@ -63,10 +63,12 @@ def _program(layout: Layout, mesh: Any, op: str, master: bool, traced: bool) -> 
         in_specs = (history_specs, specs if master else None)
         out_specs = [entry_specs[j] for j in _entry_order(layout)]
     else:
+        joined = _joined(layout)
+
         def fn(values):
-            return _join_all(layout, values, master)
-        in_specs = entry_specs
-        out_specs = (history_specs, specs if master else None)
+            return _join_all(layout, values, master, joined)
+        in_specs = {j: entry_specs[j] for g in joined for j in _group_entries(layout.groups[g])}
+        out_specs = (tuple(history_specs[g] for g in joined), tuple(specs[g] for g in joined) if master else None)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
     return mapped if traced else jax.jit(mapped)
 
@@ -75,7 +77,7 @@ def _per_device(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
     arrays = jax.tree.leaves(inputs)
     mesh = _mesh_of(arrays)
     if mesh is None:
-        return _cut_all(layout, *inputs) if op == "cut" else _join_all(layout, inputs, master)
+        return _cut_all(layout, *inputs) if op == "cut" else _join_all(layout, inputs, master, _joined(layout))
     traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
     return _program(layout, mesh, op, master, traced)(inputs)
 
@@ -94,6 +96,17 @@ def _cut_all(layout: Layout, histories, master) -> list[jax.Array]:
 def _cut_row(layout: Layout, group: Group, x: jax.Array) -> list[jax.Array]:
     rows = x.reshape(-1, group.size)
     return [rows[:, off:off + layout.leaves[i].slots].reshape(-1) for i, off in zip(group.leaves, group.offsets)]
+
+
+def _joined(layout: Layout) -> tuple[int, ...]:
+    """The groups whose stored arrays are joined from their entries' arrays: all but a lone leaf kept 1-D, whose
+    entry's global array already is its group's (same elements, shape and sharding) and is stored as it is."""
+    return tuple(g for g, group in enumerate(layout.groups) if len(group.leaves) > 1 or group.shape is not None)
+
+
+def _group_entries(group: Group) -> list[int]:
+    """The entries stored in `group`'s arrays: its members' histories, then their master copies."""
+    return [j for h in group.histories for j in h] + list(group.masters)
 
 
 def _entry_order(layout: Layout) -> list[int]:
@@ -135,9 +148,10 @@ def sliced_shardings(state: ZeroState) -> dict[int, Any]:
     return out
 
 
-def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool):
+def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool, groups: tuple[int, ...]):
+    """Inside each device (or on global arrays): the stored arrays of `groups`, joined from their entries'."""
     histories, masters = [], []
-    for group in layout.groups:
+    for group in (layout.groups[g] for g in groups):
         histories.append(tuple(_join_row(layout, group, [values[h[k]] for h in group.histories])
                                for k in range(len(group.histories[0]))))
         if master:
@@ -162,11 +176,30 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
     if not layout.groups:
         return SlicedState(shared, ()), (() if has_master else None)
     needed = _offload.fetched({j: values[j] for j in _entry_order(layout)})
-    histories, master = _per_device(layout, "join", has_master, needed)
+    histories, master = _join(layout, has_master, needed)
     histories = tuple(tuple(_offload.placed(x, _memory_kind(template, g)) for x in h) for g, h in enumerate(histories))
     if master is not None:
         master = tuple(_offload.placed(x, _memory_kind(template, g)) for g, x in enumerate(master))
     return SlicedState(shared, histories), master
+
+
+def _join(layout: Layout, master: bool, values: dict[int, jax.Array]) -> tuple[tuple, tuple | None]:
+    """Every group's stored arrays (histories, and master copies if `master`) from its entries' global arrays.
+
+    A lone leaf kept 1-D (every leaf above `_plan.FUSE_BYTES` per device, on a mesh whose ZeRO group is more than
+    one device) stores its entries' arrays as they are: no program runs and nothing is copied, so a restore holds
+    the state once, not once as entries and once as groups (`benchmarks/RESULTS.md`). The other groups are joined
+    on each device (`_join_all`).
+    """
+    joined = _joined(layout)
+    inputs = {j: values[j] for g in joined for j in _group_entries(layout.groups[g])}
+    done_h, done_m = _per_device(layout, "join", master, inputs) if joined else ((), None)
+    done_h, done_m = dict(zip(joined, done_h)), dict(zip(joined, done_m or ()))
+    histories, masters = [], []
+    for g, group in enumerate(layout.groups):
+        histories.append(done_h[g] if g in done_h else tuple(values[j] for j in group.histories[0]))
+        masters.append(done_m[g] if g in done_m else values[group.masters[0]] if master else None)
+    return tuple(histories), (tuple(masters) if master else None)
 
 
 def _memory_kind(template: ZeroState, g: int) -> str | None:
