@@ -1,9 +1,5 @@
 """Test configuration: 8 simulated CPU devices for the whole suite, set before the backend starts.
 
-The suite runs in parallel processes (`pytest-xdist`: `-n auto --dist worksteal` in `pyproject.toml`), one per
-available core up to `MAX_WORKERS`: most of a test's time is XLA compiling, on one thread, so two cores run it
-nearly twice as fast. Each process has its own 8 simulated devices. `pytest -n 0` runs it in one process.
-
 `ZERO_OPTAX_TESTS=floors` (set by `.ci/run` in its floors venv, only while that venv's JAX and optax are the 3.11
 venv's) runs the test modules that reach flax, orbax-checkpoint or chex, the three packages that venv pins to
 other versions (`FLOORS`, read off each module's text); the others would run the same code on the same JAX and
@@ -22,16 +18,6 @@ os.environ["XLA_FLAGS"] = (
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-
-MAX_WORKERS = 4
-"""At most this many test processes: each holds its own compiled programs (about 2 GiB at most)."""
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one process per core this process may run on, at most `MAX_WORKERS`."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      MAX_WORKERS))
 
 
 FLOORS = re.compile(r"\b(flax|nnx|orbax|ocp|chex|[Cc]heckpoints?|ZeroSave|ZeroRestore|ZeroCheckpointHandler|"
