@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,10 +80,14 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
     assert meta["storage"] == "orbax"
     assert meta["states"][0]["partition"] == zs.PARTITION[kind]
     assert 2 in meta["states"][0]["clocks"].values()  # Two steps taken.
-    # Orbax's own array storage: OCDBT data files and Orbax's metadata, no file per array or device.
+    # Orbax's own array storage: OCDBT data files and Orbax's metadata, no file per array or device. (How many
+    # data files OCDBT writes depends on how its writes were batched, which varies with the machine's load: an
+    # asynchronous save wrote 15 files alone and 21 beside another test process; so the names are checked.)
     item = tmp_path / "2" / "opt_state"
     assert {"_METADATA", "manifest.ocdbt", _names.RECORD_FILE} <= set(os.listdir(item))
-    assert len(_files(item)) < 20
+    orbax_files = re.compile(r"_METADATA|_sharding|array_metadatas/process_\d+|commit_success\.txt|"
+                             rf"{re.escape(_names.RECORD_FILE)}|(ocdbt\.process_\d+/)?(manifest\.ocdbt|d/[0-9a-f]+)")
+    assert all(orbax_files.fullmatch(f) for f in _files(item)), _files(item)
 
 
 def test_standalone_checkpointer_and_metadata(tmp_path):
