@@ -202,6 +202,21 @@ def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
     return tuple(a for k, a in enumerate(mesh.axis_names) if len(set(pts[:, k])) > 1)
 
 
+def _tp_step_ops(tx, mesh, specs, placed, state, state_specs) -> list[dict[str, Any]]:
+    """The collectives of `tx`'s shard_map step (update + apply) on `mesh`, per-device gradients over `data`."""
+    g_specs = jax.tree.map(lambda s: P("data", *s), specs)
+    grads = jax.tree.map(lambda x, s: jax.device_put(jnp.full((4, *x.shape), 1e-3), NamedSharding(mesh, s)),
+                         placed, g_specs)
+
+    def step(p, s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs, g_specs),
+                                 out_specs=(specs, state_specs)))
+    return _ops(step.lower(placed, state, grads).compile())
+
+
 def section_mesh2d() -> str:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     params = gpt_params(2048, 256, 4)
@@ -211,17 +226,7 @@ def section_mesh2d() -> str:
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs))(placed)
     full = tree_bytes(jax.eval_shape(optax.adamw(1e-3).init, params))
-    g_specs = jax.tree.map(lambda s: P("data", *s), specs)
-    grads = jax.tree.map(lambda x, s: jax.device_put(jnp.full((4, *x.shape), 1e-3), NamedSharding(mesh, s)),
-                         params, g_specs)
-
-    def step(p, s, g):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-        return optax.apply_updates(p, u), s
-
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs, g_specs),
-                                 out_specs=(specs, state_specs)))
-    ops = _ops(step.lower(placed, state, grads).compile())
+    ops = _tp_step_ops(tx, mesh, specs, placed, state, state_specs)
     block_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
     per_axis: dict[tuple[str, ...], float] = {}
     for o in ops:
@@ -266,17 +271,7 @@ def section_mesh2d_owned() -> str:
     state_specs = zo.state_specs(tx, params, specs, mesh=mesh)
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs))(placed)
-    g_specs = jax.tree.map(lambda s: P("data", *s), specs)
-    grads = jax.tree.map(lambda x, s: jax.device_put(jnp.full((4, *x.shape), 1e-3), NamedSharding(mesh, s)),
-                         params, g_specs)
-
-    def step(p, s, g):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-        return optax.apply_updates(p, u), s
-
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs, g_specs),
-                                 out_specs=(specs, state_specs)))
-    ops = _ops(step.lower(placed, state, grads).compile())
+    ops = _tp_step_ops(tx, mesh, specs, placed, state, state_specs)
     layout = zo.describe(state)
     tp = [leaf for leaf in layout.leaves if leaf.dims]
     block_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
