@@ -12,7 +12,7 @@ import zero_optax as zo
 from tests import _harness as h
 from tests._models import bucket_tree
 from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
-from zero_optax.transform._wire import DEFAULT_BUCKET_BYTES
+from zero_optax.transform._wire import ALONE_BYTES, DEFAULT_BUCKET_BYTES, MAX_BUCKET_LEAVES
 
 N = 8
 
@@ -24,26 +24,45 @@ def _compiled_step(tx, params, grads, mesh):
     return compiled, state
 
 
-def test_86_leaf_tree_needs_few_collectives_and_matches_the_per_leaf_step():
-    mesh = h.mesh_of(N)
-    tree = bucket_tree()
+def _collectives_and_results(tree, mesh, **kwargs):
     params = jax.device_put(tree, NamedSharding(mesh, P()))
     nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
     rng = np.random.default_rng(0)
     grads = jax.device_put(jax.tree.map(lambda x: rng.standard_normal((N, *x.shape)).astype(np.float32), tree),
                            NamedSharding(mesh, P("data")))
-    results = {}
-    for name, kwargs in (("default", {}), ("per_leaf", {"bucket_bytes": 0})):
-        compiled, state = _compiled_step(zo.zero1(optax.adamw(1e-3), axis_name="data", **kwargs), params, grads, mesh)
-        ops = collective_ops(compiled.as_text())
-        wire = sum(WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"] for o in ops) / nbytes
-        results[name] = (sum(o["multiplier"] for o in ops), wire, compiled(params, state, grads))
-    assert len(jax.tree.leaves(tree)) == 86
-    assert results["default"][0] <= 2 * math.ceil(nbytes / DEFAULT_BUCKET_BYTES)
+    compiled, state = _compiled_step(zo.zero1(optax.adamw(1e-3), axis_name="data", **kwargs), params, grads, mesh)
+    ops = collective_ops(compiled.as_text())
+    wire = sum(WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"] for o in ops) / nbytes
+    return sum(o["multiplier"] for o in ops), wire, compiled(params, state, grads)
+
+
+def test_86_leaf_tree_needs_few_collectives_and_matches_the_per_leaf_step():
+    """On XLA:CPU the 29 matrices (>= 64 KiB) travel alone, the 57 vectors (<= 4 KiB) in buckets of 32 leaves."""
+    mesh = h.mesh_of(N)
+    tree = bucket_tree()
+    sizes = [x.nbytes for x in jax.tree.leaves(tree)]
+    assert len(sizes) == 86 and ALONE_BYTES["cpu"] == 64 << 10
+    alone = sum(s >= ALONE_BYTES["cpu"] for s in sizes)
+    assert alone == 29 and max(s for s in sizes if s < ALONE_BYTES["cpu"]) <= 4096
+    results = {name: _collectives_and_results(tree, mesh, **kwargs)
+               for name, kwargs in (("default", {}), ("per_leaf", {"bucket_bytes": 0}))}
+    assert results["default"][0] == 2 * (alone + math.ceil((86 - alone) / MAX_BUCKET_LEAVES)) == 62
     assert results["per_leaf"][0] == 2 * 86
     assert results["default"][1] == results["per_leaf"][1] == 2.0
     for a, b in zip(jax.tree.leaves(results["default"][2]), jax.tree.leaves(results["per_leaf"][2])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_accelerator_rule_puts_every_leaf_below_bucket_bytes_in_buckets(monkeypatch):
+    """Where a launch costs more than a copy (GPUs, TPUs: no `ALONE_BYTES` entry), every leaf below
+    `bucket_bytes` shares a bucket: the 86-leaf tree of 24.2 MB needs at most 2 x ceil(bytes / 4 MiB)
+    collectives."""
+    monkeypatch.delitem(ALONE_BYTES, "cpu")
+    tree = bucket_tree()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+    count, wire, _ = _collectives_and_results(tree, h.mesh_of(N))
+    assert count <= 2 * math.ceil(nbytes / DEFAULT_BUCKET_BYTES) == 12
+    assert wire == 2.0
 
 
 def test_buckets_split_by_dtype_and_by_tensor_parallel_axes():

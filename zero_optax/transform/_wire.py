@@ -38,6 +38,15 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 with at most `MAX_BUCKET_LEAVES` leaves a bucket, 4 MiB keeps a tree of B bytes within 2 x ceil(B / 4 MiB)
 collectives per step, and a 4 MiB collective is long enough to amortise its launch latency on GPUs."""
 
+ALONE_BYTES = {"cpu": 64 << 10}
+"""Per backend, the size from which a sliced leaf travels alone even below `bucket_bytes` (elsewhere: from
+`bucket_bytes`). A leaf in a bucket is copied into the bucket before the reduce-scatter and out of it after the
+all-gather, and a leaf alone is not: its gathered values are the step's output (`zero_optax.apply_gradients`
+writes each new parameter once, as GSPMD's step does). On XLA:CPU a collective's launch costs less than copying
+64 KiB twice, so from there leaves travel alone and the GPT tree's step writes what GSPMD's writes (figures in
+`benchmarks/RESULTS.md`, "The default step"); many small leaves still share buckets (the 1000-leaf tree). On GPUs
+and TPUs a launch costs more than copying megabytes, so there buckets take every leaf below `bucket_bytes`."""
+
 MAX_BUCKET_LEAVES = 32
 """A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of the number of slices
 taken from one buffer (0.64 s for a 100-leaf update unbucketed, 1.2 s with 32-leaf buckets, 2.3 s with one
@@ -64,18 +73,22 @@ class Wire:
       axes: the ZeRO axes (`axis_name` as a tuple): what the owned leaves, weights and cycle positions travel over.
         A bucket of sliced leaves travels over its own `Bucket.axes` (the ZeRO axes minus a leaf's own).
       bucket_bytes: the size at which a bucket closes (`plan`); `<= 0` gives one bucket per leaf.
+      alone_bytes: the size from which a leaf travels alone (`ALONE_BYTES`, at most `bucket_bytes`); None means
+        `bucket_bytes`.
       sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
     """
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sum_dtype_of: np.dtype | None = None
+    alone_bytes: int | None = None
 
     @classmethod
     def of(cls, cfg) -> Wire:
-        """The wire of a `zero_optax.transform._plan.Config`."""
+        """The wire of a `zero_optax.transform._plan.Config` on the default backend."""
         wide = cfg.reduce_dtype if cfg.reduce_dtype is not None else cfg.master_dtype
-        return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide))
+        alone = min(cfg.bucket_bytes, ALONE_BYTES.get(jax.default_backend(), cfg.bucket_bytes))
+        return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide), alone)
 
     def sum_dtype(self, dtype) -> str:
         """The dtype name a gradient of `dtype` is summed in."""
@@ -87,10 +100,14 @@ class Wire:
         """Groups the sliced leaves `indices` (with the dtype each travels in) into buckets of at least
         `bucket_bytes`.
 
-        A leaf of at least `bucket_bytes` travels alone, and the smaller ones around it keep filling the open
+        A leaf of at least `alone_bytes` travels alone, and the smaller ones around it keep filling the open
         bucket: a leaf alone in its all-gather needs no cut out of a shared buffer, so its gathered values can be
         the step's output (`zero_optax.apply_gradients`). `bucket_bytes <= 0` gives one bucket per leaf.
+
+        Example: float32 leaves of 1, 100 and 2 KiB, `bucket_bytes` 4 MiB and `alone_bytes` 64 KiB make the
+        buckets `[(1,), (0, 2)]` (the leaf alone first: a bucket is listed when it closes).
         """
+        alone = self.bucket_bytes if self.alone_bytes is None else min(self.alone_bytes, self.bucket_bytes)
         out: list[Bucket] = []
         keyed = {}
         for i, dtype in zip(indices, dtypes):
@@ -102,7 +119,7 @@ class Wire:
             for i in members:
                 leaf = layout.leaves[i]
                 size = leaf.slots * leaf.group * np.dtype(dtype).itemsize
-                if size >= self.bucket_bytes:
+                if size >= alone:
                     out.append(Bucket((i,), axes, dtype))
                     continue
                 current.append(i)

@@ -161,7 +161,8 @@ def zero1(
       assume_elementwise: skip the proof that the inner update is elementwise (sliced leaves). For custom kernels
         the analysis cannot see into; a wrong answer is then your responsibility.
       bucket_bytes: sliced leaves travel in buckets of at least this many bytes (one reduce-scatter and one
-        all-gather per bucket), a leaf of at least this many bytes alone; `0` sends every leaf on its own.
+        all-gather per bucket), a leaf of at least this many bytes alone (on the CPU, every leaf of at least
+        64 KiB: `zero_optax.transform._wire.ALONE_BYTES`); `0` sends every leaf on its own.
       accumulate_steps: accumulate gradients over this many `update` calls (one per micro-batch) per optimizer
         step, like `optax.MultiSteps`: the k-th call of a cycle runs the inner update once on the mean over every
         (device, micro-batch) pair (with `weight=`: the sum of the loss-sum gradients over the sum of the weights,
