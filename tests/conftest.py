@@ -1,19 +1,31 @@
 """Test configuration: 8 simulated CPU devices for the whole suite, set before the backend starts.
 
+XLA:CPU compiles the tests' programs with LLVM's optimisations off (`--xla_backend_optimization_level=0`, unless
+`XLA_FLAGS` already sets it): compiling is most of the suite's time, and about a quarter of it goes. The level
+leaves the HLO programs zero1 emits as they are (their collectives, buffers and bytes, which the tests count);
+machine code built at another level may round the last bit of a float differently (vectorised math, fused
+multiply-adds), and every test passes at either level (`XLA_FLAGS=--xla_backend_optimization_level=2 pytest`
+runs the suite at XLA's default). Benchmarks and the demo run at XLA's default. The processes the tests start
+inherit the flags.
+
 `ZERO_OPTAX_TESTS=floors` (set by `.ci/run` in its floors venv, only while that venv's JAX and optax are the 3.11
-venv's) runs the test modules that reach flax, orbax-checkpoint or chex, the three packages that venv pins to
-other versions (`FLOORS`, read off each module's text); the others would run the same code on the same JAX and
-optax a second time.
+venv's) runs the tests that reach flax, orbax-checkpoint or chex, the three packages that venv pins to other
+versions: a test whose own source, the source of a fixture it takes or of a function of `tests/` it names (and so
+on through the functions those name) names one of them or their entry points (`FLOORS`). The others would run
+the same code on the same JAX and optax a second time.
 """
 
+import ast
+import inspect
 import os
 import pathlib
 import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 
@@ -21,21 +33,67 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 FLOORS = re.compile(r"\b(flax|nnx|orbax|ocp|chex|[Cc]heckpoints?|ZeroSave|ZeroRestore|ZeroCheckpointHandler|"
-                    r"ZeroOptimizer|ZeroTrainState|assert_resumes_anywhere|notebooks?|demo)\b")
+                    r"ZeroOptimizer|ZeroTrainState|assert_resumes_anywhere|notebooks?|nbclient|demo)\b")
+
+
+def _definitions() -> dict[str, dict[str, str]]:
+    """The source of every top-level function and class of each module of `tests/`, by module and name, and of
+    the import statement of every name a module imports (so `_store` of `from zero_optax.checkpoint import
+    _store` reads as that statement)."""
+    out: dict[str, dict[str, str]] = {}
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        text = path.read_text()
+        names = out[path.stem] = {}
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[node.name] = ast.get_source_segment(text, node) or ""
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    names[(alias.asname or alias.name).split(".")[0]] = ast.get_source_segment(text, node) or ""
+    return out
+
+
+def _reaches_floors(item, definitions: dict[str, dict[str, str]]) -> bool:
+    """Whether the test `item` names one of the `FLOORS` packages or their entry points: in its own source, in a
+    fixture it takes, or in a function of its module or of the shared `tests/_*.py` modules that it names (and so
+    on through the functions those name)."""
+    home = item.module.__name__.rsplit(".", 1)[-1]
+    shared = [m for m in definitions if m.startswith("_") or m == "conftest"]
+
+    def resolve(module: str, name: str):
+        for m in (module, *shared):
+            if name in definitions[m]:
+                return m, name
+        return None
+
+    try:
+        sources = [(home, inspect.getsource(item.function))]
+    except (OSError, TypeError):
+        sources = []
+    todo = [key for key in (resolve(home, n) for n in item.fixturenames) if key]
+    visited: set = set()
+    while sources or todo:
+        if not sources:
+            key = todo.pop()
+            if key in visited:
+                continue
+            visited.add(key)
+            sources.append((key[0], definitions[key[0]][key[1]]))
+        module, src = sources.pop()
+        if FLOORS.search(src):
+            return True
+        todo.extend(key for key in (resolve(module, n) for n in set(re.findall(r"[A-Za-z_]\w*", src)))
+                    if key and key not in visited)
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
+    """`ZERO_OPTAX_TESTS=floors`: only the tests that reach flax, orbax-checkpoint or chex (`_reaches_floors`)."""
     if os.environ.get("ZERO_OPTAX_TESTS", "all") == "all":
         return
     if os.environ["ZERO_OPTAX_TESTS"] != "floors":
         raise ValueError(f"ZERO_OPTAX_TESTS must be all or floors, got {os.environ['ZERO_OPTAX_TESTS']!r}")
-    texts: dict = {}
-
-    def reaches_floors(item) -> bool:
-        path = pathlib.Path(str(item.fspath))
-        if path not in texts:
-            texts[path] = bool(FLOORS.search(path.read_text()))
-        return texts[path]
-    kept = [item for item in items if reaches_floors(item)]
-    config.hook.pytest_deselected(items=[item for item in items if not reaches_floors(item)])
-    items[:] = kept
+    definitions = _definitions()
+    keep = [_reaches_floors(item, definitions) for item in items]
+    config.hook.pytest_deselected(items=[item for item, k in zip(items, keep) if not k])
+    items[:] = [item for item, k in zip(items, keep) if k]
