@@ -73,8 +73,8 @@ class Wire:
       axes: the ZeRO axes (`axis_name` as a tuple): what the owned leaves, weights and cycle positions travel over.
         A bucket of sliced leaves travels over its own `Bucket.axes` (the ZeRO axes minus a leaf's own).
       bucket_bytes: the size at which a bucket closes (`plan`); `<= 0` gives one bucket per leaf.
-      alone_bytes: the size from which a leaf travels alone (`ALONE_BYTES`, at most `bucket_bytes`); None means
-        `bucket_bytes`.
+      alone_bytes: the size from which a leaf travels alone below `bucket_bytes` (`ALONE_BYTES`); None: from
+        `bucket_bytes` only.
       sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
     """
 
@@ -87,8 +87,8 @@ class Wire:
     def of(cls, cfg) -> Wire:
         """The wire of a `zero_optax.transform._plan.Config` on the default backend."""
         wide = cfg.reduce_dtype if cfg.reduce_dtype is not None else cfg.master_dtype
-        alone = min(cfg.bucket_bytes, ALONE_BYTES.get(jax.default_backend(), cfg.bucket_bytes))
-        return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide), alone)
+        return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide),
+                   ALONE_BYTES.get(jax.default_backend()))
 
     def sum_dtype(self, dtype) -> str:
         """The dtype name a gradient of `dtype` is summed in."""
