@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -79,3 +80,22 @@ def test_buckets_split_by_dtype_and_by_tensor_parallel_axes():
     kinds = sorted(o["kind"] for o in collective_ops(compiled.as_text()))
     # One float32 bucket (a, c) and one float16 bucket (b), each reduce-scattered and all-gathered once.
     assert kinds == ["all-gather"] * 2 + ["reduce-scatter"] * 2
+
+
+def test_a_leaf_alone_beside_its_group_mates_matches_optax():
+    """Leaves of 96 KiB hold 12 KiB per device at N = 8, so they share a group's buffer with the small leaves
+    (`_plan.FUSE_BYTES`) while travelling alone on XLA:CPU (>= 64 KiB): one group, split across buckets. With
+    uneven sizes (24,577 and 13 coordinates do not divide 8), both step forms equal plain optax."""
+    params = {"big": jnp.linspace(-1.0, 1.0, 24_577, dtype=jnp.float32).reshape(1, -1),
+              "big2": jnp.full((96, 256), 0.5, jnp.float32), "b": jnp.arange(13.0, dtype=jnp.float32),
+              "s": jnp.float32(0.25)}
+    assert params["big"].nbytes >= ALONE_BYTES["cpu"] and params["big"].nbytes // N <= 1 << 14
+    grads = h.gradient_sequence(params, N, steps=3)
+    rp, rs = h.run_oracle(optax.adamw(1e-2), params, grads)
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data")
+    for one_call in (False, True):
+        zp, zs, _ = h.run_zero(tx, params, grads, N, one_call=one_call)
+        h.assert_matches(zp, zs, rp, rs)
+    paths = [leaf.path for leaf in zs.layout.leaves]
+    fused = [{paths[i] for i in g.leaves} for g in zs.layout.groups]
+    assert any({"['big']", "['b']"} <= f for f in fused), fused  # a big leaf shares a group with a small one
