@@ -2,9 +2,9 @@
 
 XLA:CPU compiles the tests' programs with LLVM's optimisations off (`--xla_backend_optimization_level=0`, unless
 `XLA_FLAGS` already sets it): compiling is most of the suite's time, and less of it goes (`tests/test_flat.py`:
-65 s -> 47 s). The level leaves the HLO programs zero1 emits as they are (their collectives, buffers and bytes, which the tests count);
-machine code built at another level may round the last bit of a float differently (vectorised math, fused
-multiply-adds), and every test passes at either level (`XLA_FLAGS=--xla_backend_optimization_level=2 pytest`
+65 s -> 47 s). The level leaves the HLO programs zero1 emits as they are (their collectives, buffers and bytes,
+which the tests count); machine code built at another level may round the last bit of a float differently
+(vectorised math, fused multiply-adds), and every test passes at either level (`XLA_FLAGS=--xla_backend_optimization_level=2 pytest`
 runs the suite at XLA's default). Benchmarks and the demo run at XLA's default. The processes the tests start
 inherit the flags.
 
@@ -67,23 +67,23 @@ def _reaches_floors(item, definitions: dict[str, dict[str, str]]) -> bool:
         return None
 
     try:
-        sources = [(home, inspect.getsource(item.function))]
+        pending = [(home, inspect.getsource(item.function))]
     except (OSError, TypeError):
-        sources = []
-    todo = [key for key in (resolve(home, n) for n in item.fixturenames) if key]
-    visited: set = set()
-    while sources or todo:
-        if not sources:
-            key = todo.pop()
-            if key in visited:
-                continue
-            visited.add(key)
-            sources.append((key[0], definitions[key[0]][key[1]]))
-        module, src = sources.pop()
+        pending = []
+    seen: set = set()
+
+    def follow(keys) -> None:
+        for key in keys:
+            if key and key not in seen:
+                seen.add(key)
+                pending.append((key[0], definitions[key[0]][key[1]]))
+
+    follow(resolve(home, n) for n in item.fixturenames)
+    while pending:
+        module, src = pending.pop()
         if FLOORS.search(src):
             return True
-        todo.extend(key for key in (resolve(module, n) for n in set(re.findall(r"[A-Za-z_]\w*", src)))
-                    if key and key not in visited)
+        follow(resolve(module, n) for n in set(re.findall(r"[A-Za-z_]\w*", src)))
     return False
 
 
