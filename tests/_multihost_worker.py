@@ -11,6 +11,9 @@ and zero1(muon) leaf, with the deterministic gradients of tests/_zero_setup.py:
 * PHASE "reshard": restores DIRECTORY/<kind>3 (saved at step 2 by the test, on 3 devices of one process) with
   `ZeroRestore(target, reshard=True)` on the 8 devices of both processes, trains steps 2-3, and writes the final
   parameters (process 0) and every region this process read (each process) to DIRECTORY/<kind>3/.
+* PHASE "replica": zero1(adamw, replica_axis="replica", partition="auto") on a (replica=2, data=4) mesh whose
+  replica axis spans the processes (each process holds one replica): trains steps 0-3, saves step 4 to
+  DIRECTORY/replica, and process 0 writes the final parameters to DIRECTORY/replica/final.npz.
 """
 
 import json
@@ -38,6 +41,19 @@ def main(port: str, process_id: int, phase: str, directory: str) -> None:
     _store.ItemArrays.read = lambda self, name, region: reads.append((name, region)) or read(self, name, region)
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+    if phase == "replica":
+        tr = zs.ReplicaTrainer("adamw", partition="auto")
+        assert [{d.process_index for d in row} for row in tr.mesh.devices] == [{0}, {1}], tr.mesh.devices
+        p, s = tr.train(tr.params(), tr.init(tr.params()), 0, TOTAL)
+        path = os.path.join(directory, "replica")
+        with ocp.CheckpointManager(path) as mngr:
+            mngr.save(TOTAL, args=ocp.args.Composite(opt_state=zo.ZeroSave(s)))
+            mngr.wait_until_finished()
+        if jax.process_index() == 0:
+            np.savez(os.path.join(path, "final.npz"), **{k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()})
+        print(f"process {process_id} replica done", flush=True)
+        jax.distributed.shutdown()
+        return
     for kind, chain in KINDS:
         tr = zs.trainer(kind, chain=chain)
         p0 = zs.params(tr.mesh)

@@ -180,3 +180,52 @@ class MeshTrainer:
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, x.sharding.spec)),
             jax.eval_shape(self.init, self.params()))
+
+
+class ReplicaTrainer:
+    """zero1 sharded over `data` and replicated over `replica` (`zero1(..., replica_axis="replica")`) on a
+    `(replica, data)` mesh of the first devices (in `jax.devices()` order: on a two-process job of 4 devices each,
+    `replica=2` puts one replica on each process), with per-device gradients varying over both axes.
+
+    Args:
+      kind: the inner optimizer (`inner(kind)`), partitioned as `PARTITION` says, or `partition`.
+      replicas, data: the mesh's shape.
+    """
+
+    def __init__(self, kind: str, replicas: int = 2, data: int = 4, partition: str | None = None):
+        devices = np.array(jax.devices()[:replicas * data]).reshape(replicas, data)
+        self.mesh = jax.sharding.Mesh(devices, ("replica", "data"))
+        self.devices = replicas * data
+        self.tx = zo.zero1(inner(kind), axis_name="data", replica_axis="replica",
+                           partition=partition or PARTITION[kind])
+        self.specs = zo.state_specs(self.tx, params_np(), P(), mesh=self.mesh)
+        self.init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))
+
+        def step(p, s, g):
+            u, s = self.tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+            return optax.apply_updates(p, u), s
+
+        self.grad_sharding = NamedSharding(self.mesh, P(("replica", "data")))
+        self._step = jax.jit(jax.shard_map(step, mesh=self.mesh, in_specs=(P(), self.specs, P(("replica", "data"))),
+                                           out_specs=(P(), self.specs)))
+
+    def params(self):
+        return params(self.mesh)
+
+    def train(self, p, s, start: int, stop: int):
+        for t in range(start, stop):
+            g = {k: global_array(v, self.grad_sharding) for k, v in grads_np(t, self.devices).items()}
+            p, s = self._step(p, s, g)
+        return p, s
+
+
+def oracle(kind: str, devices: int, start: int, stop: int, p=None, s=None):
+    """Plain optax `inner(kind)` on one device fed the mean of `grads_np(t, devices)` for the steps
+    `start..stop`: `(params, state)` (from `params_np()` and a fresh state unless given)."""
+    tx = inner(kind)
+    p = params_np() if p is None else p
+    s = tx.init(p) if s is None else s
+    for t in range(start, stop):
+        u, s = tx.update({k: g.mean(0) for k, g in grads_np(t, devices).items()}, s, p)
+        p = optax.apply_updates(p, u)
+    return p, s

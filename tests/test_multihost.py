@@ -115,3 +115,21 @@ def test_two_processes_restore_a_three_device_checkpoint_with_reshard(tmp_path):
             for i, log in enumerate(logs):  # every read starts where one of this process's devices starts
                 assert {a for a, _ in starts[i]} <= {lo for lo, _ in log["ranges"][name]}, (kind, i, name, starts)
                 assert len(starts[i]) == len(set(starts[i])), (kind, i, name, starts)  # one read per device
+
+
+def test_two_processes_as_two_replicas_match_optax_and_their_checkpoint_restores_in_one(tmp_path):
+    """`replica_axis` across the processes (gloo between them, each holding one replica of the data=4 state):
+    the parameters equal single-device optax fed the mean over all 8 devices, and the checkpoint the two
+    processes wrote (each array once) restores in this process, on (replica=2, data=4) and on data=4 alone."""
+    directory = tmp_path / "ckpt"
+    _run_job("replica", directory, tmp_path)
+    want_p, want_s = zs.oracle("adamw", 8, 0, worker.TOTAL)
+    final = np.load(directory / "replica" / "final.npz")
+    for k, v in want_p.items():
+        np.testing.assert_allclose(final[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
+    for tr in (zs.ReplicaTrainer("adamw", partition="auto"), zs.ReplicaTrainer("adamw", 1, 4, partition="auto")):
+        with ocp.CheckpointManager(directory / "replica") as mngr:
+            restored = mngr.restore(worker.TOTAL, args=ocp.args.Composite(
+                opt_state=zo.ZeroRestore(tr.init(tr.params())))).opt_state
+        for x, y in zip(jax.tree.leaves(zo.gather_state(restored)), jax.tree.leaves(want_s)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)

@@ -48,7 +48,8 @@ class StoredArray:
       spec: the mesh axes each dimension is sharded over (the array's `PartitionSpec`, one tuple per dimension).
       entry: the state entry it holds (shared or sliced), or None for a packed buffer.
       buffer: the dtype of the packed buffer it is, or None for an entry.
-      local: `accumulate="local"`: the parameter leaf whose per-device gradient sums it holds, `[devices, *shape]`.
+      local: `accumulate="local"`: the parameter leaf whose per-device gradient sums it holds, `[devices, *shape]`
+        (every device of the replica and history axes, `Layout.local_axes`).
     """
 
     name: str
@@ -87,9 +88,10 @@ def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = 
                                buffer=d))
     if layout.accumulate == LOCAL:
         for i, leaf in enumerate(layout.leaves):
-            out.append(StoredArray(_names.local_array(k, i), (leaf.blocks * leaf.group, *leaf.shape),
+            out.append(StoredArray(_names.local_array(k, i),
+                                   (layout.replica_count * leaf.blocks * leaf.group, *leaf.shape),
                                    np.dtype(np.promote_types(leaf.dtype, np.float32)).name,
-                                   (layout.history_axes(leaf),) + ((),) * len(leaf.shape), local=i))
+                                   (layout.local_axes(leaf),) + ((),) * len(leaf.shape), local=i))
     return out
 
 

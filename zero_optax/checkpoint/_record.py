@@ -16,6 +16,7 @@ The record (format version 2)::
      "states": [{                    # one per zero1 state of the saved pytree, in tree order
         "partition": "flat" | "leaf" | "auto", "axis_name": "data" | ["replica", "data"], "world_size": 8,
         "mesh_axes": [["model", 2]],  # the other mesh axes parameters are sharded over, with their sizes
+        "replica_axes": [["replica", 2]],  # optional: the mesh axes the state is replicated over (stored once)
         "master_dtype": null | "float32",
         "owners": null | [int or null per leaf],
         "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"[, "dims"]}],
@@ -97,6 +98,8 @@ def state_record(layout: StoredLayout | Layout, k: int, clocks: dict[str, Any] |
     }
     if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
+    if layout.replica_sizes:  # (records of states without replicas stay byte-identical to format 2's)
+        out["replica_axes"] = [[a, s] for a, s in layout.replica_sizes]
     return out
 
 

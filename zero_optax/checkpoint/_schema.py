@@ -151,7 +151,7 @@ def parse(record: dict[str, Any], where: str) -> Saved:
 
 def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     f = f"states[{k}]"
-    c.dict(rec, f, _STATE | ({"accumulate"} & set(rec) if isinstance(rec, dict) else set()))
+    c.dict(rec, f, _STATE | ({"accumulate", "replica_axes"} & set(rec) if isinstance(rec, dict) else set()))
     partition = rec["partition"]
     if partition not in (FLAT, LEAF, AUTO):
         c.fail(f"{f}.partition", f"is {_record.short(partition)}, not \"flat\", \"leaf\" or \"auto\"")
@@ -174,8 +174,9 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
         if acc["mode"] != LOCAL:
             c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"{LOCAL}\"")
         accumulate, steps = LOCAL, c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
+    replicas = _replica_axes(c, rec.get("replica_axes", []), f, zero, mesh)
     layout = StoredLayout(partition, axis_name, n, leaves, entries, state_tree, master_dtype, tuple(mesh.items()),
-                          accumulate, steps)
+                          accumulate, steps, tuple(replicas.items()))
     arrays = _implied(c, rec, f, layout, k)
     clocks = _clocks(c, rec["clocks"], f, layout)
     return SavedState(k, layout, arrays, clocks)
@@ -191,18 +192,28 @@ def _axis_name(c: _Checker, rec: Any, f: str) -> tuple[str | tuple[str, ...], tu
     return zero, zero
 
 
-def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...]) -> dict[str, int]:
-    """A state's `mesh_axes`: `[name, size]` pairs of axes other than the ZeRO axes, none repeated."""
+def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str = "mesh_axes") -> dict[str, int]:
+    """A state's `mesh_axes` (or `replica_axes`): `[name, size]` pairs of axes other than the ZeRO axes, none
+    repeated."""
     mesh = {}
-    for i, pair in enumerate(c.list(rec, f"{f}.mesh_axes", 64)):
-        pair = c.list(pair, f"{f}.mesh_axes[{i}]", 2)
+    for i, pair in enumerate(c.list(rec, f"{f}.{field}", 64)):
+        pair = c.list(pair, f"{f}.{field}[{i}]", 2)
         if len(pair) != 2:
-            c.fail(f"{f}.mesh_axes[{i}]", "is not a [name, size] pair")
-        name = c.str(pair[0], f"{f}.mesh_axes[{i}][0]")
+            c.fail(f"{f}.{field}[{i}]", "is not a [name, size] pair")
+        name = c.str(pair[0], f"{f}.{field}[{i}][0]")
         if name in zero or name in mesh:
-            c.fail(f"{f}.mesh_axes[{i}][0]", f"repeats the axis `{name}`")
-        mesh[name] = c.int(pair[1], f"{f}.mesh_axes[{i}][1]", 1, MAX_WORLD_SIZE)
+            c.fail(f"{f}.{field}[{i}][0]", f"repeats the axis `{name}`")
+        mesh[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
     return mesh
+
+
+def _replica_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], mesh: dict[str, int]) -> dict[str, int]:
+    """A state's optional `replica_axes`: `[name, size]` pairs of axes that are neither ZeRO axes nor `mesh_axes`."""
+    replicas = _mesh_axes(c, rec, f, zero, "replica_axes")
+    for i, name in enumerate(replicas):
+        if name in mesh:
+            c.fail(f"{f}.replica_axes[{i}][0]", f"names `{name}`, which is one of `mesh_axes`")
+    return replicas
 
 
 def _implied(c: _Checker, rec: dict, f: str, layout: StoredLayout, k: int) -> tuple[_arrays.StoredArray, ...]:

@@ -195,9 +195,10 @@ def call_weight(reducing: bool, weight, layout) -> jax.Array:
     """The global weight of one call, in float32: its share of the cycle's mean."""
     if not reducing:
         return jnp.ones((), jnp.float32)                    # each call's gradient is already a mean
+    axes, devices = _reduce.reduction(layout)
     if weight is None:
-        return jnp.asarray(layout.world_size, jnp.float32)  # each device's gradient is a mean over its batch
-    return _reduce.global_weight(weight, layout.axes)
+        return jnp.asarray(devices, jnp.float32)  # each device's gradient is a mean over its batch
+    return _reduce.global_weight(weight, axes)
 
 
 def with_local(g_leaves: list, state) -> list:

@@ -90,8 +90,9 @@ def _tree(layout: Layout, values: list) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, values)
 
 
-def check_layout(state, axis_name) -> Layout:
-    """The state's layout, after checking its type, its axis and the world size of the enclosing mesh."""
+def check_layout(state, axis_name, replica_axes: tuple[str, ...] = ()) -> Layout:
+    """The state's layout, after checking its type, its axis and the world size of the enclosing mesh, and its
+    replica axes' sizes."""
     if not isinstance(state, ZeroState):
         raise ZeroStructureError(
             f"zero1 update expected the ZeroState returned by this transformation's init, got "
@@ -103,6 +104,13 @@ def check_layout(state, axis_name) -> Layout:
             f"This state was initialised for axis `{layout.axis_name}` with {layout.world_size} devices, but "
             f"update runs over axis `{axis_name}` with {n}. Re-initialise, restore with "
             "zo.ZeroRestore(target, reshard=True), or reshard the checkpoint with zero_optax.reshard.")
+    live = tuple((a, _compat.axis_size(a)) for a in replica_axes)
+    if layout.replica_sizes != live:
+        raise ZeroStructureError(
+            f"This state was initialised replicated over {dict(layout.replica_sizes) or 'no axis'}, but update runs "
+            f"replicated over {dict(live) or 'no axis'} (zero1's `replica_axis` and the mesh). Re-initialise, or "
+            "restore the checkpoint into a state initialised on this mesh (zo.ZeroRestore(target)): a checkpoint "
+            "restores at any replica count.")
     return layout
 
 
@@ -221,7 +229,7 @@ class Engine:
             master = tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
         local = None
         if layout.accumulate == LOCAL:
-            local = _accumulate.init_local(layout, params, layout.axes)
+            local = _accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
         state = ZeroState(inner_state, buffers, master, layout, local)
         return _offload.to_host(state, cfg.bucket_bytes) if cfg.offload else state
 
@@ -269,7 +277,7 @@ class Engine:
         if cfg.offload:  # the stored state stays in host memory and streams through the device
             state = _offload.small_to_device(state, cfg.bucket_bytes)
         if cfg.accumulating is None:
-            denom = _reduce.denominator(weight, layout.axes, layout.world_size)
+            denom = _reduce.denominator(weight, *_reduce.reduction(layout))
             step = self._step(layout, g_leaves, p_leaves, denom, extra)
             updates, new_state = self._run(step, g_leaves, state, apply)
         else:
@@ -392,7 +400,7 @@ class Engine:
         """The state's layout and the leaves of `grads` and `params`, after checking every argument of `update`
         (with `semantics`, also whether the gradients are per-device as the reduction expects)."""
         cfg = self.cfg
-        layout = check_layout(state, cfg.axis_name)
+        layout = check_layout(state, cfg.axis_name, cfg.replica_axes)
         g_leaves = check_tree(grads, layout, "gradients")
         p_leaves = None if params is None else check_tree(params, layout, "parameters")
         if cfg.master_dtype is not None and p_leaves is None:
@@ -402,13 +410,13 @@ class Engine:
         reducing = cfg.reduce is not None
         if semantics:
             _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
-                                    reducing)
+                                    reducing, replicas=layout.replica_axes)
         if weight is not None and not reducing:
             raise WeightError(
                 "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "
                 "gradients are already the global mean. Pass weight to zo.reduce_gradients instead, or use "
                 "reduce=True.")
-        _check_extra(extra, layout.axes)
+        _check_extra(extra, layout.replica_axes + layout.axes)
         return layout, g_leaves, p_leaves
 
     def _sliced_params(self, layout: Layout, p_leaves: list | None, state: ZeroState, ranks) -> list | None:
@@ -707,7 +715,8 @@ class Engine:
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n)
+            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
+                                        bool(layout.replica_axes))
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
             grad_input = self.wire.scatter_packed(rows)
@@ -804,5 +813,5 @@ def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array],
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as replicated, which untyped
         # values (`check_vma=False`) need not be
-        return {i: wire.all_reduce(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
+        return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
     return _owned.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)

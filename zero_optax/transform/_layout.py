@@ -247,6 +247,16 @@ class StoredViews:
         return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
 
     @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes the state is replicated over (`replica_sizes`' names); empty without replicas."""
+        return tuple(a for a, _ in self.replica_sizes)
+
+    @property
+    def replica_count(self) -> int:
+        """How many replicas hold the state: the product of `replica_sizes`."""
+        return math.prod(s for _, s in self.replica_sizes)
+
+    @property
     def paths(self) -> tuple[str, ...]:
         return tuple(leaf.path for leaf in self.leaves)
 
@@ -291,6 +301,11 @@ class StoredViews:
     def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
         """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
         return tuple(leaf.axes) + self.zero_axes(leaf)
+
+    def local_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes `accumulate="local"`'s per-device sums of `leaf` are stacked over (`[devices, *shape]`):
+        the replica axes, then `history_axes`."""
+        return self.replica_axes + self.history_axes(leaf)
 
     @functools.cached_property
     def unpacked_entries(self) -> tuple[int, ...]:
@@ -338,8 +353,8 @@ class StoredLayout(StoredViews):
     `Layout`, through the views both share (`StoredViews`).
 
     Attributes:
-      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps:
-        as `Layout`'s.
+      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps,
+      replica_sizes: as `Layout`'s.
       axis_sizes: `(name, size)` of the mesh axes named by `axis_name` or by a leaf's `axes`, as far as they are
         known: a record lists the axes other than the ZeRO axes, whose sizes it knows only as their product,
         `world_size` (`zero_optax.checkpoint._blocks.leaf_blocks` infers an expert axis's size from its blocks).
@@ -355,6 +370,7 @@ class StoredLayout(StoredViews):
     axis_sizes: tuple[tuple[str, int], ...]
     accumulate: str | None = None
     accumulate_steps: int = 1
+    replica_sizes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +381,10 @@ class Layout(StoredViews):
       partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
       axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
       world_size: the number of devices along those axes.
+      replica_sizes: `(name, size)` of the mesh axes the state is replicated over (`zero1(..., replica_axis=)`):
+        every replica holds the same state, and gradients are summed over these axes too (`replica_axes`).
+        Nothing stored depends on them but `accumulate="local"`'s per-device sums: a state restores at any
+        replica count.
       leaves: the trainable parameter leaves, in tree-flatten order.
       entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
         copies (if any) in parameter order.
@@ -411,6 +431,7 @@ class Layout(StoredViews):
     stacks: tuple[tuple[int, ...], ...] = ()
     joint: bool = False
     replicas: tuple[tuple[int, int], ...] = ()
+    replica_sizes: tuple[tuple[str, int], ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -419,7 +440,7 @@ class Layout(StoredViews):
     def _hash(self) -> int:
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks, self.joint, self.replicas))
+                     self.groups, self.stacks, self.joint, self.replicas, self.replica_sizes))
 
     def view_shared(self, present) -> tuple[int, ...]:
         """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
@@ -491,6 +512,7 @@ class Layout(StoredViews):
     def summary(self) -> str:
         """A short human-readable table of the layout."""
         lines = [f"zero1 partition={self.partition!r} axis={self.axis_name!r} world_size={self.world_size}"
+                 + (f" replicated over {dict(self.replica_sizes)}" if self.replica_sizes else "")
                  + (f" master_dtype={self.master_dtype}" if self.master_dtype else "")
                  + f" state in {self.memory_kind} memory",
                  f"{'leaf':<40} {'shape':<16} {'dtype':<9} {'sharding':<8} {'slots':>10} {'owner':>5}"]

@@ -96,6 +96,7 @@ class Config:
     offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
     typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
     param_specs: Any = None     # the parameters' PartitionSpecs (`zero1(..., param_specs=)`), for `_tp_dims`
+    replica_axes: tuple[str, ...] = ()  # `zero1(..., replica_axis=)`: the state is replicated over these (issue 32)
 
     @property
     def accumulate(self) -> str | None:
@@ -108,6 +109,11 @@ class Config:
     @property
     def axes(self) -> tuple[str, ...]:
         return _compat.as_tuple(self.axis_name)
+
+    @property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """The axes gradients and weights are summed over: the replica axes, then the ZeRO axes."""
+        return self.replica_axes + self.axes
 
     def inner_dtype(self, dtype) -> np.dtype:
         """The dtype the inner optimizer sees a leaf's gradients, parameters and state in."""
@@ -167,7 +173,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
     for a in cfg.axes:
         manual.setdefault(a, sizes[a])
     vma = _compat.vma_enabled(cfg.axes)
-    others = [a for a, s in manual.items() if a not in cfg.axes and s > 1]
+    others = [a for a, s in manual.items() if a not in cfg.axes + cfg.replica_axes and s > 1]
     if not vma and others:
         raise ZeroAxisError(
             f"zero1 runs in a shard_map with check_vma=False over a mesh that also has axes {others}: it cannot "
@@ -175,6 +181,13 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
     out = []
     for x, path in zip(params_leaves, paths):
         varying = _compat.varying_axes(x) if vma else frozenset()
+        replicated = [a for a in cfg.replica_axes if a in varying]
+        if replicated:
+            raise ZeroStructureError(
+                f"The parameter `{path}` differs between the devices of replica axis `{replicated[0]}` (it is typed "
+                "varying there), but every replica holds the same parameters and the same optimizer state. Pass "
+                "the parameters replicated over that axis (in_specs P() for them), not zo.as_local(params) or "
+                "per-device values.")
         axes = tuple(a for a in manual if a in varying)
         if set(cfg.axes) <= set(axes) or (len(cfg.axes) == 1 and cfg.axes[0] in axes):
             raise ZeroStructureError(
@@ -378,6 +391,7 @@ def build_layout(cfg: Config, params) -> Layout:
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_names.key_path(p) for p, _ in flat]
     values = [x for _, x in flat]
+    _compat.axis_size(cfg.replica_axes)  # (bound: a clear error otherwise)
     placement, axis_sizes = _placement(values, paths, cfg)
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
@@ -417,7 +431,8 @@ def build_layout(cfg: Config, params) -> Layout:
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
                   "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups), replicas)
+                  found.joint and bool(groups), replicas,
+                  tuple((a, _compat.axis_size(a)) for a in cfg.replica_axes))
 
 
 def _check_owned_placement(cfg: Config, found: Coupling) -> None:

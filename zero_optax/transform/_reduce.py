@@ -32,7 +32,7 @@ or already the global mean (jax.grad of a lax.pmean'd loss, lax.pmean, zo.reduce
 tell which. Either
   * differentiate with respect to per-device parameters, so that zero1 reduces each device's own gradient (the
     cheapest path: one reduce-scatter):
-        grads = jax.grad(loss_fn)(zo.as_local(params, {axis!r}), batch)
+        grads = jax.grad(loss_fn)(zo.as_local(params, {local!r}), batch)
   * or, if they already are the global mean, pass reduce=False."""
 
 VARYING_HELP = """\
@@ -67,6 +67,12 @@ def global_weight(weight, axes) -> jax.Array:
     return wire.weight_sum(w)
 
 
+def reduction(layout) -> tuple[tuple[str, ...], int]:
+    """The axes a zero1 state's gradients and weights are summed over (its replica axes, then its ZeRO axes), and
+    how many devices they hold."""
+    return layout.replica_axes + layout.axes, layout.world_size * layout.replica_count
+
+
 class Denominator(NamedTuple):
     """What the summed gradient is divided by, and whether the step may move anything."""
 
@@ -95,19 +101,22 @@ def divide(total: jax.Array, denom: Denominator, dtype) -> jax.Array:
 
 
 def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes: Sequence[Sequence[str]],
-                    reducing: bool, what: str = "zero1(reduce=True)") -> None:
+                    reducing: bool, what: str = "zero1(reduce=True)", replicas: Sequence[str] = ()) -> None:
     """Refuses gradients whose varying/invariant type does not fit the reduction (see the module docstring).
 
-    Reducing modes need every gradient varying across its ZeRO axes; `reduce=False` needs them invariant. With
-    `check_vma=False` values carry no such type and the gradients are taken as the mode says.
+    Reducing modes need every gradient varying across its ZeRO axes and the `replicas` axes; `reduce=False` needs
+    them invariant. With `check_vma=False` values carry no such type and the gradients are taken as the mode says.
     """
+    replicas = tuple(replicas)
     for g, path, axes in zip(leaves, paths, zero_axes):
+        axes = replicas + tuple(axes)
         if not axes or not _compat.vma_enabled(axes):
             continue
         varying = _compat.varying_axes(g)
         if reducing and not set(axes) <= varying:
             axis = next(a for a in axes if a not in varying)
-            raise ZeroGradientError(INVARIANT_HELP.format(what=what, axis=axis, path=path))
+            local = axes if replicas else axis  # (as_local over every axis the gradients are summed over)
+            raise ZeroGradientError(INVARIANT_HELP.format(what=what, axis=axis, path=path, local=local))
         if not reducing and set(axes) & varying:
             axis = next(a for a in axes if a in varying)
             raise ZeroGradientError(VARYING_HELP.format(axis=axis, path=path))

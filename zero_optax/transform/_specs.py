@@ -58,7 +58,7 @@ def specs_of(state: ZeroState) -> ZeroState:
     master = None if state.master is None else tuple(groups)
     local = state.local
     if local is not None:
-        local = jax.tree_util.tree_unflatten(layout.treedef, [history_spec(layout, leaf) for leaf in layout.leaves])
+        local = jax.tree_util.tree_unflatten(layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
     return ZeroState(inner, buffers, master, layout, local)
 
 

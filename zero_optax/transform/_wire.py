@@ -13,9 +13,16 @@ from the config:
 * scalars: the global weight (`weight_sum`), the accumulation cycle's position (`agree`), and the full reductions
   an inner update computes over a sliced leaf (`joint`, `zero_optax.transform._varying`).
 
-Every collective goes through the three primitives at the bottom of `Wire` (`_sum`, `_scatter`, `_gather`, and
-`joint` for max and min), over the axes they are given. A new way to move gradients (a second reduction level over
-replica axes, quantized collectives) is a change to those and to the fields `Wire.of` fills, and nothing else.
+With replica axes (`zero1(..., replica_axis=)`, issue 32) gradients are reduced on two levels: reduce-scattered
+over the ZeRO axes (the fast network), then only this device's shard all-reduced over the replica axes (the slow
+one: 1/N of the bytes), so every replica holds the same shard. Weights are summed over both. Everything after the
+reduction (the inner update, the joint reductions, the all-gathers) is the same on every replica and moves over the
+ZeRO axes only.
+
+Every collective goes through the primitives at the bottom of `Wire` (`_sum`, `_scatter`, `_gather`, and `joint`
+for max and min), over the axes they are given; the gradients' reductions add the replica level
+(`_reduce_sum`, `_reduce_scatter`). A new way to move values (quantized collectives) is a change to those and to
+the fields `Wire.of` fills, and nothing else.
 """
 
 from __future__ import annotations
@@ -76,19 +83,22 @@ class Wire:
       alone_bytes: the size from which a leaf travels alone below `bucket_bytes` (`ALONE_BYTES`); None: from
         `bucket_bytes` only.
       sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
+      replicas: the replica axes (`zero1(..., replica_axis=)`): gradients and weights are also summed over these,
+        after the ZeRO axes' reduce-scatter; nothing else crosses them.
     """
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sum_dtype_of: np.dtype | None = None
     alone_bytes: int | None = None
+    replicas: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, cfg) -> Wire:
         """The wire of a `zero_optax.transform._plan.Config` on the default backend."""
         wide = cfg.reduce_dtype if cfg.reduce_dtype is not None else cfg.master_dtype
         return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide),
-                   ALONE_BYTES.get(jax.default_backend()))
+                   ALONE_BYTES.get(jax.default_backend()), cfg.replica_axes)
 
     def sum_dtype(self, dtype) -> str:
         """The dtype name a gradient of `dtype` is summed in."""
@@ -140,8 +150,9 @@ class Wire:
         out = {}
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
-            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum
-                rows = [padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
+            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
+                rows = self._reduce_sum([padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)],
+                                        ())
             else:
                 rows = split(self.reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
             out.update(zip(b.leaves, rows))
@@ -162,7 +173,7 @@ class Wire:
             parts = [padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
                      for i, leaf in zip(b.leaves, leaves)]
             stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-            out.append(self._scatter(stacked, b.axes)[0])
+            out.append(self._reduce_scatter(stacked, b.axes)[0])
         return out
 
     def all_reduce_slices(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
@@ -174,9 +185,7 @@ class Wire:
         out = {}
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
-            parts = [grads[i].astype(b.dtype) for i in b.leaves]
-            if b.axes:
-                parts = self._sum(parts, b.axes)
+            parts = self._reduce_sum([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
             for i, leaf, g in zip(b.leaves, leaves, parts):
                 out[i] = own_slice(g, leaf, ranks[b.axes])
         return out
@@ -215,8 +224,8 @@ class Wire:
     # ------------------------------------------------------------------ owned leaves and whole values
 
     def scatter_packed(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Owner-packed `[n * size]` buffers reduce-scattered: every device keeps the sum of its own row."""
-        return {d: self._scatter(b, self.axes) for d, b in rows.items()}
+        """Owner-packed `[n * size]` gradient buffers reduce-scattered: every device keeps the sum of its own row."""
+        return {d: self._reduce_scatter(b, self.axes) for d, b in rows.items()}
 
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Every device's packed buffers, gathered to every device as `[n, size]` (typed invariant)."""
@@ -229,12 +238,18 @@ class Wire:
         return jax.tree.map(lambda b: self._gather(b, axes), x)
 
     def all_reduce(self, x):
-        """The sum of `x` (a pytree, one collective) over every device of the ZeRO axes; invariant across them."""
+        """The sum of gradients `x` (a pytree, one collective) over every device of the ZeRO and replica axes;
+        invariant across them."""
+        return self._reduce_sum(x, self.axes)
+
+    def invariant(self, x):
+        """`x` (a pytree, the same on every device of a one-device group) typed invariant over the ZeRO axes: a
+        psum over one device."""
         return self._sum(x, self.axes)
 
     def weight_sum(self, w: jax.Array) -> jax.Array:
-        """The sum of every device's weight (a scalar) over the ZeRO axes."""
-        return self._sum(w, self.axes)
+        """The sum of every device's weight (a scalar) over the ZeRO and replica axes."""
+        return self._reduce_sum(w, self.axes)
 
     def agree(self, x: jax.Array) -> jax.Array:
         """`x`, the same on every device, typed invariant across the ZeRO axes (the largest value: one scalar)."""
@@ -246,6 +261,16 @@ class Wire:
         return _JOINT[kind](local, self.axes) if self.axes else local
 
     # ------------------------------------------------------------------ the primitives
+
+    def _reduce_sum(self, x, axes: tuple[str, ...]):
+        """Gradients summed over `axes` and the replica axes (one all-reduce; none over no axis)."""
+        axes = self.replicas + tuple(axes)
+        return self._sum(x, axes) if axes else x
+
+    def _reduce_scatter(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """Gradients reduce-scattered over `axes`, then this device's block all-reduced over the replica axes."""
+        block = self._scatter(x, axes)
+        return self._sum(block, self.replicas) if self.replicas else block
 
     @staticmethod
     def _sum(x, axes: tuple[str, ...]):

@@ -94,6 +94,7 @@ def zero1(
     inner: optax.GradientTransformation,
     *,
     axis_name: str | Sequence[str],
+    replica_axis: str | Sequence[str] | None = None,
     partition: str = "flat",
     owners: Sequence[int] | None = None,
     reduce: bool | str = True,
@@ -139,6 +140,13 @@ def zero1(
       axis_name: the data-parallel mesh axis, or a tuple of axes (`("replica", "data")`) the state is sharded
         over jointly. Parameters sharded over other mesh axes (tensor or expert parallel) keep those shardings;
         each device's block is sharded over the data axes.
+      replica_axis: data-parallel mesh axes (a name or a tuple, disjoint from `axis_name`) the state is
+        *replicated* over (multi-slice and multi-node training: `axis_name` inside a slice or node, the fast
+        network; `replica_axis` across them, the slow one). Inside `shard_map` gradients are per-device over
+        both (`zo.as_local(params, ("replica", "data"))`): each step reduce-scatters them over `axis_name`,
+        all-reduces only this device's shard over `replica_axis` (1/N of the bytes), updates the shard (the same
+        on every replica) and all-gathers over `axis_name` only. The mean (or with `weight=` the weighted mean)
+        is over every device of both. Default None: no replicas.
       partition: `"flat"` (default), `"leaf"` or `"auto"`.
       owners: leaf partition only: one device index per leaf in tree-flatten order; None balances the
         optimizer-state bytes (`zero_optax.balanced_owners`).
@@ -201,6 +209,7 @@ def zero1(
     if reduce not in _REDUCE_CHOICES or isinstance(reduce, int) and not isinstance(reduce, bool):
         raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
     axes = _data_axes(axis_name, mesh)
+    replicas = _replica_axes(replica_axis, axes, mesh)
     if assume_elementwise and partition != "flat":
         raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
                         "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
@@ -235,6 +244,7 @@ def zero1(
         offload=bool(offload),
         typed_init=typed_init,
         param_specs=param_specs,
+        replica_axes=replicas,
     )
     z = Zero1(cfg, mesh)
     tx = optax.GradientTransformationExtraArgs(z.init, z.update)
@@ -314,6 +324,28 @@ def _data_axes(axis_name, mesh) -> tuple[str, ...]:
         if missing:
             raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
     return axes
+
+
+def _replica_axes(replica_axis, axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+    """`replica_axis` as a tuple of distinct axis names (empty for None), disjoint from the ZeRO `axes` and on
+    `mesh` (if given)."""
+    if replica_axis is None:
+        return ()
+    replicas = ((replica_axis,) if isinstance(replica_axis, str) else
+                tuple(replica_axis) if isinstance(replica_axis, Sequence) else ())
+    if not replicas or not all(isinstance(a, str) and a for a in replicas) or len(set(replicas)) != len(replicas):
+        raise ZeroError(f"`replica_axis` must be None, the name of a mesh axis or a tuple of distinct axis names, "
+                        f"got {replica_axis!r}.")
+    shared = [a for a in replicas if a in axes]
+    if shared:
+        raise ZeroError(f"`replica_axis` and `axis_name` both name {shared}: the state is sharded over `axis_name` "
+                        "and replicated over `replica_axis`, so an axis can be one or the other. To shard over "
+                        f"both, pass axis_name={tuple(replicas) + axes!r} and no replica_axis.")
+    if mesh is not None:
+        missing = [a for a in replicas if a not in mesh.axis_names]
+        if missing:
+            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `replica_axis` names {missing}.")
+    return replicas
 
 
 def describe(state) -> Layout:
