@@ -16,6 +16,10 @@ Everything here is counted, not timed, so it is deterministic: state bytes per d
   mesh axis.
 * `buckets`: an 86-leaf, single-dtype tree: collective ops per step and wire volume for several `bucket_bytes`,
   and agreement with the unbucketed step.
+* `quantize`: `zo.Quantize(params="int8", grads="int8", block_size=256)` (issue 33) on the GPT tree with float32
+  master copies: the step's collective bytes against the same step unquantized, float32 and bf16 parameters
+  (8 devices), and per mesh axis on `(replica=2, data=4)` with `replica_axis`, quantizing every axis or only
+  `replica`.
 """
 
 from __future__ import annotations
@@ -326,8 +330,64 @@ def section_buckets() -> str:
     return f"{leaves} float32 leaves, {pbytes / 2**20:.1f} MB, AdamW, {N} devices.\n\n" + "\n".join(lines)
 
 
+def _apply_step(tx, mesh, params, names):
+    """`zo.apply_gradients` of `tx` in shard_map over `mesh` on per-device gradients over `names`, lowered."""
+    specs = zo.state_specs(tx, params, P(), mesh=mesh)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    n = mesh.devices.size
+
+    def step(p, s, g):
+        return zo.apply_gradients(tx, jax.tree.map(lambda x: x[0], g), s, p)
+
+    grads = jax.device_put(jax.tree.map(lambda x: jnp.full((n, *x.shape), 1e-3, x.dtype), params),
+                           NamedSharding(mesh, P(names)))
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(names)), out_specs=(P(), specs))).lower(
+        jax.device_put(params, NamedSharding(mesh, P())), state, grads)
+
+
+def section_quantize() -> str:
+    from benchmarks.replica import wire_per_axis  # pylint: disable=import-outside-toplevel
+
+    params32 = gpt_params(2048, 256, 8)
+    both = zo.Quantize(params="int8", grads="int8", block_size=256)
+    lines = ["| parameters | quantize | collectives (compiled) | wire MB | x unquantized | as emitted: wire MB | x |",
+             "|---|---|---|---|---|---|---|"]
+    for pdt in (jnp.float32, jnp.bfloat16):
+        params = jax.tree.map(lambda x: x.astype(pdt), params32)
+        base = None
+        for label, q in (("none", None), ("params", zo.Quantize(params="int8")), ("grads", zo.Quantize(grads="int8")),
+                         ("params + grads", both)):
+            rd = None if pdt == jnp.float32 else jnp.bfloat16  # bf16: gradients summed in bf16 when exact
+            tx = zo.zero1(optax.adamw(1e-3), axis_name="data", master_dtype=jnp.float32, reduce_dtype=rd,
+                          quantize=q)
+            lowered = _apply_step(tx, _mesh(), params, "data")
+            ops = [o for o in _ops(lowered.compile()) if o["kind"] != "all-reduce"]
+            emitted = [o for o in collective_ops(lowered.as_text(dialect="hlo")) if o["kind"] != "all-reduce"]
+            w, e = _wire(ops), _wire(emitted)
+            base = base or (w, e)
+            lines.append(f"| {np.dtype(pdt).name} | {label} | {_by_kind(ops)} | {w / 2**20:.2f} | {w / base[0]:.3f} | "
+                         f"{e / 2**20:.2f} | {e / base[1]:.3f} |")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("replica", "data"))
+    pbytes = tree_bytes(params32)
+    axis_lines = ["| quantize | over data (x params) | over replica (x params) |", "|---|---|---|"]
+    for label, q in (("none", None), ("params + grads, every axis", both),
+                     ("params + grads, axes=(\"replica\",)", zo.Quantize(params="int8", grads="int8",
+                                                                         axes=("replica",)))):
+        tx = zo.zero1(optax.adamw(1e-3), axis_name="data", replica_axis="replica", master_dtype=jnp.float32,
+                      quantize=q)
+        per = wire_per_axis(_apply_step(tx, mesh, params32, ("replica", "data")).compile(), mesh)
+        data, replica = per.get(("data",), 0) / pbytes, per.get(("replica",), 0) / pbytes
+        axis_lines.append(f"| {label} | {data:.3f} | {replica:.3f} |")
+    return (f"GPT tree (vocab 2048, d_model 256, 8 layers): {param_count(params32):,} parameters, float32 master "
+            f"copies, `zo.apply_gradients` in `shard_map`, {N} devices, block_size 256. All-reduces (the skipped-"
+            "step and weight scalars) left out; \"as emitted\" counts the program before XLA:CPU upcasts bf16 "
+            "collectives to float32.\n\n" + "\n".join(lines) +
+            "\n\nPer mesh axis on (replica=2, data=4), float32 (`replica_axis=\"replica\"`; all-reduces included):\n\n"
+            + "\n".join(axis_lines))
+
+
 SECTIONS = {"precision": section_precision, "jit": section_jit, "mesh2d": section_mesh2d,
-            "mesh2d_owned": section_mesh2d_owned, "buckets": section_buckets}
+            "mesh2d_owned": section_mesh2d_owned, "buckets": section_buckets, "quantize": section_quantize}
 
 
 def main(argv=None) -> int:

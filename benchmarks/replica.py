@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     args = parser.parse_args(argv)
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), BOTH, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), BOTH,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
     params = jax.tree.map(np.asarray, gpt_params(2048, 256, 8))  # (host arrays: every variant places its own)
     pbytes = tree_bytes(params)
     rng = np.random.default_rng(0)
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     axes_seen = sorted({a for w in wires.values() for a in w}, key=lambda a: (len(a), a))
     print(f"GPT tree: {param_count(params):,} float32 parameters ({pbytes / 2**20:.1f} MB), AdamW, mesh (replica=2, "
-          f"data=4), JAX {jax.__version__} on {jax.devices()[0].platform}; {args.rounds} rounds x {args.steps} steps.\n")
+          f"data=4), JAX {jax.__version__} on {jax.devices()[0].platform}; {args.rounds} rounds x {args.steps} "
+          "steps.\n")
     head = " | ".join(f"wire over {'+'.join(a)} (MB/device; x params)" for a in axes_seen)
     print(f"| variant | {head} | state MB/device | step ms | x gspmd |")
     print("|---|" + "---|" * (len(axes_seen) + 3))

@@ -53,16 +53,18 @@ def test_mesh_bound_under_jit(partition, bucket_bytes):
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(p))
 
 
-def test_bf16_parameters_land_on_the_rounded_master_copy():
+@pytest.mark.parametrize("partition", ["flat", "leaf", "auto"])
+def test_bf16_parameters_land_on_the_rounded_master_copy(partition):
+    """Owned leaves too: their owners send the new master values rounded, which are the new parameters."""
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), h.small_params())
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)  # the master copies start from these
     grads = [jax.tree.map(lambda g: g.astype(jnp.bfloat16), g) for g in h.gradient_sequence(params, N, steps=3)]
-    tx = zo.zero1(INNER["flat"](), axis_name="data", master_dtype=jnp.float32)
+    tx = zo.zero1(INNER[partition](), axis_name="data", master_dtype=jnp.float32, partition=partition)
     zp, zs = run_in_shard_map(tx, params, grads)
-    ref, ref_state = params32, INNER["flat"]().init(params32)
+    ref, ref_state = params32, INNER[partition]().init(params32)
     for g in grads:
         mean = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64).mean(0), jnp.float32), g)
-        u, ref_state = INNER["flat"]().update(mean, ref_state, ref)
+        u, ref_state = INNER[partition]().update(mean, ref_state, ref)
         ref = optax.apply_updates(ref, u)
     for p, r in zip(jax.tree.leaves(zp), jax.tree.leaves(ref)):
         assert p.dtype == jnp.bfloat16

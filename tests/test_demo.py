@@ -69,3 +69,13 @@ def test_batches_come_from_the_shipped_text():
     assert inputs.shape == targets.shape == (demo.BATCH, demo.SEQ_LEN)
     assert (inputs[:, 1:] == targets[:, :-1]).all()  # targets are the next characters
     assert (text.batch(3)[0] == inputs).all()  # deterministic per step
+
+
+def test_quantize_trains_the_four_runs_and_plots_them(tmp_path, capsys):
+    """`--quantize`: the exact run and the int8 runs (params, grads, both), their final losses within a few percent
+    of the exact one at a few steps, and one plot of the curves."""
+    assert demo.main(["--quantize", "--steps", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    gaps = [float(m) for m in re.findall(r"([+-]\d+\.\d+)%", out)]
+    assert len(gaps) == 4 and gaps[0] == 0.0 and all(abs(g) < 5 for g in gaps), out
+    assert (tmp_path / "quantize_curves.png").read_bytes()[:8] == PNG_MAGIC

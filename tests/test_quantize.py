@@ -25,6 +25,7 @@ from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.core._hlo import collective_ops
 from zero_optax.transform import _quantize as qz
+from zero_optax.transform import _wire as wire
 
 # ---------------------------------------------------------------------------------------------- numpy references
 
@@ -177,7 +178,7 @@ def test_all_gather(shape, names, axes, dtype):
     full = axes == names
     # gathered over every mesh axis the result is replicated (out_specs=P() holds only for an invariant value);
     # over "data" only it varies over "replica", and P("replica") holds only if it is invariant over "data"
-    f = jax.jit(jax.shard_map(lambda x: qz.all_gather(x, axes, b), mesh=mesh, in_specs=P(names),
+    f = jax.jit(jax.shard_map(lambda x: wire.quantized_all_gather(x, axes, b), mesh=mesh, in_specs=P(names),
                               out_specs=P() if full else P("replica")))
     x = placed(mesh, np.concatenate(blocks), P(names))
     out = f(x)
@@ -237,7 +238,7 @@ def test_reduce_scatter(shape, names, axes):
     rng = np.random.default_rng(2)
     inputs = [spiky(rng, n * rows, spikes=3 * n) for _ in range(8)]
     inputs[3][:rows] = 0                             # a sender whose first part is all zeros
-    f = jax.jit(jax.shard_map(lambda x: qz.reduce_scatter(x, axes, b), mesh=mesh, in_specs=P(names),
+    f = jax.jit(jax.shard_map(lambda x: wire.quantized_reduce_scatter(x, axes, b), mesh=mesh, in_specs=P(names),
                               out_specs=P(names)))
     x = placed(mesh, np.concatenate(inputs), P(names))
     out = f(x)
@@ -302,7 +303,7 @@ def test_reduce_scatter_of_an_invariant_value_and_typing():
     x = spiky(np.random.default_rng(3), 8 * rows, spikes=4)
 
     def body(v):
-        out = qz.reduce_scatter(v, ("data",), b)
+        out = wire.quantized_reduce_scatter(v, ("data",), b)
         assert "data" in _compat.varying_axes(out)
         assert "data" in _compat.varying_axes(_compat.psum_scatter(v, ("data",)))
         return out
@@ -317,12 +318,12 @@ def test_collectives_without_vma_checks():
     rng = np.random.default_rng(4)
     inputs = [spiky(rng, 8 * rows, spikes=2) for _ in range(8)]
     x = placed(mesh, np.concatenate(inputs), P("data"))
-    rs = jax.jit(jax.shard_map(lambda v: qz.reduce_scatter(v, ("data",), b), mesh=mesh, in_specs=P("data"),
-                               out_specs=P("data"), check_vma=False))(x)
+    rs = jax.jit(jax.shard_map(lambda v: wire.quantized_reduce_scatter(v, ("data",), b), mesh=mesh,
+                               in_specs=P("data"), out_specs=P("data"), check_vma=False))(x)
     for r in range(8):
         assert_sums_close(np.asarray(rs)[r * rows:(r + 1) * rows], inputs, list(range(8)), r, rows, b)
-    ag = jax.jit(jax.shard_map(lambda v: qz.all_gather(v[:rows], ("data",), b), mesh=mesh, in_specs=P("data"),
-                               out_specs=P(), check_vma=False))(x)
+    ag = jax.jit(jax.shard_map(lambda v: wire.quantized_all_gather(v[:rows], ("data",), b), mesh=mesh,
+                               in_specs=P("data"), out_specs=P(), check_vma=False))(x)
     np.testing.assert_array_equal(np.asarray(ag), np.concatenate([np_roundtrip(v[:rows], b) for v in inputs]))
 
 
@@ -352,15 +353,15 @@ def test_bad_arguments_inside_shard_map():
     def run(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
     with pytest.raises(ZeroError, match="axes"):
-        run(lambda v: qz.all_gather(v, (), 4))
+        run(lambda v: wire.quantized_all_gather(v, (), 4))
     with pytest.raises(ZeroError, match="axes"):
-        run(lambda v: qz.reduce_scatter(v, (1,), 4)[:0])
+        run(lambda v: wire.quantized_reduce_scatter(v, (1,), 4)[:0])
     with pytest.raises(ZeroError, match=r"\bx\b.*multiple"):
-        run(lambda v: qz.reduce_scatter(v[:10], ("data",), 4)[:0])
+        run(lambda v: wire.quantized_reduce_scatter(v[:10], ("data",), 4)[:0])
     with pytest.raises(ZeroError, match=r"\bx\b"):
-        run(lambda v: qz.all_gather(v.reshape(3, 4), ("data",), 4))
+        run(lambda v: wire.quantized_all_gather(v.reshape(3, 4), ("data",), 4))
     with pytest.raises(ZeroError, match="block_size"):
-        run(lambda v: qz.all_gather(v, ("data",), 0))
+        run(lambda v: wire.quantized_all_gather(v, ("data",), 0))
 
 
 def test_bad_sizes():

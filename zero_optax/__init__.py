@@ -32,6 +32,7 @@ from zero_optax.core._errors import (
 from zero_optax.core._version import __version__ as __version__
 from zero_optax.transform._layout import Layout
 from zero_optax.transform._owners import balanced_owners
+from zero_optax.transform._quantize import Quantize
 from zero_optax.transform._reduce import reduce_gradients
 from zero_optax.transform._specs import state_specs
 from zero_optax.transform._state import (
@@ -56,6 +57,7 @@ __all__ = (
     "Migration",
     "OwnersError",
     "ParamSlice",
+    "Quantize",
     "RankRecord",
     "StoreError",
     "WeightError",

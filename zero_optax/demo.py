@@ -481,6 +481,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="a (data, model) mesh such as data=4,model=2: the blocks' matrices sharded over "
                              "\"model\" (Muon's owner gathers them whole), resumed at half the data size; "
                              "default: a 1-D data mesh")
+    parser.add_argument("--quantize", action="store_true",
+                        help="instead: AdamW with int8 collectives (zo.Quantize params, grads, both) beside the "
+                             "exact run, --steps steps each (300 for the figures in benchmarks/RESULTS.md), loss "
+                             "curves on one plot")
     parser.add_argument("--out", type=Path, default=Path("zero_optax_demo"),
                         help="output folder for checkpoints and loss_curves.png (default: ./zero_optax_demo)")
     args = parser.parse_args(argv)
@@ -506,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     columns = (TextColumn("{task.description:<24}"), BarColumn(bar_width=12), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.3f}  rel. diff {task.fields[diff]:.0e}"), TimeElapsedColumn())
+    if args.quantize:
+        return quantized(text, devices, args, Progress(*columns[:3], TextColumn("loss {task.fields[loss]:.3f}"),
+                                                       TimeElapsedColumn(), console=console), console)
     with Progress(*columns, console=console) as progress:
         for recipe in recipes:
             results.append(train(recipe, text, devices, args.steps, args.out, progress, model_size))
@@ -524,6 +531,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"from {len(devices)} to {len(devices) // 2} devices" if ok else
                   "[bold red]FAILED[/]: zero1 differed from plain optax beyond float32 rounding (see the checks)")
     return 0 if ok else 1
+
+
+def quantized(text: Text, devices: Sequence[jax.Device], args: argparse.Namespace, progress: Progress,
+              console: Console) -> int:
+    """`--quantize`: the four runs of `zero_optax._quantized_demo`, their table and plot."""
+    from zero_optax import _quantized_demo  # pylint: disable=import-outside-toplevel (it imports this module)
+
+    with progress:
+        runs = _quantized_demo.run_all(text, devices, args.steps, progress)
+    console.print(_quantized_demo.table(runs))
+    png = args.out / "quantize_curves.png"
+    _quantized_demo.plot(runs, png)
+    console.print(f"loss curves: {png}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@
 * `_engine`: `init` and `update` inside `shard_map`, for sliced and owned leaves alike; `update` as stages
   (offload in, accumulate, then `_run`: reduce, update the groups and the owned leaves, gather; offload out).
 * `_wire`: every collective zero1 emits (`Wire`: reduce-scatter, all-reduce, all-gather, weight sums, the
-  accumulation position, the joint reductions of sliced leaves), the bucket plan and the dtype each travels in.
+  accumulation position, the joint reductions of sliced leaves; the replica level; the int8 all-gather and the
+  all-to-all reduce-scatter), the bucket plan and the dtype each travels in.
+* `_quantize`: the block-wise int8 codec the quantized collectives send (`quantize`, `dequantize`) and
+  `Quantize`, what `zero1(..., quantize=)` takes.
 * `_groups`: sliced leaves that run one program, stored and updated as one buffer per group; `Step`, what the
   parts of one `update` call read alike.
 * `_varying`: the inner update with every value typed varying, so it runs whatever it branches on; its full

@@ -383,9 +383,10 @@ class Engine:
         updates = self._gather_values(layout, values)
         new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
         if apply:
-            new_params = updates if cfg.master_dtype is None else {  # the gathered, rounded master copies
-                i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in updates.items()}
-            new_params.update({i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()})
+            if cfg.master_dtype is None:
+                new_params = {**updates, **{i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()}}
+            else:  # the gathered, rounded master copies (of the owned leaves too: their owners send those)
+                new_params = {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in {**updates, **u_owned}.items()}
             return _tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
         updates.update(u_owned)
         if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
@@ -715,8 +716,8 @@ class Engine:
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
-                                        bool(layout.replica_axes))
+            packed = bool(layout.replica_axes) or cfg.quantize is not None and cfg.quantize.quantizes("grads", cfg.axes)
+            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n, packed)
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
             grad_input = self.wire.scatter_packed(rows)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat, _reach
-from zero_optax.core._errors import WeightError, ZeroStructureError
+from zero_optax.core._errors import WeightError, ZeroError, ZeroStructureError
 from zero_optax.transform import _engine, _plan, _specs
 from zero_optax.transform._state import ZeroState
 
@@ -110,6 +110,14 @@ class Bound:
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
         """`update` on global arrays (with `apply`, the new parameters: `Engine.update`)."""
+        quantize = self.zero.cfg.quantize
+        if quantize is not None and quantize.grads is not None:
+            raise ZeroError(
+                "Quantize(grads=\"int8\") quantizes the reduction of per-device gradients, but a mesh-bound zero1 "
+                "called outside shard_map receives gradients XLA has already reduced (jax.grad of the global loss). "
+                "Call update inside jax.shard_map over the mesh with per-device gradients (jax.grad with respect to "
+                "zo.as_local(params, axis_name)), where zero1 reduces them itself, or drop grads= (params= works "
+                "in either form).")
         if weight is not None:
             raise WeightError(
                 "A mesh-bound zero1 used outside shard_map receives the global mean gradient (jax.grad of the global "

@@ -145,13 +145,14 @@ def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
                                if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
 
 
-def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, replicated: bool = False) -> str | None:
+def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:
     """The gradient collective: a one-device mesh needs none, "auto" picks the one that moves fewer bytes.
 
     A reduce-scatter of owner-packed buffers moves `n * padded share` bytes; an all-reduce moves about twice the
-    gradient bytes. They differ when one owner's share is far above the average (a large embedding). With replica
-    axes (`replicated`) the reduce-scatter wins whatever the shares: only each owner's row then crosses the
-    replica axes (twice its bytes), where the all-reduce would carry twice every owned gradient across them.
+    gradient bytes. They differ when one owner's share is far above the average (a large embedding). `packed`
+    makes the reduce-scatter the choice whatever the shares: with replica axes only each owner's row then crosses
+    them (twice its bytes), where the all-reduce would carry twice every owned gradient across them; quantized
+    gradients travel by reduce-scatters only.
     """
     if reduce is None:
         return None
@@ -159,7 +160,7 @@ def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, replic
         return "psum"
     if reduce != "auto":
         return reduce
-    if replicated:
+    if packed:
         return "psum_scatter"
     scatter = n * sum(size * np.dtype(d).itemsize for d, size in plan.sizes.items())
     return "psum_scatter" if scatter <= 2 * nbytes else "psum"

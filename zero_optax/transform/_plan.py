@@ -97,6 +97,7 @@ class Config:
     typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
     param_specs: Any = None     # the parameters' PartitionSpecs (`zero1(..., param_specs=)`), for `_tp_dims`
     replica_axes: tuple[str, ...] = ()  # `zero1(..., replica_axis=)`: the state is replicated over these (issue 32)
+    quantize: Any = None        # `zero1(..., quantize=)`: `_quantize.Quantize`, or None (issue 33)
 
     @property
     def accumulate(self) -> str | None:

@@ -21,27 +21,27 @@ that rewrite, and a numpy reference reproduces them bit for bit (`tests/test_qua
 
 On the wire a block of `b` elements costs `b + 4` bytes instead of `4 b` (`wire_bytes`).
 
-* `all_gather`: every device quantizes its own block, the codes and scales are all-gathered (two all-gathers,
-  typed invariant like `zero_optax.core._compat.all_gather_invariant`), and every device dequantizes every
-  sender's block.
-* `reduce_scatter`: every device quantizes each of its `n` parts (part `r` destined to device `r`, as
-  `zero_optax.core._compat.psum_scatter` takes them), one `lax.all_to_all` of the codes and one of the scales
-  deliver to every device the `n` quantized parts destined to it, and it dequantizes and sums them in float32.
-  Each part is quantized once, by its sender, so the error of the sum is at most the sum over the senders of
-  their blocks' `scale / 2`.
+The collectives built on these (`zero_optax.transform._wire.quantized_all_gather`, and
+`quantized_reduce_scatter`, an all-to-all) are the wire's, as every collective zero1 emits is:
 
-These are the primitives only; nothing in zero1 uses them yet.
+* the all-gather: every device quantizes its own block, the codes and scales are all-gathered, and every device
+  dequantizes every sender's block;
+* the reduce-scatter: every device quantizes each of its `n` parts (part `r` destined to device `r`), one
+  all-to-all of the codes and one of the scales deliver to every device the `n` parts destined to it, and it
+  dequantizes and sums them in float32. Each part is quantized once, by its sender, so the error of the sum is
+  at most the sum over the senders of their blocks' `scale / 2`.
+
+`Quantize` is what `zero1(..., quantize=)` takes (issue 33).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
+import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
@@ -55,14 +55,64 @@ _INV_QMAX = np.float32(1) / np.float32(QMAX)
 SCALE_BYTES = 4
 """Bytes of one block's scale on the wire (float32)."""
 
+INT8 = "int8"
 
-def _check_block_size(block_size) -> int:
+
+@dataclasses.dataclass(frozen=True)
+class Quantize:
+    """Quantized collectives for `zero_optax.zero1(..., quantize=zo.Quantize(...))` (ZeRO++'s qwZ and qgZ).
+
+    Attributes:
+      params: `"int8"`: the new parameters travel in zero1's all-gathers as int8 codes with one float32 scale per
+        block of `block_size` (about a quarter of the float32 bytes); every device then holds the block-wise int8
+        rounding of the master copy (within `scale / 2` of it per element, the same on every device). Requires
+        `zero1(..., master_dtype=...)`, so that the master copy stays exact and the rounding never accumulates.
+        None: exact.
+      grads: `"int8"`: each device quantizes its gradients per block, the blocks are exchanged by all-to-all,
+        and each receiver dequantizes and sums them in float32 (the reduce-scatter; over replica axes, the same
+        reduce-scatter followed by an int8 all-gather of the sums). The reduced gradient then differs from the
+        exact sum by at most the senders' half-scales summed (each part is quantized once, by its sender; the
+        replica level adds its own). Only inside `shard_map`: a mesh-bound zero1 under `jax.jit` receives
+        gradients XLA has already reduced. None: exact.
+      block_size: elements per scale (DeepSpeed uses about 4k, at most 16k; 256 keeps the scales at 1.6% of the
+        bytes and outliers local).
+      axes: the mesh axes whose collectives are quantized (a collective over any of them is), for example only
+        zero1's `replica_axis`; None: all of them.
+
+    Examples:
+      >>> import zero_optax as zo
+      >>> zo.Quantize(params="int8", grads="int8", block_size=256).grads
+      'int8'
+    """
+
+    params: str | None = None
+    grads: str | None = None
+    block_size: int = 256
+    axes: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("params", "grads"):
+            if getattr(self, name) not in (None, INT8):
+                raise ZeroError(f"Quantize({name}=...) must be None or \"int8\", got {getattr(self, name)!r}.")
+        check_block_size(self.block_size)
+        if self.axes is not None:
+            axes = (self.axes,) if isinstance(self.axes, str) else self.axes
+            if not isinstance(axes, Sequence) or not axes or not all(isinstance(a, str) and a for a in axes):
+                raise ZeroError(f"Quantize(axes=...) must be None or mesh axis names, got {self.axes!r}.")
+            object.__setattr__(self, "axes", tuple(axes))
+
+    def quantizes(self, kind: str, axes: Sequence[str]) -> bool:
+        """Whether a collective of `kind` (`"params"` or `"grads"`) over `axes` is quantized."""
+        return getattr(self, kind) == INT8 and bool(axes) and (self.axes is None or bool(set(axes) & set(self.axes)))
+
+
+def check_block_size(block_size) -> int:
     if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ZeroError(f"block_size must be a positive int (the elements that share one scale), got {block_size!r}.")
     return int(block_size)
 
 
-def _check_vector(x, what: str) -> jax.Array:
+def check_vector(x, what: str) -> jax.Array:
     if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
         raise ZeroError(f"{what}: x must be a 1-D floating array, got {type(x).__name__}.")
     if x.ndim != 1:
@@ -73,7 +123,7 @@ def _check_vector(x, what: str) -> jax.Array:
     return x
 
 
-def _check_axes(axes, what: str) -> tuple[str, ...]:
+def check_axes(axes, what: str) -> tuple[str, ...]:
     names = _compat.as_tuple(axes) if isinstance(axes, (str, tuple, list)) else None
     if not names or not all(isinstance(a, str) for a in names):
         raise ZeroError(f"{what}: axes must be a non-empty tuple of mesh axis names, such as ('data',), got "
@@ -90,7 +140,7 @@ def padded_size(n: int, block_size: int) -> int:
       >>> padded_size(8, 4), padded_size(0, 4)
       (8, 0)
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ZeroError(f"n must be a non-negative int (an element count), got {n!r}.")
     return -(-int(n) // block_size) * block_size
@@ -110,7 +160,7 @@ def wire_bytes(n_elements: int, block_size: int) -> int:
     return padded + SCALE_BYTES * (padded // block_size)
 
 
-def _quantize_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     """Codes and scales of `x` (`[..., padded]` float32, `padded` a multiple of `block_size`), blocks along the
     last axis: int8 `[..., padded]` and float32 `[..., padded // block_size]`."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
@@ -120,13 +170,13 @@ def _quantize_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]
     return q.reshape(x.shape), scales
 
 
-def _dequantize_rows(q: jax.Array, scales: jax.Array, block_size: int) -> jax.Array:
-    """`_quantize_rows` inverted: float32 `[..., padded]`."""
+def dequantize_rows(q: jax.Array, scales: jax.Array, block_size: int) -> jax.Array:
+    """`quantize_rows` inverted: float32 `[..., padded]`."""
     blocks = q.reshape(*q.shape[:-1], q.shape[-1] // block_size, block_size).astype(jnp.float32)
     return (blocks * scales[..., None]).reshape(q.shape)
 
 
-def _pad_last(x: jax.Array, padded: int) -> jax.Array:
+def pad_last(x: jax.Array, padded: int) -> jax.Array:
     pad = padded - x.shape[-1]
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
@@ -154,10 +204,10 @@ def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
       >>> scales
       Array([0.00787402, 0.        ], dtype=float32)
     """
-    block_size = _check_block_size(block_size)
-    x = _check_vector(x, "quantize")
-    x = _pad_last(x.astype(jnp.float32), padded_size(x.shape[0], block_size))
-    return _quantize_rows(x, block_size)
+    block_size = check_block_size(block_size)
+    x = check_vector(x, "quantize")
+    x = pad_last(x.astype(jnp.float32), padded_size(x.shape[0], block_size))
+    return quantize_rows(x, block_size)
 
 
 def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
@@ -184,69 +234,4 @@ def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
     block_size = q.shape[0] // nblocks if nblocks else 1
     if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or not 0 <= size <= q.shape[0]:
         raise ZeroError(f"dequantize: size must be an int in [0, {q.shape[0]}] (q's length), got {size!r}.")
-    return _dequantize_rows(q, scales.astype(jnp.float32), block_size)[:size].astype(dtype)
-
-
-def all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """Every device's `x` over `axes`, concatenated (like `all_gather_invariant(x, axes, tiled=True)`), each
-    block as its block-wise int8 rounding. Inside `jax.shard_map`.
-
-    Each device quantizes its own `x`; the codes and the scales are all-gathered (`wire_bytes(x.size,
-    block_size)` per device instead of `x.nbytes`) and every sender's block is dequantized. Typed invariant across
-    `axes` (so `out_specs=P()` holds over them).
-
-    Args:
-      x: this device's 1-D floating block, the same length on every device.
-      axes: the mesh axes to gather over (row-major device order over a tuple).
-      block_size: elements per scale.
-
-    Returns:
-      `[n * x.size]` in `x.dtype`, `n` the product of the sizes of `axes`.
-    """
-    block_size = _check_block_size(block_size)
-    x = _check_vector(x, "all_gather")
-    axes = _check_axes(axes, "all_gather")
-    n = _compat.axis_size(axes, "all_gather")
-    size = x.shape[0]
-    q, scales = quantize(x, block_size)
-    q = _compat.all_gather_invariant(q, axes, tiled=True).reshape(n, -1)
-    scales = _compat.all_gather_invariant(scales, axes, tiled=True).reshape(n, -1)
-    return _dequantize_rows(q, scales, block_size)[:, :size].reshape(-1).astype(x.dtype)
-
-
-def reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """This device's part of the sum over `axes` of every device's `x` (like `psum_scatter(x, axes)`), each part
-    quantized block-wise by its sender; float32. Inside `jax.shard_map`.
-
-    `x` is `n` parts of `rows` elements, part `r` destined to device `r` (`n` the product of the sizes of `axes`,
-    devices row-major over a tuple). Each part is zero-padded to `padded_size(rows, block_size)` and quantized;
-    one all-to-all of the codes and one of the scales hand every device the `n` parts destined to it
-    (`n * wire_bytes(rows, block_size)` bytes through each device), which it dequantizes and sums in float32,
-    senders in order 0..n-1. Typed varying across `axes`, as `psum_scatter`'s result is.
-
-    Args:
-      x: this device's 1-D floating `[n * rows]` values.
-      axes: the mesh axes to reduce over.
-      block_size: elements per scale.
-
-    Returns:
-      float32 `[rows]`.
-    """
-    block_size = _check_block_size(block_size)
-    x = _check_vector(x, "reduce_scatter")
-    axes = _check_axes(axes, "reduce_scatter")
-    n = _compat.axis_size(axes, "reduce_scatter")
-    if x.shape[0] % n:
-        raise ZeroError(f"reduce_scatter: x's length {x.shape[0]} is not a multiple of the {n} devices of {axes}.")
-    rows = x.shape[0] // n
-    parts = _pad_last(x.astype(jnp.float32).reshape(n, rows), padded_size(rows, block_size))
-    q, scales = _quantize_rows(parts, block_size)
-    q, scales = _compat.pvary((q, scales), axes)  # all_to_all takes values typed varying across its axes
-    # lax.all_to_all over a tuple of axes (row-major, like psum_scatter's device order) works on JAX 0.10.2 and
-    # 0.12 alike (tests/test_quantize.py checks the order on a (2, 4) mesh): no per-axis emulation is needed.
-    axis = _compat._axis_arg(axes)
-    q = lax.all_to_all(q, axis, 0, 0, tiled=True)            # row s: sender s's part for this device
-    scales = lax.all_to_all(scales, axis, 0, 0, tiled=True)
-    received = _dequantize_rows(q, scales, block_size)
-    total = functools.reduce(operator.add, [received[s] for s in range(n)])
-    return total[:rows]
+    return dequantize_rows(q, scales.astype(jnp.float32), block_size)[:size].astype(dtype)

@@ -23,12 +23,21 @@ Every collective goes through the primitives at the bottom of `Wire` (`_sum`, `_
 for max and min), over the axes they are given; the gradients' reductions add the replica level
 (`_reduce_sum`, `_reduce_scatter`). A new way to move values (quantized collectives) is a change to those and to
 the fields `Wire.of` fills, and nothing else.
+
+Quantized collectives (`zero1(..., quantize=zo.Quantize(...))`, issue 33, kernels in
+`zero_optax.transform._quantize`): with `grads="int8"` the gradients' reduce-scatters (`_reduce_scatter`) travel
+as int8 blocks through an all-to-all and are summed in float32, and so does the replica level (a quantized
+reduce-scatter over the replica axes, then an int8 all-gather of the sums); with `params="int8"` the all-gathers
+of new parameter values (`gather_rows`, `gather_packed`) travel as int8 blocks. Weights, the joint reductions and
+the tensor-parallel gathers stay exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -36,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zero_optax.core import _compat
+from zero_optax.core import _compat, _errors
+from zero_optax.transform import _quantize
 from zero_optax.transform._layout import Layout
 from zero_optax.transform._sliced import own_slice, padded, split, unpadded
 
@@ -85,6 +95,7 @@ class Wire:
       sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
       replicas: the replica axes (`zero1(..., replica_axis=)`): gradients and weights are also summed over these,
         after the ZeRO axes' reduce-scatter; nothing else crosses them.
+      quantize: `zero_optax.transform._quantize.Quantize`, or None: every collective exact.
     """
 
     axes: tuple[str, ...]
@@ -92,13 +103,14 @@ class Wire:
     sum_dtype_of: np.dtype | None = None
     alone_bytes: int | None = None
     replicas: tuple[str, ...] = ()
+    quantize: _quantize.Quantize | None = None
 
     @classmethod
     def of(cls, cfg) -> Wire:
         """The wire of a `zero_optax.transform._plan.Config` on the default backend."""
         wide = cfg.reduce_dtype if cfg.reduce_dtype is not None else cfg.master_dtype
         return cls(cfg.axes, cfg.bucket_bytes, None if wide is None else np.dtype(wide),
-                   ALONE_BYTES.get(jax.default_backend()), cfg.replica_axes)
+                   ALONE_BYTES.get(jax.default_backend()), cfg.replica_axes, cfg.quantize)
 
     def sum_dtype(self, dtype) -> str:
         """The dtype name a gradient of `dtype` is summed in."""
@@ -151,8 +163,7 @@ class Wire:
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
             if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
-                rows = self._reduce_sum([padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)],
-                                        ())
+                rows = [self._replica_sum(padded(grads[i].astype(b.dtype), leaf)) for i, leaf in zip(b.leaves, leaves)]
             else:
                 rows = split(self.reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
             out.update(zip(b.leaves, rows))
@@ -215,7 +226,7 @@ class Wire:
         out = {}
         for b, row in zip(buckets, rows):
             leaves = [layout.leaves[i] for i in b.leaves]
-            cols = self._gather(row.astype(b.dtype), b.axes, tiled=True).reshape(leaves[0].group, -1)
+            cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
             cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
             for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
                 out[i] = unpadded(cols[:, a:c].reshape(-1), leaf)
@@ -228,8 +239,9 @@ class Wire:
         return {d: self._reduce_scatter(b, self.axes) for d, b in rows.items()}
 
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Every device's packed buffers, gathered to every device as `[n, size]` (typed invariant)."""
-        return {d: self._gather(b, self.axes) for d, b in buffers.items()}
+        """Every device's packed buffers (owned leaves' updates, or with master copies their new values), gathered
+        to every device as `[n, size]` (typed invariant)."""
+        return {d: self._gather_values(b, self.axes).reshape(-1, b.shape[0]) for d, b in buffers.items()}
 
     def gather_blocks(self, x, axes: tuple[str, ...]):
         """Every device's `x` (a pytree) from all devices of the tensor-parallel `axes`, stacked on a new leading
@@ -267,10 +279,41 @@ class Wire:
         axes = self.replicas + tuple(axes)
         return self._sum(x, axes) if axes else x
 
+    def _quantized(self, kind: str, axes: Sequence[str], x: jax.Array | None = None) -> bool:
+        """Whether a collective of `kind` over `axes` (of the value `x`: a floating one) is quantized."""
+        return (self.quantize is not None and self.quantize.quantizes(kind, axes)
+                and (x is None or jnp.issubdtype(x.dtype, jnp.floating)))
+
     def _reduce_scatter(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """Gradients reduce-scattered over `axes`, then this device's block all-reduced over the replica axes."""
-        block = self._scatter(x, axes)
-        return self._sum(block, self.replicas) if self.replicas else block
+        if self._quantized("grads", axes, x):
+            n = _compat.axis_size(axes)
+            block = quantized_reduce_scatter(x.reshape(-1), axes, self.quantize.block_size)
+            block = block.astype(x.dtype).reshape(x.shape[0] // n, *x.shape[1:])
+        else:
+            block = self._scatter(x, axes)
+        return self._replica_sum(block)
+
+    def _replica_sum(self, x: jax.Array) -> jax.Array:
+        """A gradient block summed over the replica axes: an all-reduce, or quantized a reduce-scatter
+        (int8 through an all-to-all, summed in float32) of its `R` parts and an int8 all-gather of the sums."""
+        if not self.replicas:
+            return x
+        if not self._quantized("grads", self.replicas, x):
+            return self._sum(x, self.replicas)
+        r, flat = _compat.axis_size(self.replicas), x.reshape(-1)
+        rows = -(-flat.shape[0] // r)
+        part = quantized_reduce_scatter(jnp.pad(flat, (0, r * rows - flat.shape[0])), self.replicas,
+                                        self.quantize.block_size)
+        total = quantized_all_gather(part, self.replicas, self.quantize.block_size)[:flat.shape[0]]
+        return total.astype(x.dtype).reshape(x.shape)
+
+    def _gather_values(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """The 1-D `x` of every device of `axes`, concatenated (typed invariant); new parameter values as int8
+        blocks where `params` is quantized over `axes`."""
+        if self._quantized("params", axes, x):
+            return quantized_all_gather(x, axes, self.quantize.block_size)
+        return self._gather(x, axes, tiled=True)
 
     @staticmethod
     def _sum(x, axes: tuple[str, ...]):
@@ -283,3 +326,72 @@ class Wire:
     @staticmethod
     def _gather(x: jax.Array, axes: tuple[str, ...], tiled: bool = False) -> jax.Array:
         return _compat.all_gather_invariant(x, axes, tiled=tiled)
+
+
+# ---------------------------------------------------------------------- quantized collectives (issue 33)
+
+def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
+    """Every device's `x` over `axes`, concatenated (like `all_gather_invariant(x, axes, tiled=True)`), each
+    block as its block-wise int8 rounding. Inside `jax.shard_map`.
+
+    Each device quantizes its own `x`; the codes and the scales are all-gathered (`_quantize.wire_bytes(x.size,
+    block_size)` per device instead of `x.nbytes`) and every sender's block is dequantized. Typed invariant across
+    `axes` (so `out_specs=P()` holds over them).
+
+    Args:
+      x: this device's 1-D floating block, the same length on every device.
+      axes: the mesh axes to gather over (row-major device order over a tuple).
+      block_size: elements per scale.
+
+    Returns:
+      `[n * x.size]` in `x.dtype`, `n` the product of the sizes of `axes`.
+    """
+    block_size = _quantize.check_block_size(block_size)
+    x = _quantize.check_vector(x, "quantized_all_gather")
+    axes = _quantize.check_axes(axes, "quantized_all_gather")
+    n = _compat.axis_size(axes, "quantized_all_gather")
+    size = x.shape[0]
+    q, scales = _quantize.quantize(x, block_size)
+    q = _compat.all_gather_invariant(q, axes, tiled=True).reshape(n, -1)
+    scales = _compat.all_gather_invariant(scales, axes, tiled=True).reshape(n, -1)
+    return _quantize.dequantize_rows(q, scales, block_size)[:, :size].reshape(-1).astype(x.dtype)
+
+
+def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
+    """This device's part of the sum over `axes` of every device's `x` (like `psum_scatter(x, axes)`), each part
+    quantized block-wise by its sender; float32. Inside `jax.shard_map`.
+
+    `x` is `n` parts of `rows` elements, part `r` destined to device `r` (`n` the product of the sizes of `axes`,
+    devices row-major over a tuple). Each part is zero-padded to `_quantize.padded_size(rows, block_size)` and
+    quantized;
+    one all-to-all of the codes and one of the scales hand every device the `n` parts destined to it
+    (`n * _quantize.wire_bytes(rows, block_size)` bytes through each device), which it dequantizes and sums in float32,
+    senders in order 0..n-1. Typed varying across `axes`, as `psum_scatter`'s result is.
+
+    Args:
+      x: this device's 1-D floating `[n * rows]` values.
+      axes: the mesh axes to reduce over.
+      block_size: elements per scale.
+
+    Returns:
+      float32 `[rows]`.
+    """
+    block_size = _quantize.check_block_size(block_size)
+    x = _quantize.check_vector(x, "quantized_reduce_scatter")
+    axes = _quantize.check_axes(axes, "quantized_reduce_scatter")
+    n = _compat.axis_size(axes, "quantized_reduce_scatter")
+    if x.shape[0] % n:
+        raise _errors.ZeroError(f"quantized_reduce_scatter: x's length {x.shape[0]} is not a multiple of the {n} "
+                                f"devices of {axes}.")
+    rows = x.shape[0] // n
+    parts = _quantize.pad_last(x.astype(jnp.float32).reshape(n, rows), _quantize.padded_size(rows, block_size))
+    q, scales = _quantize.quantize_rows(parts, block_size)
+    q, scales = _compat.pvary((q, scales), axes)  # all_to_all takes values typed varying across its axes
+    # lax.all_to_all over a tuple of axes (row-major, like psum_scatter's device order) works on JAX 0.10.2 and
+    # 0.12 alike (tests/test_quantize.py checks the order on a (2, 4) mesh): no per-axis emulation is needed.
+    axis = _compat._axis_arg(axes)
+    q = lax.all_to_all(q, axis, 0, 0, tiled=True)            # row s: sender s's part for this device
+    scales = lax.all_to_all(scales, axis, 0, 0, tiled=True)
+    received = _quantize.dequantize_rows(q, scales, block_size)
+    total = functools.reduce(operator.add, [received[s] for s in range(n)])
+    return total[:rows]
