@@ -1,20 +1,22 @@
 """`python -m zero_optax.demo --quantize`: the demo's transformer trained with quantized collectives (issue 33).
 
-The same model, batches and AdamW as the demo's flat run, stepped inside `jax.shard_map` over all devices (per-device
-gradients: quantized gradients need zero1 to do the reduction), with float32 master copies, four times:
-exactly, with `zo.Quantize(params="int8")`, with `zo.Quantize(grads="int8")` and with both. The loss curves go to
-one plot (`quantize_curves.png`); the table gives each run's final loss and its gap to the exact run's.
+The demo's model, loss, batches and AdamW (`zero_optax.demo` passes them in a `Task`), stepped inside
+`jax.shard_map` over all devices (per-device gradients: quantized gradients need zero1 to do the reduction), with
+float32 master copies, four times: exactly, with `zo.Quantize(params="int8")`, with `zo.Quantize(grads="int8")`
+and with both. The loss curves go to one plot (`quantize_curves.png`); the table gives each run's final loss and
+its gap to the exact run's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -23,7 +25,6 @@ from rich.progress import Progress
 from rich.table import Table
 
 import zero_optax as zo
-from zero_optax import demo
 
 CONFIGS = {
     "exact": None,
@@ -37,6 +38,17 @@ TAIL = 20
 """The final loss is the mean over the last `TAIL` steps (one step's loss is one batch's)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What the runs train: a fresh model (the same initial parameters each call), its loss, the global batch of
+    each step (inputs, targets), and the inner optimizer."""
+
+    model: Callable[[], nnx.Module]
+    loss: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array]
+    batch: Callable[[int], tuple[np.ndarray, np.ndarray]]
+    inner: Callable[[], optax.GradientTransformation]
+
+
 @dataclasses.dataclass
 class Run:
     label: str
@@ -47,10 +59,10 @@ class Run:
         return float(np.mean(self.losses[-TAIL:]))
 
 
-def _step(graphdef, tx, mesh, specs):
+def _step(task: Task, graphdef, tx, mesh, specs):
     """The jitted shard_map step: each device's gradient of its batch's mean loss, then `zo.apply_gradients`."""
     def loss(params, inputs, targets):
-        return demo.loss_fn(nnx.merge(graphdef, params), inputs, targets)
+        return task.loss(nnx.merge(graphdef, params), inputs, targets)
 
     def step(params, state, inputs, targets):
         value, grads = jax.value_and_grad(loss)(zo.as_local(params, "data"), inputs, targets)
@@ -61,28 +73,28 @@ def _step(graphdef, tx, mesh, specs):
                                  out_specs=(P(), specs, P("data"))), donate_argnums=(0, 1))
 
 
-def train(label: str, quantize, text: demo.Text, devices: Sequence[jax.Device], steps: int,
-          progress: Progress) -> Run:
-    """`steps` steps of the demo's AdamW recipe with zero1 (master copies in float32) quantizing as `quantize`."""
+def train(label: str, quantize, task: Task, devices: Sequence[jax.Device], steps: int, progress: Progress) -> Run:
+    """`steps` steps of `task` with zero1 (master copies in float32) quantizing as `quantize`."""
     mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
-    graphdef, params = nnx.split(demo.CharLM(len(text.alphabet), rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(task.model())
     params = jax.device_put(params, NamedSharding(mesh, P()))
-    tx = zo.zero1(demo.RECIPES["flat"].make(), axis_name="data", master_dtype=jnp.float32, quantize=quantize)
+    tx = zo.zero1(task.inner(), axis_name="data", master_dtype=jnp.float32, quantize=quantize)
     specs = zo.state_specs(tx, params, P(), mesh=mesh)
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    step = _step(graphdef, tx, mesh, specs)
-    task = progress.add_task(f"{label:<12}", total=steps, loss=float("nan"), diff=0.0)
+    step = _step(task, graphdef, tx, mesh, specs)
+    bar = progress.add_task(f"{label:<12}", total=steps, loss=float("nan"))
     losses = []
     for t in range(steps):
-        batch = jax.device_put(text.batch(t), NamedSharding(mesh, P("data")))
+        batch = jax.device_put(task.batch(t), NamedSharding(mesh, P("data")))
         params, state, loss = step(params, state, *batch)
         losses.append(float(loss.mean()))
-        progress.update(task, advance=1, loss=losses[-1])
+        progress.update(bar, advance=1, loss=losses[-1])
     return Run(label, losses)
 
 
-def run_all(text: demo.Text, devices: Sequence[jax.Device], steps: int, progress: Progress) -> list[Run]:
-    return [train(label, q, text, devices, steps, progress) for label, q in CONFIGS.items()]
+def run_all(task: Task, devices: Sequence[jax.Device], steps: int, progress: Progress) -> list[Run]:
+    """The runs of `CONFIGS`, in order (the exact one first)."""
+    return [train(label, q, task, devices, steps, progress) for label, q in CONFIGS.items()]
 
 
 def table(runs: list[Run]) -> Table:

@@ -49,6 +49,7 @@ from rich.progress import (
 from rich.table import Table
 
 import zero_optax as zo
+from zero_optax import _quantized_demo
 
 SIMULATED_DEVICES = 8
 SEQ_LEN = 64
@@ -535,11 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def quantized(text: Text, devices: Sequence[jax.Device], args: argparse.Namespace, progress: Progress,
               console: Console) -> int:
-    """`--quantize`: the four runs of `zero_optax._quantized_demo`, their table and plot."""
-    from zero_optax import _quantized_demo  # pylint: disable=import-outside-toplevel (it imports this module)
-
+    """`--quantize`: the four runs of `zero_optax._quantized_demo` on the flat recipe, their table and plot."""
+    task = _quantized_demo.Task(lambda: CharLM(len(text.alphabet), rngs=nnx.Rngs(0)), loss_fn, text.batch,
+                                RECIPES["flat"].make)
     with progress:
-        runs = _quantized_demo.run_all(text, devices, args.steps, progress)
+        runs = _quantized_demo.run_all(task, devices, args.steps, progress)
     console.print(_quantized_demo.table(runs))
     png = args.out / "quantize_curves.png"
     _quantized_demo.plot(runs, png)
