@@ -10,7 +10,7 @@ by the primary host, beside the arrays::
 
 The record (format version 2)::
 
-    {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.2.0",
+    {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.4.0",
      "storage": "orbax" | "tensorstore",
      "tree": "<zero_optax.core._names.tree_signature of the saved pytree, each zero1 state shown as *>",
      "states": [{                    # one per zero1 state of the saved pytree, in tree order
