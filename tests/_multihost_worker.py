@@ -50,7 +50,8 @@ def main(port: str, process_id: int, phase: str, directory: str) -> None:
             mngr.save(TOTAL, args=ocp.args.Composite(opt_state=zo.ZeroSave(s)))
             mngr.wait_until_finished()
         if jax.process_index() == 0:
-            np.savez(os.path.join(path, "final.npz"), **{k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()})
+            np.savez(os.path.join(path, "final.npz"),
+                     **{k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()})
         print(f"process {process_id} replica done", flush=True)
         jax.distributed.shutdown()
         return

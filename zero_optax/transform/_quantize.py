@@ -1,5 +1,5 @@
-"""Block-wise int8 quantized collectives in plain JAX: DeepSpeed ZeRO++'s quantized weights (qwZ, an all-gather)
-and quantized gradients (qgZ, a reduce-scatter done as an all-to-all).
+"""The block-wise int8 codec of zero1's quantized collectives (DeepSpeed ZeRO++'s quantized weights, qwZ, and
+quantized gradients, qgZ), in plain JAX, and `Quantize`, the option that turns them on.
 
 A 1-D value is cut into blocks of `block_size` consecutive elements (the tail block zero-padded). Each block
 travels as one float32 scale and `block_size` int8 codes::

@@ -334,8 +334,9 @@ def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -
     """Every device's `x` over `axes`, concatenated (like `all_gather_invariant(x, axes, tiled=True)`), each
     block as its block-wise int8 rounding. Inside `jax.shard_map`.
 
-    Each device quantizes its own `x`; the codes and the scales are all-gathered (`_quantize.wire_bytes(x.size,
-    block_size)` per device instead of `x.nbytes`) and every sender's block is dequantized. Typed invariant across
+    Each device quantizes its own `x`; the codes and the scales are all-gathered
+    (`_quantize.wire_bytes(x.size, block_size)` per device instead of `x.nbytes`) and every sender's block is
+    dequantized. Typed invariant across
     `axes` (so `out_specs=P()` holds over them).
 
     Args:
@@ -363,10 +364,9 @@ def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: in
 
     `x` is `n` parts of `rows` elements, part `r` destined to device `r` (`n` the product of the sizes of `axes`,
     devices row-major over a tuple). Each part is zero-padded to `_quantize.padded_size(rows, block_size)` and
-    quantized;
-    one all-to-all of the codes and one of the scales hand every device the `n` parts destined to it
-    (`n * _quantize.wire_bytes(rows, block_size)` bytes through each device), which it dequantizes and sums in float32,
-    senders in order 0..n-1. Typed varying across `axes`, as `psum_scatter`'s result is.
+    quantized; one all-to-all of the codes and one of the scales hand every device the `n` parts destined to it
+    (`n * _quantize.wire_bytes(rows, block_size)` bytes through each device), which it dequantizes and sums in
+    float32, senders in order 0..n-1. Typed varying across `axes`, as `psum_scatter`'s result is.
 
     Args:
       x: this device's 1-D floating `[n * rows]` values.
