@@ -236,3 +236,30 @@ def test_refusals_name_the_fix():
     params = jax.device_put({"w": jnp.ones(5)}, NamedSharding(mesh, P()))
     with pytest.raises(ZeroError, match="shard_map"):  # the mesh-bound form gets gradients XLA has reduced
         tx.update(params, tx.init(params), params)
+
+
+def test_mesh_bound_update_lands_on_the_rounded_master_copy():
+    """The mesh-bound form under `jax.jit`, through `tx.update` + `optax.apply_updates`: each parameter within half
+    a block scale of its master value (at most the largest |master| / 254), the same on every device."""
+    mesh = h.mesh_of(N)
+    tx = zo.zero1(optax.adamw(1e-1), axis_name="data", master_dtype=jnp.float32, mesh=mesh,
+                  quantize=zo.Quantize(params="int8", block_size=B))
+    p = jax.device_put(params_np(), NamedSharding(mesh, P()))
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for t in range(2):
+        g = jax.device_put({k: v.mean(0) for k, v in grads_with_outliers(t).items()}, NamedSharding(mesh, P()))
+        p, state = step(p, state, g)
+    master = zo.master_params(state)
+    largest = max(np.max(np.abs(np.asarray(m))) for m in master.values())  # (a block may hold several leaves)
+    for k in SHAPES:
+        err = np.abs(np.asarray(p[k]) - np.asarray(master[k]))
+        assert np.max(err) <= largest / 254 * 1.001 + 1e-6, k
+        shards = [np.asarray(x.data) for x in p[k].addressable_shards]
+        assert all(np.array_equal(a, shards[0]) for a in shards)
+    assert np.max(np.abs(np.asarray(p["w"]) - np.asarray(master["w"]))) > 0  # (it did quantize)
