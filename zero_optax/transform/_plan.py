@@ -111,11 +111,6 @@ class Config:
     def axes(self) -> tuple[str, ...]:
         return _compat.as_tuple(self.axis_name)
 
-    @property
-    def reduce_axes(self) -> tuple[str, ...]:
-        """The axes gradients and weights are summed over: the replica axes, then the ZeRO axes."""
-        return self.replica_axes + self.axes
-
     def inner_dtype(self, dtype) -> np.dtype:
         """The dtype the inner optimizer sees a leaf's gradients, parameters and state in."""
         return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
