@@ -320,18 +320,28 @@ def _check_partition(partition, owners) -> None:
                         "devices and \"auto\" balances the leaves it gives an owner.")
 
 
-def _data_axes(axis_name, mesh) -> tuple[str, ...]:
-    """`axis_name` as a tuple of distinct axis names, after checking that `mesh` (if given) has them all."""
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) if isinstance(axis_name, Sequence) else ()
+def _axis_names(value, name: str, what: str) -> tuple[str, ...]:
+    """`value` (zero1's argument `name`) as a tuple of distinct axis names; `what` says what a single name is."""
+    axes = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else ()
     if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-        raise ZeroError(f"`axis_name` must be the name of the data mesh axis or a tuple of distinct axis names, got "
-                        f"{axis_name!r}.")
-    if mesh is not None:
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
-            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `axis_name` names {missing}.")
+        raise ZeroError(f"`{name}` must be {what} or a tuple of distinct axis names, got {value!r}.")
+    return axes
+
+
+def _check_on_mesh(axes: tuple[str, ...], name: str, mesh) -> None:
+    """Refuses axes (zero1's argument `name`) that `mesh` (if given) does not have."""
+    missing = [] if mesh is None else [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `{name}` names {missing}.")
+
+
+def _data_axes(axis_name, mesh) -> tuple[str, ...]:
+    """`axis_name` as a tuple of distinct axis names, after checking that `mesh` (if given) is a mesh with them
+    all."""
+    axes = _axis_names(axis_name, "axis_name", "the name of the data mesh axis")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
+    _check_on_mesh(axes, "axis_name", mesh)
     return axes
 
 
@@ -365,20 +375,13 @@ def _replica_axes(replica_axis, axes: tuple[str, ...], mesh) -> tuple[str, ...]:
     `mesh` (if given)."""
     if replica_axis is None:
         return ()
-    replicas = ((replica_axis,) if isinstance(replica_axis, str) else
-                tuple(replica_axis) if isinstance(replica_axis, Sequence) else ())
-    if not replicas or not all(isinstance(a, str) and a for a in replicas) or len(set(replicas)) != len(replicas):
-        raise ZeroError(f"`replica_axis` must be None, the name of a mesh axis or a tuple of distinct axis names, "
-                        f"got {replica_axis!r}.")
+    replicas = _axis_names(replica_axis, "replica_axis", "None, the name of a mesh axis")
     shared = [a for a in replicas if a in axes]
     if shared:
         raise ZeroError(f"`replica_axis` and `axis_name` both name {shared}: the state is sharded over `axis_name` "
                         "and replicated over `replica_axis`, so an axis can be one or the other. To shard over "
                         f"both, pass axis_name={tuple(replicas) + axes!r} and no replica_axis.")
-    if mesh is not None:
-        missing = [a for a in replicas if a not in mesh.axis_names]
-        if missing:
-            raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `replica_axis` names {missing}.")
+    _check_on_mesh(replicas, "replica_axis", mesh)
     return replicas
 
 
