@@ -65,6 +65,11 @@ def axis_size(axes: Axes, what: str = "zero1") -> int:
     return math.prod(sizes)
 
 
+def axis_sizes(axes: Axes, what: str = "zero1") -> tuple[tuple[str, int], ...]:
+    """`(name, size)` of each bound mesh axis of `axes`, or a `ZeroAxisError` (`axis_size`)."""
+    return tuple((a, axis_size(a, what)) for a in as_tuple(axes))
+
+
 def axis_index(axes: Axes) -> jax.Array:
     """This device's linear index along `axes` (row-major over a tuple); 0 for an empty tuple."""
     axes = as_tuple(axes)

@@ -104,7 +104,7 @@ def check_layout(state, axis_name, replica_axes: tuple[str, ...] = ()) -> Layout
             f"This state was initialised for axis `{layout.axis_name}` with {layout.world_size} devices, but "
             f"update runs over axis `{axis_name}` with {n}. Re-initialise, restore with "
             "zo.ZeroRestore(target, reshard=True), or reshard the checkpoint with zero_optax.reshard.")
-    live = tuple((a, _compat.axis_size(a)) for a in replica_axes)
+    live = _compat.axis_sizes(replica_axes)
     if layout.replica_sizes != live:
         raise ZeroStructureError(
             f"This state was initialised replicated over {dict(layout.replica_sizes) or 'no axis'}, but update runs "
@@ -716,8 +716,8 @@ class Engine:
         plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            packed = bool(layout.replica_axes) or cfg.quantize is not None and cfg.quantize.quantizes("grads", cfg.axes)
-            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n, packed)
+            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
+                                        self.wire.packs_owned_gradients)
         if mode == "psum_scatter":
             rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
             grad_input = self.wire.scatter_packed(rows)

@@ -387,7 +387,7 @@ def build_layout(cfg: Config, params) -> Layout:
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_names.key_path(p) for p, _ in flat]
     values = [x for _, x in flat]
-    _compat.axis_size(cfg.replica_axes)  # (bound: a clear error otherwise)
+    replica_sizes = _compat.axis_sizes(cfg.replica_axes)  # (bound: a clear error otherwise)
     placement, axis_sizes = _placement(values, paths, cfg)
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
@@ -427,8 +427,7 @@ def build_layout(cfg: Config, params) -> Layout:
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
                   "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups), replicas,
-                  tuple((a, _compat.axis_size(a)) for a in cfg.replica_axes))
+                  found.joint and bool(groups), replicas, replica_sizes)
 
 
 def _check_owned_placement(cfg: Config, found: Coupling) -> None:

@@ -238,6 +238,13 @@ class Wire:
         """Owner-packed `[n * size]` gradient buffers reduce-scattered: every device keeps the sum of its own row."""
         return {d: self._reduce_scatter(b, self.axes) for d, b in rows.items()}
 
+    @property
+    def packs_owned_gradients(self) -> bool:
+        """Whether owned leaves' gradients must travel owner-packed (`scatter_packed`) rather than all-reduced:
+        with replica axes only each owner's row then crosses them, and quantized gradients travel by
+        reduce-scatters only (`zero_optax.transform._owned.choose_reduce`)."""
+        return bool(self.replicas) or self._quantized("grads", self.axes)
+
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Every device's packed buffers (owned leaves' updates, or with master copies their new values), gathered
         to every device as `[n, size]` (typed invariant)."""
