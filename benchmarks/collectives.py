@@ -232,12 +232,9 @@ def section_mesh2d() -> str:
     full = tree_bytes(jax.eval_shape(optax.adamw(1e-3).init, params))
     ops = _tp_step_ops(tx, mesh, specs, placed, state, state_specs)
     block_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
-    per_axis: dict[tuple[str, ...], float] = {}
-    for o in ops:
-        axes = _axes_of(o["replica_groups"][0], mesh) if o["replica_groups"] else ("?",)
-        per_axis[axes] = per_axis.get(axes, 0.0) + WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"]
     per_device = max_state_bytes(state)
-    axis_text = ", ".join(f"{'+'.join(a) or 'none'}: {b / block_bytes:.2f}" for a, b in sorted(per_axis.items()))
+    axis_text = ", ".join(f"{'+'.join(a) or 'none'}: {b / block_bytes:.2f}"
+                          for a, b in sorted(_wire_per_axis(ops, mesh).items()))
     return (f"Tensor-parallel GPT (vocab 2048, d_model 256, 4 layers; column-parallel qkv/mlp_in/embedding, "
             f"row-parallel proj/mlp_out), {param_count(params):,} float32 parameters, mesh (data=4, model=2), "
             "AdamW, flat partition.\n\n"
@@ -257,10 +254,11 @@ def _muon_recipe(params):
 
 
 def _wire_per_axis(ops, mesh) -> dict[tuple[str, ...], float]:
-    """Wire bytes per device of the collectives `ops`, by the mesh axes their groups span."""
+    """Wire bytes per device of the collectives `ops`, by the mesh axes their groups span (no `replica_groups`:
+    one group of every device, so every axis)."""
     per_axis: dict[tuple[str, ...], float] = {}
     for o in ops:
-        axes = _axes_of(o["replica_groups"][0], mesh) if o["replica_groups"] else ("?",)
+        axes = _axes_of(o["replica_groups"][0], mesh) if o["replica_groups"] else tuple(mesh.axis_names)
         per_axis[axes] = per_axis.get(axes, 0.0) + WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"]
     return per_axis
 
@@ -346,8 +344,6 @@ def _apply_step(tx, mesh, params, names):
 
 
 def section_quantize() -> str:
-    from benchmarks.replica import wire_per_axis  # pylint: disable=import-outside-toplevel
-
     params32 = gpt_params(2048, 256, 8)
     both = zo.Quantize(params="int8", grads="int8", block_size=256)
     lines = ["| parameters | quantize | collectives (compiled) | wire MB | x unquantized | as emitted: wire MB | x |",
@@ -375,7 +371,7 @@ def section_quantize() -> str:
                                                                          axes=("replica",)))):
         tx = zo.zero1(optax.adamw(1e-3), axis_name="data", replica_axis="replica", master_dtype=jnp.float32,
                       quantize=q)
-        per = wire_per_axis(_apply_step(tx, mesh, params32, ("replica", "data")).compile(), mesh)
+        per = _wire_per_axis(_ops(_apply_step(tx, mesh, params32, ("replica", "data")).compile()), mesh)
         data, replica = per.get(("data",), 0) / pbytes, per.get(("replica",), 0) / pbytes
         axis_lines.append(f"| {label} | {data:.3f} | {replica:.3f} |")
     return (f"GPT tree (vocab 2048, d_model 256, 8 layers): {param_count(params32):,} parameters, float32 master "

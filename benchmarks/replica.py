@@ -41,27 +41,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
+from benchmarks.collectives import _wire_per_axis
 from benchmarks.memory import max_state_bytes
 from benchmarks.model import gpt_params, param_count, tree_bytes
 from benchmarks.variants import first_divisible_spec
-from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
+from zero_optax.core._hlo import collective_ops
 
 BOTH = ("replica", "data")
-
-
-def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
-    coords = {int(d.id): idx for idx, d in np.ndenumerate(mesh.devices)}
-    pts = np.array([coords[g] for g in group])
-    return tuple(a for k, a in enumerate(mesh.axis_names) if len(set(pts[:, k])) > 1)
-
-
-def wire_per_axis(compiled, mesh) -> dict[tuple[str, ...], float]:
-    """Bytes each device sends per step, by the mesh axes each collective's groups span."""
-    out: dict[tuple[str, ...], float] = {}
-    for o in collective_ops(compiled.as_text()):
-        axes = _axes_of(o["replica_groups"][0], mesh) if o["replica_groups"] else tuple(mesh.axis_names)
-        out[axes] = out.get(axes, 0.0) + WIRE_WEIGHTS[o["kind"]] * o["bytes"] * o["multiplier"]
-    return out
 
 
 def _zero1(tx, mesh, params, grads):
@@ -134,7 +120,7 @@ def main(argv=None) -> int:
         p = jax.device_put(params, NamedSharding(mesh, P()))
         s = init(p)
         states[name] = max_state_bytes(s)
-        wires[name] = wire_per_axis(step.lower(p, s, grads).compile(), mesh)
+        wires[name] = _wire_per_axis(collective_ops(step.lower(p, s, grads).compile().as_text()), mesh)
         p, s = step(p, s, grads)  # (compiles)
         jax.block_until_ready(p)
         built[name] = [step, p, s]
