@@ -9,7 +9,7 @@ measured in the form where it works, the mesh-bound zero1 under `jax.jit`, fed `
 optimizer); and plain data parallelism (`pmean` + AdamW).
 
 Reported per optimizer step, in units of the parameter bytes: the wire volume from the compiled HLO (for a
-`conditional`, the branch each call executes: `zero_optax.core._hlo.branch_collectives`); accumulator bytes per device
+`conditional`, the branch each call executes: `benchmarks.hlo.branch_collectives`); accumulator bytes per device
 (zero1's own from `describe`; MultiSteps' `acc_grads` as held by device 0) against the float32 accumulator / N;
 inner updates per optimizer step, counted at run time (a host callback in AdamW's update, in a separate, untimed
 run); and the median wall time of a non-final micro-step and of a final one. All variants run cycle by cycle in
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from benchmarks.model import gpt_params, tree_bytes
-from zero_optax.core._hlo import branch_collectives
+from benchmarks.hlo import branch_collectives
 
 N, K = 8, 4
 CALLS = {"n": 0}
@@ -85,10 +85,10 @@ def accumulator_bytes(state) -> int:
     """Bytes per device of the accumulators: zero1's own (`describe`), or MultiSteps' `acc_grads`."""
     if isinstance(state, optax.MultiStepsState):  # the arrays device 0 holds
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.acc_grads))
-    inner = zo.transform._state.find_states(state)[0].inner_state
+    inner = zo.layout._state.find_states(state)[0].inner_state
     if isinstance(inner, tuple) and hasattr(inner, "_fields") and "acc_grads" in inner._fields:
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inner.acc_grads)) // N
-    return max(zo.describe(zo.transform._state.find_states(state)[0]).accumulator_bytes_per_device)
+    return max(zo.describe(zo.layout._state.find_states(state)[0]).accumulator_bytes_per_device)
 
 
 def wire_per_step(text: str) -> float:

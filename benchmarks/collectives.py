@@ -46,7 +46,7 @@ import zero_optax as zo
 from benchmarks.memory import max_state_bytes
 from benchmarks.model import gpt_params, param_count, tensor_parallel_specs, tree_bytes
 from tests._models import bucket_tree
-from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
+from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 
 N = 8
 
@@ -304,7 +304,7 @@ def section_buckets() -> str:
     grads = _per_device_grads(params, mesh)
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     default = zo.zero1(optax.adamw(1e-3), axis_name="data")
-    from zero_optax.transform._wire import DEFAULT_BUCKET_BYTES
+    from zero_optax.step._wire import DEFAULT_BUCKET_BYTES
 
     settings = [("per leaf", 0), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20), ("16 MiB", 16 << 20),
                 (f"default ({DEFAULT_BUCKET_BYTES >> 20} MiB)", DEFAULT_BUCKET_BYTES)]

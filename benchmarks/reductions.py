@@ -4,7 +4,7 @@ The GPT tree of `benchmarks.step_time --gpt` (99 leaves, 26.1 MiB), 8 simulated 
 of zero1 with `partition="flat"` (per-device gradients, `tx.update` + `optax.apply_updates`) for `optax.adamw` and
 for `optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...))` and `optax.lamb`, whose norms run as a
 reduction of each device's slice and a `psum` of the scalar. Prints each compiled step's collectives by kind
-(count, full-tensor bytes) from its HLO (`zero_optax.core._hlo.collective_ops`).
+(count, full-tensor bytes) from its HLO (`benchmarks.hlo.collective_ops`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from benchmarks.step_time import gpt_tree
-from zero_optax.core._hlo import collective_ops
+from benchmarks.hlo import collective_ops
 
 INNERS = {
     "adamw": lambda: optax.adamw(3e-4),

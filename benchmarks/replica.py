@@ -11,7 +11,7 @@ The GPT tree of `benchmarks.step_time --gpt` (`gpt_params(2048, 256, 8)`, 26.1 M
   divisible dimension (MaxText style, `benchmarks.variants.build_gspmd` on this mesh), the gradients stacked per
   device and averaged in the step.
 
-Counted exactly from the compiled HLO (`zero_optax.core._hlo`): the bytes each device puts on the wire per step,
+Counted exactly from the compiled HLO (`benchmarks.hlo`): the bytes each device puts on the wire per step,
 by the mesh axes a collective's groups span (all-reduce counted twice, as a reduce-scatter plus an all-gather:
 `WIRE_WEIGHTS`), and the state bytes per device. Timed: interleaved rounds, the median step of each round, the
 median over rounds, ratios against `gspmd` within the run (this machine is shared and noisy; the CPU's
@@ -45,7 +45,7 @@ from benchmarks.collectives import _wire_per_axis
 from benchmarks.memory import max_state_bytes
 from benchmarks.model import gpt_params, param_count, tree_bytes
 from benchmarks.variants import first_divisible_spec
-from zero_optax.core._hlo import collective_ops
+from benchmarks.hlo import collective_ops
 
 BOTH = ("replica", "data")
 

@@ -54,7 +54,7 @@ from benchmarks.variants import (
     make_mesh,
     optimizers,
 )
-from zero_optax.core._hlo import KINDS, collective_bytes, wire_volume
+from benchmarks.hlo import KINDS, collective_bytes, wire_volume
 
 MB = 1024 * 1024
 _SKIP_REPORTED: set[str] = set()

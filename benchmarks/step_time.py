@@ -18,7 +18,7 @@ ratios are taken within the run:
   `zero_train_state` (`zo.ZeroOptimizer` / `zo.ZeroTrainState`: `zo.apply_gradients`).
 
 Each step is the whole optimizer step (reduction, update, gather, `optax.apply_updates`), donated. With `--hlo`,
-also what each compiled step moves (`zero_optax.core._hlo.entry_traffic`: the kernels of its entry computation and the
+also what each compiled step moves (`benchmarks.hlo.entry_traffic`: the kernels of its entry computation and the
 bytes they write and read, per device), which is exact where the times are noisy.
 """
 
@@ -43,7 +43,7 @@ import optax
 
 from benchmarks.model import gpt_params
 from benchmarks.variants import FLAX_VARIANTS, VARIANTS, make_mesh
-from zero_optax.core._hlo import entry_traffic
+from benchmarks.hlo import entry_traffic
 
 PAIRS = ((1, "optax_jit"), (1, "replicated"), (1, "zero1_flat_scatter"), (1, "zero1_flat_bound"), (8, "gspmd"),
          (8, "zero1_flat_scatter"))

@@ -140,7 +140,7 @@ def run_mesh_bound(tx, ref, params, steps: int, mesh):
 
 
 def stored_entries(state) -> dict[int, np.ndarray]:
-    """Entry index -> its stored values, read straight from a zero1 state's arrays as `zero_optax.transform._state`
+    """Entry index -> its stored values, read straight from a zero1 state's arrays as `zero_optax.layout._state`
     documents them: a shared entry as `[N, *shape]` (the leaves of the inner state's tree); a sliced history or master copy as its 1-D padded,
     flattened coordinates of every device (`blocks * group * slots`): a group's array has one row of `size` per
     device, each row its members' slots one after the other, so a member's values are its columns of the rows."""

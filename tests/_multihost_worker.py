@@ -72,7 +72,7 @@ def main(port: str, process_id: int, phase: str, directory: str) -> None:
                 params=ocp.args.StandardRestore(p0),
                 opt_state=zo.ZeroRestore(tr.init(p0), reshard=phase == "reshard")))
             if phase == "reshard":  # what this process read, and the ranges its devices hold of each history
-                state = zo.transform._state.find_states(restored.opt_state)[0]
+                state = zo.layout._state.find_states(restored.opt_state)[0]
                 ranges = {a.name: sorted(index[0].indices(a.shape[0])[:2] for index in
                                          v.sharding.addressable_devices_indices_map(a.shape).values())
                           for a, v in zip(_arrays.stored_arrays(state.layout, 0), _arrays.state_values(state))

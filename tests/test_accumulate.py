@@ -27,7 +27,7 @@ import zero_optax as zo
 from tests import _harness as h
 from tests._models import muon_recipe
 from tests.test_jit import MLP
-from zero_optax.core._hlo import branch_collectives
+from benchmarks.hlo import branch_collectives
 
 K = 2
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from tests import _harness as h
 from tests import test_mesh2d as m2
-from zero_optax.core._hlo import entry_traffic
+from benchmarks.hlo import entry_traffic
 
 N = 3
 INNER = {"flat": lambda: optax.adamw(1e-2, weight_decay=0.1), "leaf": lambda: optax.contrib.muon(1e-2),

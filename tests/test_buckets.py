@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from tests import _harness as h
 from tests._models import bucket_tree
-from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
-from zero_optax.transform._wire import ALONE_BYTES, DEFAULT_BUCKET_BYTES, MAX_BUCKET_LEAVES
+from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
+from zero_optax.step._wire import ALONE_BYTES, DEFAULT_BUCKET_BYTES, MAX_BUCKET_LEAVES
 
 N = 8
 

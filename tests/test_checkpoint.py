@@ -66,7 +66,7 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
             restored = mngr.restore(2, args=_composite_restore(p0, target))
             r = restored.opt_state
             assert jax.tree.structure(r) == jax.tree.structure(target)
-            for state, t in zip(zo.transform._state.find_states(r), zo.transform._state.find_states(target)):
+            for state, t in zip(zo.layout._state.find_states(r), zo.layout._state.find_states(target)):
                 assert state.layout is t.layout
             for x, t in zip(jax.tree.leaves(r), jax.tree.leaves(target)):
                 assert x.sharding == t.sharding

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.core._hlo import WIRE_WEIGHTS, collective_ops
+from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
 
 N = 8
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.core._hlo import entry_traffic
+from benchmarks.hlo import entry_traffic
 
 N = 8
 STEPS = 3

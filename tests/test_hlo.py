@@ -1,4 +1,4 @@
-"""Tests for the HLO accounting (`zero_optax.core._hlo`) the tests and benchmarks count collectives with."""
+"""Tests for the HLO accounting (`benchmarks.hlo`) the tests and benchmarks count collectives with."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.core._hlo import (
+from benchmarks.hlo import (
     collective_bytes,
     collective_ops,
     entry_traffic,
@@ -175,7 +175,7 @@ def test_replica_groups_in_every_printed_form():
 
 
 def test_placement_transfers_and_host_entry_buffers():
-    from zero_optax.core._hlo import host_entry_buffers, placement_transfers
+    from benchmarks.hlo import host_entry_buffers, placement_transfers
 
     stablehlo = """
   func.func public @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {

@@ -3,7 +3,7 @@
 `optax.inject_hyperparams(factory)` calls `factory(learning_rate=<array>)` inside its own `init` and `update`, so
 the zero1 that the factory builds closes over the hyperparameters: traced under `jax.jit`, concrete eagerly, and
 under `jax.set_mesh` typed on a mesh with `Explicit` axes, which a `shard_map` body may not read from outside. A
-mesh-bound zero1 passes such values into its `shard_map` as arguments (`zero_optax.transform._mesh._Hoisted`).
+mesh-bound zero1 passes such values into its `shard_map` as arguments (`zero_optax.api._bound._Hoisted`).
 
 The oracle is plain optax on one device (no mesh), fed the same global gradients.
 """

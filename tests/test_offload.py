@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests._models import muon_recipe
-from zero_optax.core import _hlo as hlo
+from benchmarks import hlo
 
 N = 3
 STEPS = 3
@@ -237,7 +237,7 @@ def test_refusals():
                 kind = "device"
             return [M()]
 
-    from zero_optax.transform import _offload
+    from zero_optax.step import _offload
 
     with pytest.raises(zo.ZeroError, match="pinned_host"):
         _offload.check_devices([NoHost()])

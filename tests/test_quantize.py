@@ -1,4 +1,4 @@
-"""Block-wise int8 quantized collectives (`zero_optax.transform._quantize`) against numpy references written here.
+"""Block-wise int8 quantized collectives (`zero_optax.step._quantize`) against numpy references written here.
 
 The references (`np_quantize`, `np_dequantize`, and the per-device gathers and sums built from them) use none of
 the module's helpers: numpy's `np.round` rounds half to even like `jnp.round`, and every float32 operation is the
@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.core._hlo import collective_ops
-from zero_optax.transform import _quantize as qz
-from zero_optax.transform import _wire as wire
+from benchmarks.hlo import collective_ops
+from zero_optax.step import _quantize as qz
+from zero_optax.step import _wire as wire
 
 # ---------------------------------------------------------------------------------------------- numpy references
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.core import _hlo
+from benchmarks import hlo as _hlo
 from zero_optax.core._errors import ZeroError
 
 N = 8

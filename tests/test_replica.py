@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from tests import _harness as h
 from tests import _zero_setup as zs
-from zero_optax.core import _hlo
+from benchmarks import hlo as _hlo
 from zero_optax.core._errors import ZeroError, ZeroGradientError, ZeroStructureError
 
 BOTH = ("replica", "data")

@@ -101,7 +101,7 @@ def restore(item, target, reshard):
 
 
 def states(tree):
-    return zo.transform._state.find_states(tree)
+    return zo.layout._state.find_states(tree)
 
 
 @pytest.fixture(scope="module")

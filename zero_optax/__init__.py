@@ -1,6 +1,6 @@
 """zero_optax: ZeRO stage 1 optimizer-state sharding for JAX, as an optax GradientTransformation."""
 
-from zero_optax._flax import (
+from zero_optax.api._flax import (
     ZeroOptimizer,
     ZeroTrainState,
 )
@@ -9,15 +9,15 @@ from zero_optax.checkpoint._handler import (
     ZeroRestore,
     ZeroSave,
 )
-from zero_optax.checkpoint._migrate import (
+from zero_optax.checkpoint._rank_migration import (
     Migration,
     ParamSlice,
     RankRecord,
     load_rank_records,
     reshard_explicit,
 )
-from zero_optax.checkpoint._records import state_from_rank_records
-from zero_optax.checkpoint._reshard import reshard
+from zero_optax.checkpoint._from_rank_records import state_from_rank_records
+from zero_optax.checkpoint._offline import reshard
 from zero_optax.core._errors import (
     OwnersError,
     StoreError,
@@ -30,22 +30,22 @@ from zero_optax.core._errors import (
     ZeroStructureError,
 )
 from zero_optax.core._version import __version__ as __version__
-from zero_optax.transform._layout import Layout
-from zero_optax.transform._owners import balanced_owners
-from zero_optax.transform._quantize import Quantize
-from zero_optax.transform._reduce import reduce_gradients
-from zero_optax.transform._specs import state_specs
-from zero_optax.transform._state import (
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._owners import balanced_owners
+from zero_optax.step._quantize import Quantize
+from zero_optax.step._reduce import reduce_gradients
+from zero_optax.layout._specs import state_specs
+from zero_optax.layout._state import (
     ZeroFlatState,
     ZeroLeafState,
     ZeroState,
 )
-from zero_optax.transform._transfer import (
+from zero_optax.api._transfer import (
     gather_state,
     master_params,
     scatter_state,
 )
-from zero_optax.transform._zero1 import (
+from zero_optax.api._zero1 import (
     apply_gradients,
     as_local,
     describe,

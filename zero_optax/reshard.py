@@ -11,7 +11,7 @@ order) for a checkpoint with one leaf-partition state, or one item (a list or nu
 exits with status 1 (2 for bad usage) and one line on stderr, and writes nothing.
 
 Importing this module keeps `zero_optax.reshard(...)` callable: the module object forwards calls to
-`zero_optax.checkpoint._reshard.reshard`, because importing a submodule replaces the package attribute of the same
+`zero_optax.checkpoint._offline.reshard`, because importing a submodule replaces the package attribute of the same
 name.
 """
 
@@ -35,8 +35,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from zero_optax.checkpoint._reshard import reshard as _reshard_fn
-from zero_optax.checkpoint._target import parse_axis_sizes
+from zero_optax.checkpoint._offline import reshard as _reshard_fn
+from zero_optax.checkpoint._offline_target import parse_axis_sizes
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30

@@ -7,7 +7,7 @@
 * `_arrays`: which arrays a state stores: names, shapes, dtypes, shardings.
 * `_record`: the versioned JSON record beside the arrays.
 * `_schema`: the record checked field by field, into `SavedState`s, each described by a `StoredLayout`
-  (`zero_optax.transform._layout`: what a checkpoint records of a layout, no run-time plan).
+  (`zero_optax.layout._layout`: what a checkpoint records of a layout, no run-time plan).
 * `_match`: whether a saved state fits a target, and the first difference if not.
 * `_remap`: any region of a state on a new mesh, from the arrays saved on the old one (and how far into an
   accumulation cycle a state was saved, `micro_step`).

@@ -1,6 +1,6 @@
 """Which arrays a zero1 state stores in a checkpoint: their names, global shapes, dtypes and shardings.
 
-A `ZeroState` holds three kinds of arrays (see `zero_optax.transform._state`), and a checkpoint stores each as
+A `ZeroState` holds three kinds of arrays (see `zero_optax.layout._state`), and a checkpoint stores each as
 one global array under a name from `zero_optax.core._names`:
 
 * `<k>.entry<j>` for every entry `j` that is not owned: a shared entry as `[N, *shape]` (one identical copy per
@@ -32,9 +32,10 @@ import jax
 import numpy as np
 
 from zero_optax.core import _names
-from zero_optax.transform import _entries, _offload
-from zero_optax.transform._layout import LOCAL, MASTER, Layout, Packing, StoredLayout
-from zero_optax.transform._state import ZeroState, canonical, shared_arrays
+from zero_optax.api import _per_entry
+from zero_optax.step import _offload
+from zero_optax.layout._layout import LOCAL, MASTER, Layout, Packing, StoredLayout
+from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +98,8 @@ def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = 
 
 def state_values(state: ZeroState) -> list[Any]:
     """The arrays of `state`, in `stored_arrays` order: per entry, as the record describes them (a group's
-    stored arrays are cut into its members' histories, `zero_optax.transform._entries`)."""
-    per_entry = _entries.unowned(state)
+    stored arrays are cut into its members' histories, `zero_optax.api._per_entry`)."""
+    per_entry = _per_entry.unowned(state)
     values = [per_entry[j] for j in unowned_entries(state.layout)]
     values += [state.buffers[d] for d in sorted(state.buffers)]
     return values + ([] if state.local is None else jax.tree.leaves(state.local))
@@ -108,7 +109,7 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
     """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (concrete or
     abstract), without reading or cutting its arrays."""
     layout = state.layout
-    shardings = _entries.sliced_shardings(state)
+    shardings = _per_entry.sliced_shardings(state)
     shared = shared_arrays(canonical(state))
     out = []
     for j in unowned_entries(layout):
@@ -127,7 +128,7 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     in the memory kind of `template`'s (`values` read into device memory move to host memory once, joined)."""
     layout = template.layout
     unowned = unowned_entries(layout)
-    inner, master = _entries.stored(template, dict(zip(unowned, values)))
+    inner, master = _per_entry.stored(template, dict(zip(unowned, values)))
     inner = inner._replace(shared=_placed_like(inner.shared, template.inner_state.shared))
     n = len(unowned)
     n_buffers = len(template.buffers)

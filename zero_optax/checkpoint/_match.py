@@ -3,7 +3,7 @@
 A plain restore (`reshard=False`) needs the target's layout to be the saved one: the same world size, owners,
 slots and packing. A restore onto another mesh (`reshard=True`) needs only what resharding keeps: the same
 partition, parameter leaves (paths, dtypes, which are sliced or owned, and each leaf's logical shape: a sliced
-leaf's blocks may be cut anew over tensor-parallel or expert axes of other sizes, `zero_optax.checkpoint._blocks`),
+leaf's blocks may be cut anew over tensor-parallel or expert axes of other sizes, `zero_optax.checkpoint._tp_blocks`),
 inner-state tree and entries (paths, leaves, dtypes, roles, and shapes where they do not depend on the mesh) and
 master dtype. The world size, the other mesh axes, owners and slots may change.
 
@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_optax.checkpoint import _blocks, _record
+from zero_optax.checkpoint import _tp_blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import AUTO, Layout, StoredLayout
+from zero_optax.layout._layout import AUTO, Layout, StoredLayout
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
-"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`zero_optax.checkpoint._blocks`)."""
+"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`zero_optax.checkpoint._tp_blocks`)."""
 _BLOCKS = ("shape", "axes", "blocks", "dims")
 
 
@@ -80,7 +80,7 @@ def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshar
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
-        _blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
+        _tp_blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
 def partition_difference(saved: StoredLayout, target: StoredLayout | Layout, where: str, reshard: bool = False) -> str | None:

@@ -28,7 +28,7 @@ The record (format version 2)::
         "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax.checkpoint._arrays
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
 
-Shapes are local blocks (`zero_optax.transform._layout`); `spec` lists, per array dimension, the mesh axes it is
+Shapes are local blocks (`zero_optax.layout._layout`); `spec` lists, per array dimension, the mesh axes it is
 sharded over. Nothing is pickled and no name is taken from the record: `zero_optax.checkpoint._schema` checks every
 field before anything is read, and array names are formatted by `zero_optax.core._names` from checked values.
 """
@@ -45,8 +45,8 @@ from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.transform._layout import LOCAL, Layout, StoredLayout
-from zero_optax.transform._state import canonical, shared_arrays
+from zero_optax.layout._layout import LOCAL, Layout, StoredLayout
+from zero_optax.layout._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"
 FORMAT_VERSION = 2

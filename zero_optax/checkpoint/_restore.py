@@ -9,7 +9,7 @@ Order of work, so that a refusal reads no array data:
 4. the shared entries: every saved row must hold the same value (and the recorded clocks);
 5. the arrays. A checkpoint Orbax wrote, restored at its own layouts, is read by Orbax itself into the target's
    shardings. Otherwise each target array is built device by device: every addressable device's region is computed
-   from the saved arrays (`zero_optax.checkpoint._remap`: one contiguous read per block per device for sliced
+   from the saved arrays (`zero_optax.checkpoint._regions`: one contiguous read per block per device for sliced
    histories, the old owner's row for owned entries), placed on its device, and released before the next, so host
    memory peaks near the restored state plus one device block (`jax.make_array_from_single_device_arrays`).
 """
@@ -28,14 +28,14 @@ from zero_optax.checkpoint import (
     _match,
     _paths,
     _record,
-    _remap,
+    _regions,
     _schema,
     _shapes,
     _store,
     _tree,
 )
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform import _offload
+from zero_optax.step import _offload
 
 OrbaxRead = Callable[[Any, dict[str, jax.ShapeDtypeStruct]], dict[str, jax.Array]]
 """Reads named arrays of an Orbax-written item into the shardings of the given structs."""
@@ -119,7 +119,7 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
     store = _store.ItemArrays(path)
     _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
-    shared = [_remap.shared_values(old, store.read, where_dir) for old in saved.states]
+    shared = [_regions.shared_values(old, store.read, where_dir) for old in saved.states]
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
@@ -153,10 +153,10 @@ def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, 
 
 def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shared) -> Any:
     """One target state built from the stored arrays, device by device: each device's region read as it is saved
-    (`plan.same`) or computed from the saved arrays on the target's mesh (`zero_optax.checkpoint._remap`)."""
+    (`plan.same`) or computed from the saved arrays on the target's mesh (`zero_optax.checkpoint._regions`)."""
     if plan.same:
         arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(plan.specs, plan.shardings)]
     else:
-        remap = _remap.Remap(old, plan.state.layout, store.read, shared)
+        remap = _regions.Remap(old, plan.state.layout, store.read, shared)
         arrays = [build(a, s, remap.region) for a, s in zip(plan.specs, plan.shardings)]
     return _arrays.rebuild(plan.state, arrays)

@@ -18,7 +18,7 @@ from typing import Any
 
 from zero_optax.checkpoint import _arrays, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._layout import (
+from zero_optax.layout._layout import (
     AUTO,
     FLAT,
     LEAF,

@@ -14,7 +14,7 @@ import jax
 
 from zero_optax.core import _compat, _names
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.transform._state import ZeroState, is_state
+from zero_optax.layout._state import ZeroState, is_state
 
 
 @dataclasses.dataclass(frozen=True)

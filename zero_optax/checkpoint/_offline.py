@@ -1,0 +1,234 @@
+"""Offline resharding of a zero1 checkpoint onto another mesh, exactly, with TensorStore and numpy only.
+
+Sliced leaves are re-cut coordinate by coordinate (each block's padded history is contiguous, so a new device's
+coordinates are one read of the old block where the leaf's blocks stay; where a tensor-parallel or expert axis
+changes size, the new blocks are cut out of the old ones, `zero_optax.checkpoint._tp_blocks`; new padding is zero);
+owned leaves move their complete state from the
+old owner's row to the new owner's; shared entries (step counts) are copied after checking that every old row
+agrees. Nothing is replayed or summed, so a run restored from the result continues exactly.
+
+The output is the same arrays under the same names as a checkpoint Orbax writes, zarr3 in an OCDBT database, but
+written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's own metadata files can only be
+written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
+Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
+does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
+destination and renamed into place (`zero_optax.checkpoint._install`). On object stores (`gs://`), which cannot rename, it
+is finished the way Orbax finishes checkpoints there (`zero_optax.checkpoint._commit`): arrays, then the record, then
+Orbax's commit file, which every reader requires, so an interrupted run leaves no readable checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from zero_optax.checkpoint import (
+    _arrays,
+    _commit,
+    _install,
+    _paths,
+    _record,
+    _regions,
+    _schema,
+    _shapes,
+    _store,
+    _offline_target,
+)
+from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.layout._layout import LEAF, StoredLayout
+
+Progress = Callable[[int, int], None]
+"""`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
+CHUNK_ELEMENTS = 1 << 22
+"""The most elements one chunk of the output holds."""
+
+
+def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
+    """The checked record of `src`, its arrays (every one checked present and complete) and the shared entries'
+    values (checked to agree on every row)."""
+    path = _paths.as_path(src)
+    saved = _schema.parse(_record.read(path), str(path))
+    store = _store.ItemArrays(path)
+    _shapes.check(path, saved, store)
+    store.check([a for s in saved.states for a in s.arrays])
+    return saved, store, [_regions.shared_values(s, store.read, str(path)) for s in saved.states]
+
+
+def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
+    """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
+    leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
+    if owners is not None and not isinstance(owners, (list, tuple)):
+        raise ZeroCheckpointError(f"`owners` must be a list, got {type(owners).__name__}.")
+    if owners is not None and all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+        if len(leaf_states) != 1:
+            raise ZeroCheckpointError(
+                f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; give one "
+                "item (a list or None) per state.")
+        owners = [owners if k == leaf_states[0] else None for k in range(len(layouts))]
+    owners = [None] * len(layouts) if owners is None else list(owners)
+    if len(owners) != len(layouts):
+        raise ZeroCheckpointError(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 "
+                                  "states.")
+    for k, o in enumerate(owners):
+        if o is None:
+            continue
+        if layouts[k].partition != LEAF:
+            raise ZeroCheckpointError(f"`owners[{k}]` is given, but state {k} uses the {layouts[k].partition} "
+                                      "partition, which has no owners to choose.")
+        if not isinstance(o, (list, tuple)):
+            raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
+    return owners
+
+
+def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
+            specs: _offline_target.Specs, owners: Sequence[int] | None, where: str) -> StoredLayout:
+    """The layout saved state `saved` has on the target mesh."""
+    where = f"{where}: state {saved.index}"
+    n, sizes = _offline_target.target_sizes(saved.layout, world_size, axis_sizes, where)
+    return _offline_target.new_layout(saved.layout, n, sizes, owners, specs, where)
+
+
+def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
+    """Chunks of an output array: one device's share where it fits in `CHUNK_ELEMENTS`, else balanced pieces."""
+    def fit(n: int) -> int:
+        return max(1, -(-n // -(-n // CHUNK_ELEMENTS))) if n else 1
+    if a.buffer is not None:
+        return 1, fit(a.shape[1])
+    if a.local is not None:  # local accumulators `[N, *shape]`: one device's block, cut along its first axis
+        if len(a.shape) == 1:
+            return (1,)
+        rest = math.prod(a.shape[2:])
+        return (1, max(1, min(a.shape[1], CHUNK_ELEMENTS // max(1, rest))), *a.shape[2:])
+    e = layout.entries[a.entry]
+    if e.leaf is None:
+        return a.shape if math.prod(a.shape) <= CHUNK_ELEMENTS else (1, *e.shape)
+    return (fit(layout.leaves[e.leaf].slots),)
+
+
+def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    """The chunk-sized regions of an array, in order (leading dimensions one index at a time)."""
+    if any(d == 0 for d in shape):
+        return
+    if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
+        for lo in range(0, shape[0], chunks[0]):
+            yield ((lo, min(lo + chunks[0], shape[0])),) + tuple((0, d) for d in shape[1:])
+        return
+    for r in range(0, shape[0], chunks[0]):
+        for lo in range(0, shape[1], chunks[1]):
+            yield ((r, min(r + chunks[0], shape[0])), (lo, min(lo + chunks[1], shape[1]))) + tuple(
+                (0, d) for d in shape[2:])
+
+
+def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
+           layouts: list[StoredLayout], specs: list[_offline_target.Specs], progress: Progress | None) -> None:
+    outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
+    total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
+    done = 0
+    with _store.ItemWriter(dst) as writer:
+        plans = []
+        for old, lay, arrays, values, spec in zip(saved.states, layouts, outputs, shared, specs):
+            remap = _regions.Remap(old, lay, store.read, values, f"state {old.index}", spec)
+            for i, a in enumerate(arrays):
+                chunks = _chunks(a, lay)
+                writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
+                plans.append((remap, a, chunks))
+        for remap, a, chunks in plans:
+            for region in _regions(a.shape, chunks):
+                data = remap.region(a, region)
+                writer.write(a.name, region, data)
+                done += data.nbytes
+                if progress is not None:
+                    progress(done, total)
+    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
+    _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
+    _commit.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
+
+
+def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
+            axis_sizes: Mapping[str, int] | None = None, param_specs: Any = None,
+            owners: Sequence[int] | Sequence[Sequence[int] | None] | None = None, force: bool = False,
+            progress: Progress | None = None) -> None:
+    """Converts a zero1 checkpoint item directory to another mesh (data-parallel size, tensor-parallel and expert
+    axis sizes), exactly.
+
+    Sliced leaves (the flat partition, and `"auto"`'s sliced leaves): every block's coordinate histories are cut
+    again into `ceil(size / group)` slots per device (zero padding); where an axis a leaf is sharded over changes
+    size (or appears, or goes), the leaf's logical array is cut into the new blocks first. Owned leaves (the leaf
+    partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes the way
+    `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied after
+    checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept.
+
+    The target mesh is `axis_sizes` (every axis of it, the ZeRO axes included; an axis left out is not in the
+    target mesh), or, with `world_size` alone, the saved mesh with the ZeRO axes at `world_size` devices. A
+    sliced leaf stays sharded over those of its axes the target mesh has, and an axis that changes size cuts the
+    only dimension of its block that it divides. Where several would do (a square block, say), or a leaf is to
+    be sharded over an axis it was not, `param_specs` says which: the parameters' `PartitionSpec`s, the same on
+    both meshes (a pytree shaped like the parameters, or a mapping of leaf paths such as `"['w']"`). A restore
+    with `zo.ZeroRestore(target, reshard=True)` needs neither: it reads the blocks from the target.
+
+    Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
+    by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
+    appears complete or not at all, and `force` swaps it for an existing one in one step. On `gs://` the output
+    is written in place and marked finished last with Orbax's `commit_success.txt`, without which neither Orbax
+    nor `ZeroRestore` reads it; `force` there first deletes the existing destination (its commit file first),
+    so an interrupted replacement leaves no checkpoint, neither the old nor the new. Arrays are copied one
+    chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
+    new mesh (and, with `reshard=True`, on any other).
+
+    Args:
+      src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
+      dst_dir: where to write the converted item directory.
+      world_size: the new number of devices along each state's ZeRO axes (the other axes keep their sizes).
+      axis_sizes: the target mesh, axis name -> size (e.g. `{"data": 2, "model": 4}`), instead of `world_size`.
+      param_specs: where the blocks cannot tell, the parameters' `PartitionSpec`s (see above).
+      owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
+        (a list or None) per zero1 state. None balances.
+      force: replace an existing `dst_dir`.
+      progress: optional `progress(done_bytes, total_bytes)` callback.
+
+    Raises:
+      ZeroCheckpointError: `src_dir` is not a complete, valid zero1 checkpoint of this format version, its shared
+        entries differ between rows, `dst_dir` exists without `force`, `force` would delete the source of a
+        `gs://` destination, a path has a scheme other than a local path or `gs://`, or the arguments are
+        invalid.
+
+    Examples:
+      >>> import zero_optax as zo
+      >>> zo.reshard("ckpt/100/opt_state", "ckpt3/100/opt_state", world_size=3)  # doctest: +SKIP
+      >>> zo.reshard("ckpt/100/opt_state", "tp4/100/opt_state",
+      ...            axis_sizes={"data": 2, "model": 4})  # doctest: +SKIP
+    """
+    src, dst = _paths.as_path(src_dir), _paths.as_path(dst_dir)
+    if world_size is not None:
+        world_size = _offline_target.check_world_size(world_size)
+    if axis_sizes is not None:
+        axis_sizes = _offline_target.check_axis_sizes(axis_sizes)
+    if dst.exists() and not force:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+    if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
+        raise ZeroCheckpointError(
+            f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
+            f"destination must not be {src} or lie inside or around it; write to another directory.")
+    if world_size is None and axis_sizes is None:
+        raise ZeroCheckpointError("Give the target mesh: `world_size=` (the data-parallel size) or `axis_sizes=` "
+                                  "(every axis, e.g. {'data': 2, 'model': 4}).")
+    saved, store, shared = load(src)
+    per_state = _owners_per_state(owners, [s.layout for s in saved.states])
+    specs = [_offline_target.specs_by_path(param_specs, set(s.layout.paths)) for s in saved.states]
+    layouts = [_layout(s, world_size, axis_sizes, p, o, str(src)) for s, p, o in zip(saved.states, specs, per_state)]
+    if not _paths.is_local(dst):
+        if force and dst.exists():
+            _commit.retract(dst)
+        _write(dst, saved, store, shared, layouts, specs, progress)
+        return
+    tmp = _install.temporary_sibling(str(dst), "reshard")
+    try:
+        _write(tmp, saved, store, shared, layouts, specs, progress)
+        _install.install(tmp, str(dst), force)
+    except FileExistsError:
+        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.") from None
+    finally:
+        _install.remove(tmp)

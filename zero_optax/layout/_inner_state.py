@@ -1,0 +1,178 @@
+"""The inner state's own tree inside a zero1 state, so that optax's tree utilities find its fields.
+
+`ZeroState.inner_state.shared` is the inner optimizer's state tree (its `NamedTuple`s and dicts, the fields named
+as optax names them) holding:
+
+* a `Shared` for each field the inner state shares across parameters (step counts, injected hyperparameters,
+  schedule-free's scalars): the stored `[N, *shape]` array, one identical copy per device, which reads as the
+  value plain optax holds (`optax.tree.get(state, "learning_rate")`);
+* a `Sharded` marker for each per-parameter field (Adam's `mu`): zero1 stores those sharded and packed elsewhere in
+  the state, so the marker holds no values, only the field's logical shape and dtype; `zo.gather_state` gives the
+  values.
+
+`optax.tree.set(state, learning_rate=0.1)` puts the new value in place of the `Shared`; zero1 stores it again
+(one copy per device) when the state next enters `update`, a checkpoint or `gather_state` (`arrays`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroStructureError
+from zero_optax.layout import _keys
+from zero_optax.layout._layout import Layout
+
+
+@jax.tree_util.register_pytree_node_class
+class Shared:
+    """A field the inner state shares across parameters, as zero1 stores it: `stored`, one copy per device.
+
+    It reads as the value: `value`, `shape`, `dtype`, `float(...)`, `jnp.asarray(...)` and arithmetic give what the
+    plain optax state holds. A typed PRNG key is stored as its key data and read as the key of implementation
+    `key_impl` (`_keys`).
+    """
+
+    __slots__ = ("key_impl", "stored")
+
+    def __init__(self, stored: Any, key_impl: str | None = None):
+        self.stored, self.key_impl = stored, key_impl
+
+    def tree_flatten(self):
+        return (self.stored,), self.key_impl
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, aux)
+
+    @property
+    def value(self) -> jax.Array:
+        """The value (every device's copy is the same): the first copy, after gathering the copies of a global
+        array sharded over the mesh (a few bytes), where reading one row of a sharded axis is refused."""
+        x = self.stored
+        sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and any(sharding.spec) and not _compat.manual_axes():
+            x = _compat.reshard(x, NamedSharding(sharding.mesh, P()))
+        return _keys.to_key(x[0], self.key_impl)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape if self.key_impl else self.stored.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.value.dtype if self.key_impl else self.stored.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __jax_array__(self):
+        return self.value
+
+    def __array__(self, dtype=None, copy=None):
+        del copy
+        return np.asarray(self.value, dtype)
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __repr__(self) -> str:
+        return f"Shared({self.value!r})" if hasattr(self.stored, "shape") else f"Shared({self.stored!r})"
+
+    def _op(name):  # the arithmetic operators below, on the value
+        return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
+
+    __add__, __radd__, __sub__, __rsub__ = _op("__add__"), _op("__radd__"), _op("__sub__"), _op("__rsub__")
+    __mul__, __rmul__, __truediv__, __rtruediv__ = _op("__mul__"), _op("__rmul__"), _op("__truediv__"), \
+        _op("__rtruediv__")
+    __pow__, __rpow__, __neg__ = _op("__pow__"), _op("__rpow__"), _op("__neg__")
+    __lt__, __le__, __gt__, __ge__ = _op("__lt__"), _op("__le__"), _op("__gt__"), _op("__ge__")
+    del _op
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+    """A per-parameter field of the inner state, which zero1 stores sharded elsewhere: its path, logical shape and
+    dtype, and no values (`zero_optax.gather_state` gives them)."""
+
+    __slots__ = ("dtype", "path", "shape")
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: str):
+        self.path, self.shape, self.dtype = path, tuple(shape), np.dtype(dtype)
+
+    def tree_flatten(self):
+        return (), (self.path, self.shape, self.dtype.name)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del children
+        return cls(*aux)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _refuse(self, *args, **kwargs):
+        del args, kwargs
+        raise ZeroStructureError(
+            f"The inner state's `{self.path}` is per-parameter: zero1 stores it sharded across the devices, so the "
+            "state holds no copy of it here. zo.gather_state(state) returns the whole inner state, with its "
+            "values.")
+
+    __jax_array__ = __array__ = __float__ = __int__ = _refuse
+
+    def __repr__(self) -> str:
+        return f"Sharded({self.path}: {self.dtype.name}{list(self.shape)})"
+
+
+def tree(layout: Layout, stored: Sequence[Any]) -> Any:
+    """The inner state's tree holding `stored` (one item per shared entry, in order) as `Shared`s, and a `Sharded`
+    for every other inner entry."""
+    it = iter(stored)
+    return jax.tree_util.tree_unflatten(layout.state_treedef, [
+        Shared(next(it), layout.entries[j].key_impl) if layout.entries[j].leaf is None else _marker(layout, layout.entries[j])
+        for j in layout.inner_entries])
+
+
+def _marker(layout: Layout, entry) -> Sharded:
+    """A per-parameter entry's marker, in its logical shape: a sliced leaf's history (stored by coordinate slices)
+    has the leaf's shape, an owned leaf's entry its own."""
+    leaf = layout.leaves[entry.leaf]
+    return Sharded(entry.path, leaf.shape if leaf.sliced else entry.shape, entry.dtype)
+
+
+def items(shared: Any) -> list[Any]:
+    """The items of a `tree`, in order: each `Shared`'s stored array, or the value `optax.tree.set` put there."""
+    found = jax.tree.leaves(shared, is_leaf=lambda x: isinstance(x, Shared))
+    return [x.stored if isinstance(x, Shared) else x for x in found]
+
+
+def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
+    """The stored arrays of a `tree`, `rows` copies each: a value `optax.tree.set` put there is broadcast to
+    `(rows, *shape)` in the entry's dtype, then given to `place` (to put it on the devices) if given."""
+    out = []
+    values = items(shared)
+    if len(values) != len(layout.shared_entries):
+        raise ZeroStructureError(
+            f"The zero1 state holds {len(values)} values where its inner state shares {len(layout.shared_entries)} "
+            "fields across parameters: set a field to one value (optax.tree.set(state, name=value)), not to a tree.")
+    for j, x in zip(layout.shared_entries, values):
+        entry = layout.entries[j]
+        x = _keys.to_data(x)
+        if np.ndim(x) == len(entry.shape) + 1:
+            out.append(x)
+            continue
+        x = jnp.broadcast_to(jnp.asarray(x, entry.dtype), (rows, *entry.shape))
+        out.append(x if place is None else place(x))
+    return out

@@ -1,0 +1,94 @@
+"""Typed PRNG keys in the inner state (`optax.noisy_sgd`'s, `optax.add_noise`'s), stored as their key data.
+
+A typed key (`jax.random.key(0)`, dtype `key<fry>`) is an opaque array: it cannot be summed, padded, packed with
+other state or written by Orbax. zero1 therefore stores each key of the inner state as its key data
+(`jax.random.key_data`: `uint32[*shape, 2]` for threefry) and gives the inner transformation the typed key back
+(`jax.random.wrap_key_data` with the key's implementation) whenever it runs: `as_data` wraps the inner
+transformation so that everything zero1 stores, gathers, checkpoints and reshards is plain integers, while the
+inner transformation, `optax.tree.get` and `zo.gather_state` see the key plain optax keeps. Every device keeps the
+same key, as a shared entry (`StateEntry.key_impl` names its implementation).
+
+Examples:
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from zero_optax.layout import _keys
+  >>> tx = _keys.as_data(optax.noisy_sgd(0.1, key=jax.random.key(0)))
+  >>> tx.init({"w": jnp.ones(3)})[0].rng_key.dtype
+  dtype('uint32')
+  >>> _keys.impls(optax.noisy_sgd(0.1, key=jax.random.key(0)).init, {"w": jnp.ones(3)})
+  {'[0].rng_key': 'threefry2x32'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zero_optax.core import _names
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array or abstract value) is a typed PRNG key."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def to_data(x: Any) -> Any:
+    """A typed key's key data; anything else as it is."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def to_key(x: Any, impl: str | None) -> Any:
+    """`x` (key data) as a typed key of implementation `impl`; as it is when `impl` is None or it already is one."""
+    return x if impl is None or is_key(x) else jax.random.wrap_key_data(x, impl=impl)
+
+
+def _found(state: Any, found: dict[int, str]) -> Any:
+    """Records in `found` the position (in `jax.tree.leaves` order) and implementation of each key of `state`."""
+    found.update((k, str(jax.random.key_impl(x))) for k, x in enumerate(jax.tree.leaves(state)) if is_key(x))
+    return jax.tree.map(to_data, state)
+
+
+def positions(init_fn: Callable, params: Any) -> dict[int, str]:
+    """The typed keys `init_fn(params)` puts in its state: leaf position -> implementation name (traced only)."""
+    found: dict[int, str] = {}
+    jax.eval_shape(lambda p: _found(init_fn(p), found), params)
+    return found
+
+
+def impls(init_fn: Callable, params: Any) -> dict[str, str]:
+    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced once)."""
+    found: dict[int, str] = {}
+    state = jax.eval_shape(lambda p: _found(init_fn(p), found), params)  # (key data: the same paths)
+    return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}
+
+
+def _unsigned(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not is_key(x) and jnp.issubdtype(dtype, jnp.unsignedinteger)
+
+
+def as_data(inner: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    """`inner` with every typed key of its state held as key data (`inner` itself if its state has none).
+
+    Its `update` finds the keys' implementations by tracing `inner.init` on the updates' tree (the state zero1
+    passes is always one `init` gave for that tree), wraps the key data, runs `inner.update` and stores the new
+    keys' data again.
+    """
+    def init_fn(params):
+        return jax.tree.map(to_data, inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        leaves, treedef = jax.tree.flatten(state)
+        # (key data is unsigned: a state without such arrays, Adam's, is passed on without tracing `init`)
+        keys = positions(inner.init, updates) if any(_unsigned(x) for x in leaves) else {}
+        if not keys:
+            return inner.update(updates, state, params, **extra)
+        typed = jax.tree.unflatten(treedef, [to_key(x, keys.get(k)) for k, x in enumerate(leaves)])
+        new_updates, new_state = inner.update(updates, typed, params, **extra)
+        return new_updates, jax.tree.map(to_data, new_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,636 @@
+"""The static layout of a ZeRO state: which parameter leaves exist, how each is sharded, and where its state lives.
+
+A `Layout` is hashable and travels as static pytree metadata inside the state, so `update`, `describe`, the
+checkpoint code and the offline tools all read the same description that `init` computed. What a checkpoint
+records of it, without the run-time plan (treedefs, groups, stacks, memory kind), is a `StoredLayout`; the views
+both answer (`StoredViews`: owners, packing, which entries are stored how) are defined once.
+
+Every parameter leaf is either *sliced* or *owned*:
+
+* sliced (`owner is None`): each device of the leaf's ZeRO group holds `slots = ceil(size / group)` consecutive
+  coordinates of the flattened leaf (device `r` holds `[r*slots, (r+1)*slots)`, the tail zero-padded). The
+  leaf's histories are stored as 1-D arrays of `blocks * group * slots` elements: block-major (one block per
+  tensor-parallel shard of the parameter), then device-major, so the padded coordinates of a block are
+  contiguous.
+* owned (`owner` is a device index): one device holds the leaf's complete state, packed with the other leaves it
+  owns into per-dtype buffers `[world_size, size]`.
+
+State entries that belong to no leaf (step counts, schedules, injected hyperparameters) are *shared*: every device
+keeps one copy, stored as `[world_size, *shape]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCouplingError
+
+FLAT = "flat"
+LEAF = "leaf"
+AUTO = "auto"
+PARTITIONS = (FLAT, LEAF, AUTO)
+
+STATE = "state"
+MASTER = "master"
+# Gradient accumulation (`_accumulate`): its modes, and the paths of its state's fields in the inner state's tree
+# (`_accumulate.AccumulateState`), which the layout, the engine and checkpoints read.
+SHARDED = "sharded"
+"""`accumulate="sharded"`: the accumulators are inner-state histories, sharded like the state (ZeRO-2)."""
+LOCAL = "local"
+"""`accumulate="local"`: every device keeps full-size sums of its own gradients (`ZeroState.local`)."""
+ACCUMULATE_MODES = (SHARDED, LOCAL)
+ACC_PREFIX = ".acc"
+"""Sharded gradient accumulators are entries whose path starts with this (`_accumulate.AccumulateState.acc`)."""
+MICRO_STEP_PATH = ".micro_step"
+"""The shared entry counting the calls of the accumulation cycle so far (`AccumulateState.micro_step`)."""
+WEIGHT_SUM_PATH = ".weight_sum"
+"""The shared entry holding the cycle's global weight so far (`AccumulateState.weight_sum`)."""
+MASTER_PREFIX = "<master>"
+"""Master-copy entries are named `<master>` followed by the parameter leaf's path."""
+
+
+def slot_count(size: int, group: int) -> int:
+    """The slots of a sliced leaf: the coordinates each of the `group` devices of its ZeRO group holds of its `size`
+    elements, `ceil(size / group)` (the last device's tail padded with zeros)."""
+    return -(-size // group)
+
+
+def whole_shape(shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...], sizes: dict[str, int]
+                ) -> tuple[int, ...]:
+    """A parameter's whole shape from its block's `shape`, the axes cutting each dimension (`ParamLeaf.dims`;
+    empty: the block is whole) and the axes' `sizes`."""
+    if not dims:
+        return tuple(shape)
+    return tuple(n * math.prod(sizes[a] for a in cut) for n, cut in zip(shape, dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLeaf:
+    """One trainable parameter leaf.
+
+    Attributes:
+      path: the leaf's key path in the parameter tree (`zero_optax.core._names.key_path`).
+      shape: the parameter's shape on one device (inside `shard_map`: its local block).
+      dtype: the parameter dtype name.
+      slots: sliced: coordinates each device of the group holds, `ceil(size / group)`; owned: `size`.
+      owner: owned: the device index (along the ZeRO axes) that updates this leaf; sliced: None.
+      axes: mesh axes the parameter is sharded over (tensor or expert parallel), in mesh order; its blocks differ
+        along them and each block's state is sharded separately.
+      blocks: the number of distinct blocks, the product of the sizes of `axes`.
+      group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
+      dims: an owned leaf sharded over tensor-parallel axes: per dimension of the parameter, the mesh axes that
+        cut it (major first, as in its `PartitionSpec`); its owner updates it whole (`zero_optax.step._tp_owned`)
+        and its state entries have the whole parameter's shape. Empty for every other leaf.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    slots: int
+    owner: int | None = None
+    axes: tuple[str, ...] = ()
+    blocks: int = 1
+    group: int = 1
+    dims: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def tp_owned(self) -> bool:
+        """Whether this is an owned leaf whose blocks its owner gathers over tensor-parallel axes (`dims`)."""
+        return bool(self.dims)
+
+    @property
+    def sliced(self) -> bool:
+        return self.owner is None
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One array the state stores: a leaf of the inner optimizer's state, or a master copy of a parameter.
+
+    Attributes:
+      path: key path inside the full inner state tree; master copies are `<master>` + the parameter's path.
+      leaf: index of the parameter leaf whose history this is; None for state shared by all leaves (step counts,
+        schedules, injected hyperparameters), which every device keeps a copy of.
+      shape: shape on one device: `(slots,)` for a sliced leaf's history, the full shape for an owned leaf's and
+        for shared entries.
+      dtype: dtype name.
+      role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
+      key_impl: for a typed PRNG key of the inner state, stored as its key data (`shape` and `dtype` are the
+        data's), the key's implementation (`"threefry2x32"`); None for any other array (`_keys`).
+    """
+
+    path: str
+    leaf: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    role: str = STATE
+    key_impl: str | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Sliced leaves whose inner update is one program: their state is stored, and updated, as one buffer.
+
+    Each device's part of a group's buffer is the concatenation of its `slots` coordinates of every member, so the
+    inner update runs once on it (a view of the first member holding the buffer), and a history of the group is
+    one array however many leaves it has.
+
+    Attributes:
+      leaves: the members, in tree order; all have the same ZeRO axes, own axes, dtype and entries.
+      histories: per member, its inner-state entries in state order: the `k`-th entry of every member is stored
+        in the group's `k`-th history array.
+      masters: per member, its master-copy entry (empty without `master_dtype`).
+      offsets: where each member starts in a device's part of the buffer.
+      size: the length of a device's part, the sum of the members' slots.
+      shape: None, or the shape of a device's part when it is kept in the leaf's own shape: a group of one leaf
+        of two or more dimensions whose ZeRO group is one device, which holds it whole. XLA updates a donated
+        buffer in place only through its own shape, so there the parameter and its moments are updated in place,
+        not copied (`benchmarks/RESULTS.md`, issue 20). Only the stored arrays take this shape: the gradient,
+        parameter and update parts stay `(size,)`, and every view outside a step sees `(size,)`
+        (`zero_optax.api._per_entry`).
+    """
+
+    leaves: tuple[int, ...]
+    histories: tuple[tuple[int, ...], ...]
+    masters: tuple[int, ...]
+    offsets: tuple[int, ...]
+    size: int
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def first(self) -> int:
+        """The member whose view runs the group's update."""
+        return self.leaves[0]
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The shape of a device's part of the group's stored arrays: `shape`, or `(size,)`."""
+        return (self.size,) if self.shape is None else self.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where rank-local arrays live inside per-dtype packed buffers (owned leaves).
+
+    Attributes:
+      offsets: per rank, a mapping from item index to its (dtype, offset) in that rank's buffers.
+      sizes: the buffer length per dtype, the same on every rank (the largest rank's share).
+      used: per rank, the elements it really uses per dtype (the rest is padding).
+    """
+
+    offsets: tuple[dict[int, tuple[str, int]], ...]
+    sizes: dict[str, int]
+    used: tuple[dict[str, int], ...]
+
+
+def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
+    """`(array, start, length)` pieces in order as `(array, start, stop)` ranges, merged where one continues the
+    previous one in the same array.
+
+    Examples:
+      >>> runs([(0, 0, 4), (0, 4, 3), (1, 0, 2), (0, 9, 1)])
+      [(0, 0, 7), (1, 0, 2), (0, 9, 10)]
+    """
+    out: list[tuple[Any, int, int]] = []
+    for k, start, length in pieces:
+        if out and out[-1][0] == k and out[-1][2] == start:
+            out[-1] = (k, out[-1][1], start + length)
+        else:
+            out.append((k, start, start + length))
+    return out
+
+
+def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
+    """Lays out each rank's `(item, size, dtype)` list, in order, into per-dtype buffers of one common size."""
+    offsets, used = [], []
+    for items in groups:
+        cursor: dict[str, int] = {}
+        where = {}
+        for item, size, dtype in items:
+            where[item] = (dtype, cursor.get(dtype, 0))
+            cursor[dtype] = cursor.get(dtype, 0) + size
+        offsets.append(where)
+        used.append(cursor)
+    dtypes = sorted({d for u in used for d in u})
+    sizes = {d: max(u.get(d, 0) for u in used) for d in dtypes}
+    return Packing(tuple(offsets), sizes, tuple(used))
+
+
+class StoredViews:
+    """What follows from the fields that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`):
+    the views that `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share."""
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """`axis_name` as a tuple."""
+        return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes the state is replicated over (`replica_sizes`' names); empty without replicas."""
+        return tuple(a for a, _ in self.replica_sizes)
+
+    @property
+    def replica_count(self) -> int:
+        """How many replicas hold the state: the product of `replica_sizes`."""
+        return math.prod(s for _, s in self.replica_sizes)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(leaf.path for leaf in self.leaves)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(leaf.shape for leaf in self.leaves)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(leaf.slots for leaf in self.leaves)
+
+    @property
+    def owners(self) -> tuple[int | None, ...] | None:
+        """One owner per leaf (None for sliced leaves); None altogether when every leaf is sliced."""
+        if all(leaf.sliced for leaf in self.leaves):
+            return None
+        return tuple(leaf.owner for leaf in self.leaves)
+
+    @property
+    def sharding(self) -> tuple[str, ...]:
+        """Per leaf, how its state is sharded: `"sliced"` or `"owned"` (what `partition="auto"` decided)."""
+        return tuple("sliced" if leaf.sliced else "owned" for leaf in self.leaves)
+
+    @functools.cached_property
+    def inner_entries(self) -> tuple[int, ...]:
+        """Indices of the inner optimizer's entries (not master copies), in full-state order."""
+        return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
+
+    def whole_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
+        """The parameter's whole (global) shape: its block's shape times the sizes of the axes cutting each
+        dimension (`ParamLeaf.dims`); the block's shape for a leaf without `dims`."""
+        return whole_shape(leaf.shape, leaf.dims, dict(self.axis_sizes))
+
+    def view_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
+        """The shape the inner transformation sees `leaf` in: its slots (sliced), its whole shape (owned)."""
+        return (leaf.slots,) if leaf.sliced else self.whole_shape(leaf)
+
+    def zero_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The ZeRO axes one block of `leaf` is sharded over (`axis_name` minus the leaf's own axes)."""
+        return tuple(a for a in self.axes if a not in leaf.axes)
+
+    def history_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes a sliced leaf's 1-D history is sharded over: its own axes (block-major), then its ZeRO axes."""
+        return tuple(leaf.axes) + self.zero_axes(leaf)
+
+    def local_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
+        """The mesh axes `accumulate="local"`'s per-device sums of `leaf` are stacked over (`[devices, *shape]`):
+        the replica axes, then `history_axes`."""
+        return self.replica_axes + self.history_axes(leaf)
+
+    @functools.cached_property
+    def unpacked_entries(self) -> tuple[int, ...]:
+        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
+        `ZeroState.inner_state`."""
+        return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
+
+    @functools.cached_property
+    def shared_entries(self) -> tuple[int, ...]:
+        """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
+        return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
+
+    def kind(self, entry: StateEntry) -> str:
+        """`"shared"`, `"sliced"` or `"owned"`: how `entry` is stored."""
+        if entry.leaf is None:
+            return "shared"
+        return "sliced" if self.leaves[entry.leaf].sliced else "owned"
+
+    @functools.cached_property
+    def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i, e in enumerate(self.entries):
+            if e.leaf is not None and not self.leaves[e.leaf].sliced:
+                per_rank[self.leaves[e.leaf].owner].append(i)
+        return tuple(tuple(r) for r in per_rank)
+
+    def rank_entries(self, rank: int) -> tuple[int, ...]:
+        """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
+        return self._owned_by_rank[rank]
+
+    @functools.cached_property
+    def state_packing(self) -> Packing:
+        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
+        return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
+                          for owned in self._owned_by_rank])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLayout(StoredViews):
+    """What a checkpoint persists and validates of a zero1 state: its leaves, entries, mesh and partition, with
+    none of the plan `init` decides for running it (treedefs, groups, stacks, memory kind: `Layout`).
+
+    `zero_optax.checkpoint._schema` builds one from a checked record, and the offline tools
+    (`zero_optax.checkpoint._offline_target`) one for another mesh; the checkpoint code reads either this or a target's
+    `Layout`, through the views both share (`StoredViews`).
+
+    Attributes:
+      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps,
+      replica_sizes: as `Layout`'s.
+      axis_sizes: `(name, size)` of the mesh axes named by `axis_name` or by a leaf's `axes`, as far as they are
+        known: a record lists the axes other than the ZeRO axes, whose sizes it knows only as their product,
+        `world_size` (`zero_optax.checkpoint._tp_blocks.leaf_blocks` infers an expert axis's size from its blocks).
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    state_tree: str
+    master_dtype: str | None
+    axis_sizes: tuple[tuple[str, int], ...]
+    accumulate: str | None = None
+    accumulate_steps: int = 1
+    replica_sizes: tuple[tuple[str, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(StoredViews):
+    """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
+
+    Attributes:
+      partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
+      axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
+      world_size: the number of devices along those axes.
+      replica_sizes: `(name, size)` of the mesh axes the state is replicated over (`zero1(..., replica_axis=)`):
+        every replica holds the same state, and gradients are summed over these axes too (`replica_axes`).
+        Nothing stored depends on them but `accumulate="local"`'s per-device sums: a state restores at any
+        replica count.
+      leaves: the trainable parameter leaves, in tree-flatten order.
+      entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
+        copies (if any) in parameter order.
+      treedef: the parameter tree structure.
+      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
+      state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
+      master_dtype: the dtype name of the master copies, or None.
+      axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
+      accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
+        (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
+      accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
+      memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
+        `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
+        arrays are in.
+      groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
+        exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
+        leaf.
+      stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
+        member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
+      joint: whether the sliced leaves' update runs in one view of them all (issue 29): the inner update reduces
+        their coordinates to scalars (a global norm, a trust ratio), which then run across the devices, or draws
+        random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
+        draws whole and keeps its slice of (`zero_optax.step._varying`). Each sliced leaf is then a group of
+        its own. How they are updated, not stored.
+      replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
+        per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
+        `leaf` None), and present only in views holding `leaf` (`view_shared`).
+    """
+
+    partition: str
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    treedef: Any = dataclasses.field(repr=False)
+    state_tree: str = dataclasses.field(default="", repr=False)
+    state_treedef: Any = dataclasses.field(default=None, repr=False)
+    master_dtype: str | None = None
+    axis_sizes: tuple[tuple[str, int], ...] = ()
+    accumulate: str | None = None
+    accumulate_steps: int = 1
+    memory_kind: str = dataclasses.field(default="device", compare=False)
+    groups: tuple[Group, ...] = ()
+    stacks: tuple[tuple[int, ...], ...] = ()
+    joint: bool = False
+    replicas: tuple[tuple[int, int], ...] = ()
+    replica_sizes: tuple[tuple[str, int], ...] = ()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
+                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
+                     self.groups, self.stacks, self.joint, self.replicas, self.replica_sizes))
+
+    def view_shared(self, present) -> tuple[int, ...]:
+        """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
+        absent = {j for j, i in self.replicas if i not in present}
+        return tuple(j for j in self.shared_entries if j not in absent)
+
+    @functools.cached_property
+    def stored_at(self) -> dict[int, tuple[int, int, int]]:
+        """Sliced entry (history or master) -> `(group, k, offset)`: it is the `offset..offset+slots` part of each
+        device's part of history `k` of group `group` (`k` = -1: the group's master copy)."""
+        out = {}
+        for g, group in enumerate(self.groups):
+            for m, off in enumerate(group.offsets):
+                for k, j in enumerate(group.histories[m]):
+                    out[j] = (g, k, off)
+                if group.masters:
+                    out[group.masters[m]] = (g, -1, off)
+        return out
+
+    @property
+    def owned_leaves_per_device(self) -> tuple[int, ...]:
+        """How many leaves each device updates (every device updates a slice of every sliced leaf)."""
+        sliced = sum(leaf.sliced for leaf in self.leaves)
+        return tuple(sliced + sum(leaf.owner == r for leaf in self.leaves) for r in range(self.world_size))
+
+    def _bytes(self, rank: int, role: str | None) -> int:
+        total = 0
+        for e in self.entries:
+            if role is not None and e.role != role:
+                continue
+            if role == STATE and self.accumulate == SHARDED and e.leaf is not None and e.path.startswith(ACC_PREFIX):
+                continue  # counted by accumulator_bytes_per_device
+            if e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank:
+                total += e.nbytes
+        return total
+
+    @property
+    def state_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for the inner optimizer's state, without padding to the largest share."""
+        return tuple(self._bytes(r, STATE) for r in range(self.world_size))
+
+    @property
+    def master_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for master copies (zero without `master_dtype`)."""
+        return tuple(self._bytes(r, MASTER) for r in range(self.world_size))
+
+    @property
+    def accumulator_bytes_per_device(self) -> tuple[int, ...]:
+        """Bytes each device needs for gradient accumulators (zero without `accumulate_steps`): sharded, its share
+        of the float32 sums (1/N of sliced leaves, whole owned leaves at their owner); local, full-size sums."""
+        if self.accumulate == LOCAL:
+            total = sum(leaf.size * np.dtype(np.promote_types(leaf.dtype, np.float32)).itemsize
+                        for leaf in self.leaves)
+            return (total,) * self.world_size
+        out = []
+        for r in range(self.world_size):
+            out.append(sum(e.nbytes for e in self.entries if self.accumulate == SHARDED and e.leaf is not None
+                           and e.path.startswith(ACC_PREFIX)
+                           and (self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == r)))
+        return tuple(out)
+
+    @property
+    def stored_bytes_per_device(self) -> int:
+        """Bytes each device actually stores, master copies included (owned entries padded to one shape)."""
+        unpacked = sum(e.nbytes for e in self.entries if e.leaf is None or self.leaves[e.leaf].sliced)
+        packed = sum(size * np.dtype(d).itemsize for d, size in self.state_packing.sizes.items())
+        return unpacked + packed
+
+    def summary(self) -> str:
+        """A short human-readable table of the layout."""
+        lines = [f"zero1 partition={self.partition!r} axis={self.axis_name!r} world_size={self.world_size}"
+                 + (f" replicated over {dict(self.replica_sizes)}" if self.replica_sizes else "")
+                 + (f" master_dtype={self.master_dtype}" if self.master_dtype else "")
+                 + f" state in {self.memory_kind} memory",
+                 f"{'leaf':<40} {'shape':<16} {'dtype':<9} {'sharding':<8} {'slots':>10} {'owner':>5}"]
+        for leaf in self.leaves:
+            owner = "-" if leaf.owner is None else str(leaf.owner)
+            how = "sliced" if leaf.sliced else "owned"
+            lines.append(f"{leaf.path:<40} {leaf.shape!s:<16} {leaf.dtype:<9} {how:<8} {leaf.slots:>10} {owner:>5}")
+        lines.append(f"state bytes per device: {list(self.state_bytes_per_device)}; "
+                     + (f"master bytes per device: {list(self.master_bytes_per_device)}; " if self.master_dtype
+                        else "")
+                     + f"stored per device: {self.stored_bytes_per_device}"
+                     + (f"; {len(self.groups)} groups of sliced leaves (largest "
+                        f"{max(len(g.leaves) for g in self.groups)} leaves)" if self.groups else "")
+                     + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
+                        f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
+        return "\n".join(lines)
+
+
+def abstract(tree):
+    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape and dtype."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def masked_view(values: Sequence[Any], present) -> list[Any]:
+    """`values` with every item whose index is not in `present` replaced by `optax.MaskedNode()`."""
+    return [v if i in present else optax.MaskedNode() for i, v in enumerate(values)]
+
+
+_MARKER = 1_000_000_007
+"""Sliced leaves are traced with the distinct, implausible lengths `_MARKER + i`, so their histories name them."""
+
+
+def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct], sliced: Sequence[int] = ()
+                     ) -> tuple[tuple[StateEntry, ...], Any]:
+    """Finds which inner-state leaves belong to which parameter leaf, from `init_fn` on partial trees.
+
+    Returns the entries in the full state's flatten order and the full (abstract) state.
+
+    The inner optimizer is initialised (abstractly) on the whole tree and on a tree with every leaf replaced by
+    `optax.MaskedNode()`: state present without any leaf is shared. Leaves in `sliced` (1-D slices, whose state
+    must be per-coordinate histories) are traced with distinct marker lengths, so a history of leaf `i` has
+    length `_MARKER + i`. The other (owned) leaves' state is found on trees holding the owned leaves whose
+    position has bit `b` set or clear, for every bit of their count: any such state appears in exactly one of
+    each bit's two views, which spells the leaf it belongs to. This is the mechanism `optax.masked` relies on, so
+    it works for any transformation that composes with `optax.masked`. In all, `2 + 2 * ceil(log2(owned))`
+    traces, each linear in the tree.
+    """
+    n = len(leaf_structs)
+    sliced = set(sliced)
+    owned = [i for i in range(n) if i not in sliced and not isinstance(leaf_structs[i], optax.MaskedNode)]
+
+    def state_of(values):
+        try:
+            return jax.eval_shape(init_fn, jax.tree_util.tree_unflatten(treedef, values))
+        except Exception as e:
+            raise ZeroCouplingError(
+                "zero1 could not tell which optimizer state belongs to which parameter: the inner "
+                "transformation's init failed on a tree whose other leaves are optax.MaskedNode() "
+                f"(the way optax.masked calls it): {type(e).__name__}: {e}") from e
+
+    def paths_of(present) -> set[str]:
+        return set(_names.leaf_paths(state_of(masked_view(leaf_structs, present))))
+
+    marked = [jax.ShapeDtypeStruct((_MARKER + i,), x.dtype) if i in sliced else x for i, x in enumerate(leaf_structs)]
+    marked_state = state_of(marked)
+    full = list(zip(_names.leaf_paths(marked_state), jax.tree.leaves(marked_state)))
+    shared = paths_of(())
+    owner_of: dict[str, int] = {}
+    rest = []
+    for path, x in full:
+        if path in shared:
+            continue
+        mark = x.shape[0] - _MARKER if len(x.shape) == 1 else -1
+        if mark in sliced:
+            owner_of[path] = mark
+        else:
+            rest.append(path)
+    histories = set(owner_of)
+    # (a sliced leaf's state that is no history, novograd's per-leaf norm, is found as an owned leaf's is)
+    owner_of.update(_owned_entry_leaves(rest, sorted(sliced | set(owned)), paths_of))
+    entries = []
+    for path, x in full:
+        leaf = owner_of.get(path)
+        shape = leaf_structs[leaf].shape if path in histories else tuple(x.shape)
+        entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
+    return tuple(entries), marked_state
+
+
+def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> dict[str, int]:
+    """The owned leaf that each state path of `rest` belongs to, spelled bit by bit (`discover_entries`).
+
+    For every bit `b` of a position among the `owned` leaves, `paths_of` gives the state paths on the leaves whose
+    position has `b` set and on those where it is clear; a path of one leaf is in exactly one of the two, which
+    says its bit `b`.
+    """
+    if not rest:
+        return {}
+    bits = {path: 0 for path in rest}
+    for b in range(max(len(owned) - 1, 0).bit_length()):
+        on = {i for k, i in enumerate(owned) if k >> b & 1}
+        with_on, with_off = paths_of(on), paths_of(set(owned) - on)
+        for path in rest:
+            if path in with_on and path in with_off:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` appears for two disjoint sets of parameter leaves; zero1 "
+                    "can only shard state that belongs to one leaf or to none.")
+            if path not in with_on and path not in with_off:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` depends on several parameter leaves at once, or is "
+                    "neither shared nor a per-coordinate history of a sliced leaf; zero1 can only shard state that "
+                    "belongs to one leaf or to none.")
+            if path in with_on:
+                bits[path] |= 1 << b
+    out = {}
+    for path in rest:
+        if not owned or bits[path] >= len(owned):
+            raise ZeroCouplingError(
+                f"The inner optimizer's state `{path}` is neither shared nor a per-coordinate history of a sliced "
+                "leaf (the flat partition slices every leaf into 1-D coordinates), so zero1 cannot shard it.")
+        out[path] = owned[bits[path]]
+    return out

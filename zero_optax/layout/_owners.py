@@ -1,0 +1,94 @@
+"""Whole-leaf ownership: which device updates which parameter leaf."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import optax
+
+from zero_optax.core._errors import OwnersError
+from zero_optax.layout._layout import abstract, discover_entries
+
+
+def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
+    load = [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
+def entry_bytes(entries, n_leaves: int) -> list[int]:
+    """Optimizer-state bytes of each parameter leaf, summed over the state entries that belong to it."""
+    costs = [0] * n_leaves
+    for e in entries:
+        if e.leaf is not None:
+            costs[e.leaf] += e.nbytes
+    return costs
+
+
+def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[int | None]:
+    """Balanced owners of the `owned` leaves, whose state entries are known (what zero1 and reshard use by
+    default); None for the others."""
+    costs = entry_bytes(entries, len(owned))
+    which = [i for i, o in enumerate(owned) if o]
+    chosen = _greedy([costs[i] for i in which], world_size)
+    out: list[int | None] = [None] * len(owned)
+    for i, r in zip(which, chosen):
+        out[i] = r
+    return out
+
+
+def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
+    """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
+    structs, treedef = jax.tree.flatten(abstract(params))
+    return entry_bytes(discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0],
+                       len(structs))
+
+
+def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
+    """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
+
+    Leaves are taken largest first and each goes to the least-loaded device; ties go to the lower leaf index and
+    the lower device index, so every process computes the same list.
+
+    Args:
+      params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
+      world_size: number of devices on the data axis.
+      inner: optional inner optimizer; if given, the cost of a leaf is its exact optimizer-state bytes under
+        `inner` (Adafactor's factored moments are small, Adam's are twice the parameter), else its parameter
+        bytes, which is proportional for most optimizers.
+
+    Returns:
+      One device index per leaf, in tree-flatten order.
+
+    Examples:
+      >>> import jax.numpy as jnp, zero_optax as zo
+      >>> zo.balanced_owners({"a": jnp.zeros((4, 4)), "b": jnp.zeros(3), "c": jnp.zeros(8)}, world_size=2)
+      [0, 1, 1]
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if inner is not None:
+        costs = leaf_state_bytes(params, inner)
+    else:
+        costs = [int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)]
+    return _greedy(costs, world_size)
+
+
+def check_owners(owners: Sequence[int], n_leaves: int, world_size: int, paths: Sequence[str]) -> tuple[int, ...]:
+    """`owners` as a tuple after checking its length and range."""
+    owners = tuple(owners)
+    if len(owners) != n_leaves:
+        raise OwnersError(
+            f"`owners` has {len(owners)} entries, but the parameters have {n_leaves} trainable leaves; give one "
+            "device index per leaf in tree-flatten order (zero_optax.balanced_owners(params, world_size) builds one).")
+    for i, r in enumerate(owners):
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < world_size:
+            raise OwnersError(
+                f"`owners[{i}]` (leaf `{paths[i]}`) is {r!r}, but device indices must be ints in [0, {world_size}).")
+    return tuple(int(r) for r in owners)

@@ -1,0 +1,720 @@
+"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives.
+
+The result is a `Layout`. Deciding it traces the inner transformation a fixed number of times, each linear in the
+number of leaves: its `init` on the real (local) shapes and on the sliced shapes, the coupling analysis and the
+program comparison of its `update`, and the `2 + 2 log2(L)` masked views that attribute state to leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import types
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zero_optax.analysis import _coupling
+from zero_optax.core import _compat, _names
+from zero_optax.analysis import _inner
+from zero_optax.core._errors import (
+    ZeroAxisError,
+    ZeroCouplingError,
+    ZeroError,
+    ZeroStructureError,
+)
+from zero_optax.layout import (
+    _keys,
+    _layout,
+    _owners,
+    _specs,
+)
+from zero_optax.layout._layout import (
+    AUTO,
+    FLAT,
+    LEAF,
+    MASTER,
+    MASTER_PREFIX,
+    Group,
+    Layout,
+    ParamLeaf,
+    StateEntry,
+)
+
+FLAT_HELP = """\
+Flat slices are exact only for transformations that act coordinate by coordinate. Either
+  * use partition="leaf" (every parameter updated as a whole tensor on one owner device: Muon, Adafactor, LAMB,
+    Shampoo) or partition="auto" (whole tensors only for the leaves that need them), or
+  * move the global operation before zero1, on the reduced gradient:
+        optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                    zo.zero1(inner, axis_name="{axis}", reduce=False))
+If you know the operation is elementwise (a custom kernel, say), zero1(..., assume_elementwise=True) skips this
+check; the result is then your responsibility."""
+
+LEAF_HELP = """\
+Each leaf is updated on its owner device, so the inner transformation may not combine different leaves.
+Move global operations before zero1, on the reduced gradient:
+    optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                zo.zero1(inner, axis_name="{axis}", partition="{partition}", reduce=False))"""
+
+SHAPE_HELP = """\
+The inner transformation does something different on the 1-D coordinate slices that zero1 gives it than on the
+full parameters, so its result would be silently wrong. Usually a mask or label function reads the parameter
+shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
+parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
+partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
+
+TENSOR_PARALLEL_HELP = """\
+zero1 updates `{path}` as a whole tensor on one owner (it is {why}), but the parameter is sharded over
+mesh axis `{axis}`: its owner gathers the blocks over `{axis}` and updates the whole tensor, for which zero1 must
+know which dimension `{axis}` cuts, and inside your shard_map it sees only the local block. Either
+  * bind zero1 to the mesh, zero1(..., mesh=mesh), and call init and update outside shard_map (under jax.jit):
+    it reads the dimensions from the parameters' shardings; or
+  * pass the parameters' PartitionSpecs, the in_specs of your shard_map: zero1(..., param_specs=param_specs)
+    (zo.state_specs(tx, params, param_specs) reads them too); or
+  * keep the leaf replicated over `{axis}` (in_specs P() for it), or give it an elementwise optimizer so that it
+    can be sliced (partition="flat", or "auto" decides per leaf)."""
+
+TENSOR_PARALLEL_SPEC_HELP = """\
+zero1 updates `{path}` as a whole tensor on one owner and reads from its PartitionSpec {spec} which mesh axes cut
+which dimension, but inside shard_map the parameter's local block (shape {shape}) varies over the mesh axes
+{axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
+PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The arguments of `zero1`, validated."""
+
+    inner: optax.GradientTransformationExtraArgs
+    axis_name: str | tuple[str, ...]
+    partition: str
+    owners: tuple[int, ...] | None
+    reduce: str | None          # "default", "psum", "psum_scatter", or None: the gradients are the global mean
+    reduce_dtype: Any
+    master_dtype: Any
+    assume_elementwise: bool
+    bucket_bytes: int
+    accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
+    offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
+    typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
+    param_specs: Any = None     # the parameters' PartitionSpecs (`zero1(..., param_specs=)`), for `_tp_dims`
+    replica_axes: tuple[str, ...] = ()  # `zero1(..., replica_axis=)`: the state is replicated over these (issue 32)
+    quantize: Any = None        # `zero1(..., quantize=)`: `_quantize.Quantize`, or None (issue 33)
+
+    @property
+    def accumulate(self) -> str | None:
+        return None if self.accumulating is None else self.accumulating.mode
+
+    @property
+    def accumulate_steps(self) -> int:
+        return 1 if self.accumulating is None else self.accumulating.steps
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return _compat.as_tuple(self.axis_name)
+
+    def inner_dtype(self, dtype) -> np.dtype:
+        """The dtype the inner optimizer sees a leaf's gradients, parameters and state in."""
+        return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
+
+
+def _update_fn(inner):
+    return lambda g, s, p, e: inner.update(g, s, p, **e)
+
+
+def required_keywords(update, limit: int = 20_000) -> tuple[str, ...]:
+    """The keyword-only arguments without a default of the functions reachable from `update` (the inner update,
+    the functions it closes over: a chain's members), read from their signatures: the extra arguments the inner
+    update may require (`value=` of `optax.contrib.reduce_on_plateau`), in the order found. A name that no update
+    requires only gets a stand-in that updates taking `**extra_args` ignore. The walk stops after `limit` objects.
+    """
+    found: dict[str, None] = {}
+    for count, x in enumerate(_inner.reachable(update), 1):
+        if count > limit:
+            break
+        if isinstance(x, types.FunctionType):
+            found.update((p.name, None) for p in inspect.signature(x).parameters.values()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty)
+    return tuple(found)
+
+
+def trace_update(inner, grads, state, params) -> tuple[_coupling.Traced, dict[str, jax.ShapeDtypeStruct]]:
+    """Traces the inner update once on the real shapes, for every analysis of it.
+
+    Checks that its updates and new state are structured like its inputs, and gives the keyword-only arguments it
+    requires (`required_keywords`) scalar stand-ins. Returns the trace (of `update(g, s, p, extra)`) and the
+    stand-ins.
+    """
+    extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
+    try:
+        traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
+    except TypeError as err:
+        raise ZeroCouplingError(
+            f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
+            f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
+            f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
+            f"are keyword-only arguments of its update.") from err
+    updates, new_state = traced.out_shape
+    for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            raise ZeroStructureError(
+                f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
+                f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
+                "inputs.")
+    return traced, extra
+
+
+def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str, ...], int, int]], dict]:
+    """Per leaf: (mesh axes its blocks differ along, number of blocks, ZeRO group size); and the axis sizes."""
+    sizes = {a: _compat.axis_size(a) for a in cfg.axes}
+    manual = _compat.manual_axes()
+    for a in cfg.axes:
+        manual.setdefault(a, sizes[a])
+    vma = _compat.vma_enabled(cfg.axes)
+    others = [a for a, s in manual.items() if a not in cfg.axes + cfg.replica_axes and s > 1]
+    if not vma and others:
+        raise ZeroAxisError(
+            f"zero1 runs in a shard_map with check_vma=False over a mesh that also has axes {others}: it cannot "
+            "tell which parameters are sharded over them. Run the shard_map with check_vma=True (the default).")
+    out = []
+    for x, path in zip(params_leaves, paths):
+        varying = _compat.varying_axes(x) if vma else frozenset()
+        replicated = [a for a in cfg.replica_axes if a in varying]
+        if replicated:
+            raise ZeroStructureError(
+                f"The parameter `{path}` differs between the devices of replica axis `{replicated[0]}` (it is typed "
+                "varying there), but every replica holds the same parameters and the same optimizer state. Pass "
+                "the parameters replicated over that axis (in_specs P() for them), not zo.as_local(params) or "
+                "per-device values.")
+        axes = tuple(a for a in manual if a in varying)
+        if set(cfg.axes) <= set(axes) or (len(cfg.axes) == 1 and cfg.axes[0] in axes):
+            raise ZeroStructureError(
+                f"The parameter `{path}` differs between the devices of `{cfg.axis_name}` (it is typed varying "
+                "there), but zero1 shards optimizer state over data-parallel axes, whose devices hold identical "
+                "parameters. Pass the parameters replicated over that axis (in_specs P() for them), not "
+                "zo.as_local(params) or per-device values.")
+        blocks = math.prod(manual[a] for a in axes)
+        group = math.prod(sizes[a] for a in cfg.axes if a not in axes)
+        out.append((axes, blocks, group))
+    axis_sizes = tuple((a, manual[a]) for a in manual if a in cfg.axes or any(a in p[0] for p in out))
+    return out, dict(axis_sizes)
+
+
+def _labels(treedef, n: int):
+    return jax.tree_util.tree_unflatten(treedef, list(range(n)))
+
+
+REDUCTIONS_HELP = """\
+zero1 computes full reductions of sliced leaves (a global norm, a trust ratio) exactly, with a collective over
+the devices, but a leaf that needs whole tensors on an owner cannot join the collective of the sliced ones.
+Either move the global operation before zero1, on the reduced gradient:
+    optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
+                zo.zero1(inner, axis_name="{axis}", partition="auto", reduce=False))
+or give those leaves an elementwise optimizer, or use partition="leaf" on a transformation that does not combine
+leaves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """What the analysis of the inner update decides for the layout.
+
+    Attributes:
+      coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
+      joint: whether the sliced leaves run in one view (`Layout.joint`): the update reduces their coordinates to
+        scalars, or draws random numbers in their shapes.
+      invariant: the positions (among the inner state's leaves) of the entries whose new value does not depend on
+        any leaf coordinate by coordinate (novograd's per-leaf norm): in the joint view every device computes the
+        same, so a sliced leaf's such entry is kept, like shared state, on every device.
+    """
+
+    coupled: frozenset[int]
+    joint: bool = False
+    invariant: frozenset[int] = frozenset()
+
+
+def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries, keys: dict[str, str]
+                    ) -> Coupling:
+    """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
+    reductions, draws random numbers into them other than in their own shapes, or (flat) mixes any coordinates or
+    cannot be proven not to. `keys`: the paths of the typed PRNG keys in `state` (`_typed_keys`)."""
+    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    if cfg.partition == FLAT:
+        if cfg.assume_elementwise:
+            return Coupling(frozenset())
+        # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
+        n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
+        untainted = frozenset(n + k for k, path in enumerate(_names.leaf_paths(state)) if path in keys)
+        scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
+                            if np.size(x) == 1)
+        try:
+            slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars)
+        except _coupling.CouplingError as e:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
+                f"{e}.\n{FLAT_HELP.format(axis=axis)}") from None
+        return Coupling(frozenset(), slices.joint,
+                        frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
+    n_leaves = treedef.num_leaves
+    labels = _labels(treedef, n_leaves)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
+    try:
+        found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
+                                         out_sources=(labels, state_labels), collective=cfg.partition == AUTO)
+    except _coupling.CouplingError as e:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
+            f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws "
+            f"random numbers that devices holding different leaves would not draw as one device does.\n"
+            f"{LEAF_HELP.format(axis=axis, partition=cfg.partition)}") from None
+    outputs = zip(_names.leaf_paths(state), found.output_taints[n_leaves:], entries)
+    for path, taint, entry in outputs:
+        if entry.leaf is None and taint:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"{cfg.partition}\"): the inner state `{path}` is shared by all parameters (it "
+                f"belongs to none), but its new value depends on parameter leaves {sorted(taint)}: devices that update "
+                f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
+    if cfg.partition == LEAF:
+        return Coupling(frozenset(range(n_leaves)))
+    # A leaf with state not per coordinate (novograd's per-leaf scalar) is sliced where every such entry is the
+    # same on every device, computed from the leaf's full reductions in the joint view; else kept whole on an owner
+    # (Adafactor's unfactored `v_row`, which its update never reads through a reduction).
+    invariant = frozenset(k for k, (c, r) in enumerate(zip(found.output_coords[n_leaves:],
+                                                            found.output_reductions[n_leaves:]))
+                          if not c and entries[k].leaf in r)
+    kept, fixed = _not_per_coordinate(traced, entries, invariant)
+    found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
+    if not found_.joint and fixed:  # (without a joint view no device sees every leaf's entry)
+        found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept | fixed), state, entries)
+    return dataclasses.replace(found_, invariant=invariant)
+
+
+def _not_per_coordinate(traced: _coupling.Traced, entries, invariant: frozenset[int]
+                        ) -> tuple[frozenset[int], frozenset[int]]:
+    """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): those with such an entry
+    that is not `invariant` (they need an owner), and the others."""
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
+    kept = frozenset(i for k, i in odd if k not in invariant)
+    return kept, frozenset(i for _, i in odd) - kept
+
+
+def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
+                      ) -> Coupling:
+    """`partition="auto"`: refuses full reductions that owned leaves would have to join (a global norm over a
+    leaf that needs an owner, or a shared state entry computed from an owned leaf's reduction)."""
+    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    owned_reduced = found.reductions & coupled
+    if found.crossing is not None and coupled and found.reductions:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"auto\") cannot run this inner transformation: it applies {found.crossing}, "
+            f"while leaves {sorted(coupled)} need whole tensors on an owner (the first applies "
+            f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}).\n"
+            f"{REDUCTIONS_HELP.format(axis=axis)}")
+    n_leaves = len(found.output_taints) - len(entries)
+    for path, reduced, entry in zip(_names.leaf_paths(state), found.output_reductions[n_leaves:], entries):
+        if entry.leaf is None and reduced & coupled:
+            raise ZeroCouplingError(
+                f"zero1(partition=\"auto\"): the inner state `{path}` is shared by all parameters, but its new "
+                f"value depends on reductions of leaves {sorted(reduced & coupled)}, which need whole tensors on an "
+                f"owner: devices would disagree on it.\n{REDUCTIONS_HELP.format(axis=axis)}")
+    if found.draws and coupled:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"auto\") cannot run this inner transformation: it adds random numbers to leaves "
+            f"{sorted(found.draws)} (optax.add_noise, optax.noisy_sgd) from one key split over every leaf, which "
+            f"devices reproduce only when they hold slices of every leaf, while leaves {sorted(coupled)} need whole "
+            f"tensors on an owner (the first applies "
+            f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}). Use partition=\"flat\" with "
+            f"an elementwise optimizer, or add the noise outside zero1.")
+    return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
+
+
+def _replicated(found: Coupling, e: StateEntry, k: int, owned: list[bool], slots: list[int]) -> bool:
+    """Whether `e` (inner entry `k`) belongs to a sliced leaf but is no history of its coordinates, and every
+    device computes the same value of it (`Coupling.invariant`, in a joint view): it is then kept as shared state,
+    on every device."""
+    return (found.joint and k in found.invariant and e.leaf is not None and not owned[e.leaf]
+            and e.shape != (slots[e.leaf],))
+
+
+def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
+    """The typed PRNG keys the inner state holds, by path: their implementations (`StateEntry.key_impl`; zero1
+    stores their key data, `_keys`). Refuses a key per parameter, which devices holding slices cannot keep."""
+    impls = {} if cfg.typed_init is None else _keys.impls(cfg.typed_init, params)
+    if impls:
+        masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
+        shared = set(_names.leaf_paths(jax.eval_shape(cfg.typed_init, masked)))
+        for path, impl in impls.items():
+            if path not in shared:
+                raise ZeroCouplingError(
+                    f"The inner optimizer's state `{path}` holds a typed PRNG key ({impl}) for one parameter; "
+                    "zero1 keeps typed keys in state shared by all parameters (optax.noisy_sgd's), the same on "
+                    "every device. Keep one key for all parameters, or keep this transformation outside zero1.")
+    return impls
+
+
+def _check_slices(real_state, mixed_state) -> None:
+    """Refuses inner transformations whose state on slices is structured differently than on the parameters."""
+    if jax.tree.structure(real_state) != jax.tree.structure(mixed_state):
+        raise ZeroCouplingError(
+            f"zero1: the inner state on coordinate slices has the structure "
+            f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
+            f"{SHAPE_HELP}")
+
+
+def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
+    i = next((i for i, (a, b) in enumerate(zip(real, part)) if a != b), min(len(real), len(part)))
+    return ZeroCouplingError(
+        f"zero1: the inner update applies {len(real)} operations to the parameters but {len(part)} to coordinate "
+        f"slices (at `{path}`; first difference at operation {i}: {real[i] if i < len(real) else 'none'} vs "
+        f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
+
+
+def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
+    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too.
+
+    A sliced leaf puts 1/N of its state on every device, the busiest owner included; a small leaf owned instead
+    lands on a device with room (owners are balanced largest first), usually in the padding of the packed buffers,
+    so biases and norms cost nothing next to the matrices Muon owns. The rule depends on the leaves alone, not on
+    the world size, so a checkpoint restores at any world size with the same split.
+    """
+    if cfg.partition != AUTO or not coupled:
+        return set()
+    smallest = min(math.prod(real[i].shape) for i in coupled)
+    return {i for i, x in enumerate(real)
+            if i not in coupled and not placement[i][0] and math.prod(x.shape) < smallest}
+
+
+def build_layout(cfg: Config, params) -> Layout:
+    """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [_names.key_path(p) for p, _ in flat]
+    values = [x for _, x in flat]
+    replica_sizes = _compat.axis_sizes(cfg.replica_axes)  # (bound: a clear error otherwise)
+    placement, axis_sizes = _placement(values, paths, cfg)
+    n = _compat.axis_size(cfg.axes)
+    real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
+    real_tree = jax.tree_util.tree_unflatten(treedef, real)
+    keys = _typed_keys(cfg, treedef, real_tree)
+    if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
+        real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
+    else:
+        real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
+    traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
+    found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
+    _check_owned_placement(cfg, found)
+    owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
+             for i in range(len(values))]
+    dims = _tp_dims(cfg, params, _Owned(owned, tuple(placement), tuple(paths)), real)
+    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
+             for i, x in enumerate(real)]
+    mixed = [jax.ShapeDtypeStruct(_layout.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
+             else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
+    entries = real_entries if all(owned) and not any(dims) else \
+        _entries_on_slices(cfg, treedef, mixed, real_state, owned)
+    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
+    entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
+    _check_histories(cfg, entries, owned, slots, paths)
+
+    entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
+    owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
+    leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
+                             owners[i] if owned[i] else None, *placement[i], dims[i]) for i, x in enumerate(values))
+    views = _Views(cfg, treedef, leaves, extra, {}, found.joint)
+    programs = _leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
+    entries = entries + _master_entries(cfg, leaves, axis_sizes)
+    groups = () if all(owned) else _groups(views, entries, programs)
+    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
+                  jax.tree.structure(real_state),
+                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
+                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
+                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
+                  found.joint and bool(groups), replicas, replica_sizes)
+
+
+def _check_owned_placement(cfg: Config, found: Coupling) -> None:
+    """Refuses offload with a joint view (a chunk cannot compute a full reduction)."""
+    if found.joint and cfg.offload:
+        raise ZeroCouplingError(
+            "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
+            "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
+            "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
+            "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owned:
+    """Per leaf, what `_tp_dims` reads: whether it is owned, its `_placement`, its path."""
+
+    owned: list[bool]
+    placement: tuple
+    paths: tuple[str, ...]
+
+
+def _tp_dims(cfg: Config, params, leaves: _Owned, real: list) -> list[tuple[tuple[str, ...], ...]]:
+    """Per leaf, its `ParamLeaf.dims`: for an owned leaf sharded over tensor-parallel axes, the mesh axes that cut
+    each of its dimensions, read from the parameters' `PartitionSpec`s (`_specs.declared_specs`, else
+    `zero1(..., param_specs=)`); `()` for every other leaf. Refuses such a leaf where no specs are known, or where
+    its spec does not name exactly the axes its block varies over."""
+    need = [i for i, o in enumerate(leaves.owned) if o and leaves.placement[i][0]]
+    out: list[tuple[tuple[str, ...], ...]] = [()] * len(leaves.owned)
+    if not need:
+        return out
+    specs = _specs.declared() if _specs.declared() is not None else cfg.param_specs
+    if specs is None:
+        i = need[0]
+        why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
+        raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=leaves.paths[i], why=why,
+                                                            axis=leaves.placement[i][0][0]))
+    per_leaf = jax.tree.leaves(_specs.broadcast_specs(specs, params), is_leaf=lambda x: isinstance(x, P))
+    for i in need:
+        spec, axes, ndim = tuple(per_leaf[i]), leaves.placement[i][0], len(real[i].shape)
+        cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        named = [a for c in cut for a in c]
+        if len(cut) > ndim or sorted(named) != sorted(axes):
+            raise ZeroStructureError(TENSOR_PARALLEL_SPEC_HELP.format(
+                path=leaves.paths[i], spec=P(*spec), shape=tuple(real[i].shape), axes=list(axes)))
+        out[i] = tuple(cut) + ((),) * (ndim - len(cut))
+    return out
+
+
+def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
+    """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
+    checking that the state is structured as on the parameters (`real_state`)."""
+    entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+                                               sliced=[i for i in range(len(mixed)) if not owned[i]])
+    mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
+                                     [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
+    _check_slices(real_state, mixed_state)
+    return entries
+
+
+def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
+                     paths: list[str]) -> None:
+    """Refuses a sliced leaf's entry that is not a per-coordinate history (not shaped like its slots)."""
+    for e in entries:
+        if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
+            raise ZeroCouplingError(
+                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
+                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
+                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Views:
+    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
+    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
+    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
+
+    cfg: Config
+    treedef: Any
+    leaves: tuple[ParamLeaf, ...]
+    extra: dict
+    names: dict[str, str]
+    reductions: bool = False
+
+
+FUSE_BYTES = 1 << 14
+"""Sliced leaves of at most this many bytes per device are fused into groups (`_layout.Group`); larger ones keep
+arrays of their own. Fusing a leaf saves its operations (kernel launches, and arrays at the `shard_map` boundary)
+but copies its slots into and out of the group's buffer every step, which for large leaves costs more than it
+saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
+
+
+def _leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
+                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
+    """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
+    outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
+    shared state's."""
+    labels = _labels(treedef, treedef.num_leaves)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
+    return _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
+                                   out_sources=(labels, state_labels), names=names, collective=reductions)
+
+
+def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Each leaf's inner-state entries (its histories, in state order) and its master-copy entry."""
+    histories: dict[int, list[int]] = {}
+    masters: dict[int, int] = {}
+    for j, e in enumerate(entries):
+        if e.leaf is not None and e.role == MASTER:
+            masters[e.leaf] = j
+        elif e.leaf is not None:
+            histories.setdefault(e.leaf, []).append(j)
+    return histories, masters
+
+
+def _groups(views: _Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
+    """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
+    each runs on its slots what it runs on the parameter.
+
+    Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
+    runs the same program on each (`_coupling.leaf_programs`: the same operations on the same shared values, a
+    step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
+    leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
+    is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
+    alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
+    transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
+    leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
+    """
+    cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
+    own, master_of = _entries_by_leaf(entries)
+    histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
+    masters = {i: master_of[i] for i in histories if i in master_of}
+    candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
+    found = _view_programs(views, candidates)
+    groups, alone = [], []
+    for members in candidates:
+        if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
+                programs[None]:
+            groups.append(members)
+        else:
+            alone += members
+    if any(len(m) > 1 for m in candidates if m[0] in alone):
+        found = _view_programs(views, [[i] for i in alone])
+    _check_alone(leaves, alone, programs, found)
+    groups += [[i] for i in alone]
+    out = []
+    for members in sorted(groups):
+        offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
+        out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
+                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
+                         _own_shape(cfg, [leaves[i] for i in members])))
+    return tuple(out)
+
+
+def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
+    """`Group.shape`: a lone leaf of two or more dimensions that one device holds whole keeps its shape, except in
+    host memory (offload streams 1-D chunks)."""
+    leaf = members[0]
+    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
+        else None
+
+
+STACK_BYTES = 1 << 24
+"""Owned leaves stacked for one vectorised update (`_stacks`) bring at most this many bytes of state, parameters
+and gradients together: the stack is a transient copy of them."""
+
+
+def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+            programs: dict) -> tuple[tuple[int, ...], ...]:
+    """The owned leaves that one device updates as one stack (`Layout.stacks`): same owner, shape, dtype and state
+    entries, and the same program in the update traced on the parameters, in tree order and cut at
+    `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
+    (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
+    shared = [j for j, e in enumerate(entries) if e.leaf is None]
+    own, _ = _entries_by_leaf(entries)
+    keyed: dict[Any, list[int]] = {}
+    nbytes: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.sliced or i not in programs or leaf.tp_owned:  # (a tensor-parallel leaf's view is its whole tensor)
+            continue
+        view = tuple((entries[j].leaf is None, entries[j].shape, entries[j].dtype)
+                     for j in sorted(shared + own.get(i, [])))  # the entries of its view, in order
+        nbytes[i] = sum(entries[j].nbytes for j in own.get(i, [])) + \
+            2 * leaf.size * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
+        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, view), []).append(i)
+    stacks: list[tuple[int, ...]] = []
+    for members in keyed.values():
+        chunk, total = [], 0
+        for i in members:
+            if chunk and total + nbytes[i] > STACK_BYTES:
+                stacks.append(tuple(chunk))
+                chunk, total = [], 0
+            chunk.append(i)
+            total += nbytes[i]
+        stacks.append(tuple(chunk))
+    return tuple(sorted(s for s in stacks if len(s) > 1))
+
+
+def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict) -> None:
+    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`)."""
+    for i in alone:
+        if i in programs and found.get(i) != programs[i]:
+            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
+
+
+def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+                histories: dict[int, list[int]], programs: dict) -> list[list[int]]:
+    """The sliced leaves keyed by program, axes, dtype and entries: small ones together, large ones alone."""
+    keyed: dict[Any, list[int]] = {}
+    for i, own in histories.items():
+        leaf = leaves[i]
+        small = leaf.slots * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize <= FUSE_BYTES
+        program = programs.get(i, i) if small else i  # a leaf without a program of its own stays alone
+        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype, tuple(entries[j].dtype for j in own))
+        keyed.setdefault(key, []).append(i)
+    return list(keyed.values())
+
+
+def _view_programs(views: _Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
+    """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
+    holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
+    error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
+    cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
+    structs: list[Any] = [optax.MaskedNode()] * len(leaves)
+    labels: list[Any] = [optax.MaskedNode()] * len(leaves)
+    for members in groups:
+        first = members[0]
+        structs[first] = jax.ShapeDtypeStruct((sum(leaves[i].slots for i in members),),
+                                              cfg.inner_dtype(leaves[first].dtype))
+        labels[first] = first
+    tree = jax.tree_util.tree_unflatten(treedef, structs)
+    label_tree = jax.tree_util.tree_unflatten(treedef, labels)
+    try:
+        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, structs,
+                                                   sliced=[m[0] for m in groups])
+        state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                                                for e in entries])
+        state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
+        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
+                                       sources=(label_tree, state_labels, label_tree, None),
+                                       out_sources=(label_tree, state_labels), names=views.names,
+                                       collective=views.reductions)
+    except ZeroError:
+        raise
+    except Exception as e:  # the user's transformation failed: refused, naming its error
+        raise ZeroCouplingError(
+            f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
+            f"sliced leaves, `{leaves[groups[0][0]].path}` among them): {type(e).__name__}: {e}\n"
+            f"{SHAPE_HELP}") from e
+
+
+def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
+    """Every leaf's owner: `cfg.owners` (checked), or balanced over the state bytes each owned leaf brings (its
+    entries, and with `master_dtype` its master copy); None for sliced leaves when balanced."""
+    if cfg.owners is not None:
+        return list(_owners.check_owners(cfg.owners, len(real), n, paths))
+    costs = list(entries)
+    if cfg.master_dtype is not None:
+        costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
+    return _owners.owners_for_entries(costs, owned, n)
+
+
+def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str, int]) -> tuple[StateEntry, ...]:
+    """With `master_dtype`, one master-copy entry per leaf (a slice for sliced leaves, the whole parameter for owned
+    ones), after the inner state's."""
+    if cfg.master_dtype is None:
+        return ()
+    return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else
+                            _layout.whole_shape(leaf.shape, leaf.dims, sizes), np.dtype(cfg.master_dtype).name,
+                            MASTER) for i, leaf in enumerate(leaves))
+
+
+def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
+    """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
+    leaves are exactly the entries `expected`, in order."""
+    structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), cfg.inner_dtype(leaf.dtype)) for leaf in layout.leaves]
+    tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
+    state = jax.eval_shape(cfg.inner.init, tree)
+    paths = _names.leaf_paths(state)
+    want = [layout.entries[j].path for j in expected]
+    if paths != want:
+        raise ZeroStructureError(
+            f"The inner optimizer's state {what} has leaves {paths}, but the layout expects {want}: its state order "
+            "changes when leaves are masked, which zero1 cannot pack.")
+    return jax.tree.structure(state)

@@ -1,0 +1,154 @@
+"""`state_specs`: the `PartitionSpec`s of a zero1 state, for `shard_map`'s `out_specs` on any mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroError
+from zero_optax.layout import _handle, _inner_state
+from zero_optax.layout._layout import Layout, ParamLeaf
+from zero_optax.layout._state import SlicedState, ZeroState, is_state
+
+_DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
+"""The parameters' `PartitionSpec`s while a mesh-bound `init` or `zo.state_specs` traces `init` (`declared_specs`)."""
+
+
+@contextlib.contextmanager
+def declared_specs(specs: Any):
+    """While active, `init` reads the parameters' `PartitionSpec`s `specs` (a tree like the parameters, or a prefix
+    of it) for owned leaves it gathers over tensor-parallel axes (`zero_optax.step._tp_owned`): the mesh-bound form
+    and `zo.state_specs` know them, a `shard_map` body does not."""
+    token = _DECLARED.set(specs)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def declared() -> Any:
+    """The specs `declared_specs` declares, or None."""
+    return _DECLARED.get()
+
+
+def _spec(axes: tuple[str, ...]) -> P:
+    if not axes:
+        return P()
+    return P(axes[0] if len(axes) == 1 else axes)
+
+
+def history_spec(layout: Layout, leaf: ParamLeaf) -> P:
+    """A sliced leaf's 1-D history: block-major over the leaf's own axes, then its ZeRO axes."""
+    return _spec(layout.history_axes(leaf))
+
+
+def specs_of(state: ZeroState) -> ZeroState:
+    """`state` with every array replaced by its `PartitionSpec` (the same layout, so a valid `out_specs`)."""
+    layout = state.layout
+    groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
+    inner = SlicedState(_inner_state.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]),
+                        tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
+    buffers = {d: _spec(layout.axes) for d in state.buffers}
+    master = None if state.master is None else tuple(groups)
+    local = state.local
+    if local is not None:
+        local = jax.tree_util.tree_unflatten(layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
+    return ZeroState(inner, buffers, master, layout, local)
+
+
+def tree_specs(tree: Any) -> Any:
+    """Specs for an optax state that may hold zero1 states: theirs, and `P()` (replicated) for anything else."""
+    return jax.tree.map(lambda x: specs_of(x) if is_state(x) else P(), tree, is_leaf=is_state)
+
+
+def _find_mesh(tx, params, mesh):
+    if mesh is not None:
+        return mesh
+    owner = _handle.find(tx)
+    if owner is not None and owner.mesh is not None:
+        return owner.mesh
+    context = jax.sharding.get_abstract_mesh()
+    if context is not None and not getattr(context, "empty", True):
+        return context
+    for x in jax.tree.leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    raise ZeroError(
+        "zo.state_specs needs the mesh to know the axis sizes: pass mesh=..., bind the transformation to one "
+        "(zero1(..., mesh=mesh)), call it under `with jax.set_mesh(mesh):`, or pass parameters that carry "
+        "NamedShardings.")
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def broadcast_specs(specs: Any, tree: Any) -> Any:
+    """`specs` (a tree prefix of `tree` with `PartitionSpec` or None leaves) as a tree like `tree`."""
+    try:
+        expanded = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: P() if spec is None else spec, sub),
+                                specs, tree, is_leaf=_is_spec)
+    except ValueError as e:
+        raise ZeroError(f"The parameter specs do not match the parameters' structure: {e}") from None
+    return jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(expanded, is_leaf=_is_spec))
+
+
+def traced_state(tx, params, param_specs, mesh, declare: Any = None):
+    """The state `tx.init` returns inside `shard_map` over `mesh` for `params` laid out by `param_specs`, traced
+    abstractly (its arrays are tracers: read its structure and layouts only). `init` reads the parameters' specs
+    as `declare` (`declared_specs`; by default `param_specs`)."""
+    abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
+    params = _compat.pure(params)
+    specs = broadcast_specs(param_specs, params)
+    structs = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                sharding=NamedSharding(abstract_mesh, spec)),
+                           params, specs)
+    captured = []
+
+    def capture(p):
+        captured.append(tx.init(p))
+        return ()
+
+    with declared_specs(param_specs if declare is None else declare):
+        jax.eval_shape(jax.shard_map(capture, mesh=abstract_mesh, in_specs=(param_specs,), out_specs=()), structs)
+    return captured[0]
+
+
+def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """The `PartitionSpec`s of `tx.init(params)`'s state inside `shard_map`, to pass as its `out_specs`.
+
+    On a 1-D mesh every spec is `P("data")`; on a mesh with tensor- or expert-parallel axes, a sliced leaf's state
+    is sharded over the parameter's own axes and the data axes (`P(("model", "data"))`, say), shared entries and
+    owned buffers over the data axes. Works for a zero1 transformation and for optax chains that contain one
+    (other state is replicated, `P()`).
+
+    Args:
+      tx: the transformation (`zero_optax.zero1(...)`, or a chain holding one).
+      params: the parameters (global arrays, or `jax.ShapeDtypeStruct`s of their global shapes).
+      param_specs: their `PartitionSpec`s, a tree like `params` (or a prefix of it); None means replicated.
+      mesh: the mesh; defaults to the one `tx` is bound to, the `jax.set_mesh` context, or the parameters'
+        `NamedSharding`s.
+
+    Returns:
+      A tree like the state whose leaves are `PartitionSpec`s.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = zo.zero1(optax.adam(1e-2), axis_name="data")
+      >>> specs = zo.state_specs(tx, {"w": jnp.ones(3)}, {"w": P()}, mesh=mesh)
+      >>> jax.tree.leaves(specs)
+      [P('data',), P('data',), P('data',)]
+    """
+    if param_specs is None:
+        param_specs = P()
+    mesh = _find_mesh(tx, params, mesh)
+    return tree_specs(traced_state(tx, params, param_specs, mesh))

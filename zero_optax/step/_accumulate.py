@@ -1,0 +1,231 @@
+"""Gradient accumulation inside zero1: k `update` calls per optimizer step, one inner update, one all-gather.
+
+The accumulation state is part of the inner optimizer's state: `zero1(inner, accumulate_steps=k)` runs the engine
+on `accumulating(inner, k, mode)`, whose state is `AccumulateState(inner, acc, micro_step, weight_sum)`. So the
+layout code sees the accumulators as it sees any history:
+
+* `accumulate="sharded"` (ZeRO-2): `acc` is a float32 tree like the parameters. Its leaves are per-leaf histories,
+  sliced 1/N for sliced leaves and packed at the owner for owned leaves, and checkpoints save, restore and reshard
+  them like Adam's moments. `micro_step` and `weight_sum` are shared entries, like a step count.
+* `accumulate="local"`: `acc` is empty; every device keeps its own unreduced float32 sums in `ZeroState.local`
+  (full size), reduced once on the cycle's last call.
+
+Every call reduces the micro-batch's global weight (a scalar) and branches with `lax.cond` on the cycle position,
+which is the same on every device: non-final calls add the micro-batch's reduce-scattered sums (sharded) or local
+gradients (local) to the accumulators and return zero updates, moving no all-gather and running no inner update;
+the final call divides the accumulated sums by the cycle's total weight in float32, runs the inner update once and
+all-gathers once. A cycle of total weight zero is skipped.
+
+This module holds the pieces; the engine composes them into its step (`zero_optax.step._engine.Engine.
+_accumulate`): the two `Phase`s of a call (which transformation runs, in which dtypes, whether it steps), the cycle
+position, the call's weight, and the local sums' arithmetic. Nothing here calls the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import ZeroError
+from zero_optax.step import _reduce
+from zero_optax.layout import _inner_state
+from zero_optax.layout._layout import (
+    ACCUMULATE_MODES,
+    MICRO_STEP_PATH,
+    SHARDED,
+    WEIGHT_SUM_PATH,
+)
+from zero_optax.layout._state import shared_arrays
+
+
+class AccumulateState(NamedTuple):
+    """The state of `accumulating(inner, k, mode)`.
+
+    Attributes:
+      inner: the inner transformation's state.
+      acc: sharded mode: float32 sums of the gradients of this cycle's calls so far, like the parameters; local
+        mode: `()` (the sums live in `ZeroState.local`).
+      micro_step: int32, the number of calls of this cycle so far (0 at a cycle boundary).
+      weight_sum: float32, the global weight of this cycle's calls so far.
+    """
+
+    inner: Any
+    acc: Any
+    micro_step: jax.Array
+    weight_sum: jax.Array
+
+
+def acc_dtype(dtype) -> np.dtype:
+    """Accumulators sum in float32 (float64 stays float64)."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def _is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _map_present(fn, tree, *rest):
+    """`fn(index, leaf, *rest_leaves)` on every present leaf of a masked parameter view (`optax.MaskedNode` kept)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_masked)
+    others = [jax.tree.leaves(t, is_leaf=_is_masked) for t in rest]
+    out = [x if _is_masked(x) else fn(i, x, *(o[i] for o in others)) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Accumulating:
+    """`accumulating(inner, k, mode)`: the transformation the engine runs for `zero1(..., accumulate_steps=k)`.
+
+    `transformation("final", cast)` is the final call of a cycle (its gradient is the last micro-batch's sum,
+    `accumulate_weight` that micro-batch's global weight): the analyses at `init` see exactly the step that runs the
+    inner update. `cast` (per leaf, a dtype name) is the dtype the inner update sees each mean gradient in (the
+    sum's own dtype without it). `transformation("add")` is a non-final call.
+    """
+
+    inner: optax.GradientTransformationExtraArgs
+    steps: int
+    mode: str
+
+    def init(self, params) -> AccumulateState:
+        acc = (jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype(p.dtype)), params)
+               if self.mode == SHARDED else ())
+        return AccumulateState(self.inner.init(params), acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def _sums(self, grads, state: AccumulateState):
+        if self.mode != SHARDED:
+            return _map_present(lambda i, g: g.astype(acc_dtype(g.dtype)), grads)
+        return _map_present(lambda i, g, a: a + g.astype(a.dtype), grads, state.acc)
+
+    def update(self, grads, state: AccumulateState, params=None, *, accumulate_weight, cast=None, **extra):
+        total = state.weight_sum + accumulate_weight
+        ok = total > 0
+        denom = jnp.where(ok, total, 1.0)
+
+        def mean(i, s):
+            dt = s.dtype if cast is None else cast[i]
+            return (s / denom.astype(s.dtype)).astype(dt)
+        mean_grads = _map_present(mean, self._sums(grads, state))
+        updates, new_inner = self.inner.update(mean_grads, state.inner, params, **extra)
+        new_inner = _reduce.skip_if_empty(ok, new_inner, state.inner)
+        updates = _reduce.skip_if_empty(ok, updates, jax.tree.map(jnp.zeros_like, updates))
+        acc = jax.tree.map(jnp.zeros_like, state.acc)
+        return updates, AccumulateState(new_inner, acc, jnp.zeros_like(state.micro_step),
+                                        jnp.zeros_like(state.weight_sum))
+
+    def add(self, grads, state: AccumulateState, params=None, *, accumulate_weight, **extra):
+        del params, extra
+        acc = self._sums(grads, state) if self.mode == SHARDED else state.acc
+        return grads, AccumulateState(state.inner, acc, state.micro_step + 1, state.weight_sum + accumulate_weight)
+
+    def transformation(self, which: str, cast: tuple[str, ...] | None = None) -> optax.GradientTransformationExtraArgs:
+        if which != "final":
+            return optax.GradientTransformationExtraArgs(self.init, self.add)
+        update = self.update if cast is None else functools.partial(self.update, cast=cast)
+        return optax.GradientTransformationExtraArgs(self.init, update)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One side of an accumulating call, as the engine's stages run it (`zero_optax.step._engine`). Two
+    phases are equal when they run the same program: the same side, the same `cast`.
+
+    Attributes:
+      inner: the transformation that runs in place of the configured one (`Accumulating.update` or `.add`).
+      step: whether this side is an optimizer step: it moves the master copies and all-gathers the updates.
+        Otherwise the updates are zeros and nothing is gathered.
+      grad_dtypes: leaf index -> the dtype the reduced gradient sums are handed over in (float32).
+      cast: the final side: per leaf, the dtype the inner update sees its mean gradient in (`Accumulating.update`).
+    """
+
+    inner: optax.GradientTransformationExtraArgs = dataclasses.field(compare=False)
+    step: bool
+    grad_dtypes: dict[int, str] = dataclasses.field(compare=False)
+    cast: tuple[str, ...] = ()
+
+    denom = _reduce.Denominator(1, None)
+    """Sums: the division by the cycle's weight happens in `Accumulating.update`."""
+
+
+def phases(acc: Accumulating, g_leaves: list, inner_dtype) -> tuple[Phase, Phase]:
+    """The final and the micro-step phase of a call with gradients `g_leaves`; `inner_dtype` maps a gradient's
+    dtype to the one the inner update sees (`zero_optax.layout._planner.Config.inner_dtype`)."""
+    sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
+    cast = tuple(np.dtype(inner_dtype(g.dtype)).name for g in g_leaves)
+    return Phase(acc.transformation("final", cast), True, sums, cast), Phase(acc.transformation("add"), False, sums)
+
+
+def check_args(accumulate_steps, accumulate) -> None:
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) or \
+            accumulate_steps < 1:
+        raise ZeroError(f"`accumulate_steps` must be an int >= 1 (the number of update calls, one per "
+                        f"micro-batch, per optimizer step), got {accumulate_steps!r}.")
+    if accumulate not in ACCUMULATE_MODES:
+        raise ZeroError(f"`accumulate` must be \"sharded\" (accumulators sharded like the state, ZeRO-2) or "
+                        f"\"local\" (each device keeps full-size local sums), got {accumulate!r}.")
+
+
+def _shared_entry(layout, path: str) -> int | None:
+    if layout.accumulate is None:
+        return None
+    return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == path)
+
+
+def micro_step_entry(layout) -> int | None:
+    """The index of the shared cycle-position entry, or None without accumulation."""
+    return _shared_entry(layout, MICRO_STEP_PATH)
+
+
+def weight_sum_entry(layout) -> int | None:
+    """The index of the shared entry holding the cycle's weight so far, or None without accumulation."""
+    return _shared_entry(layout, WEIGHT_SUM_PATH)
+
+
+def position(layout, state) -> jax.Array:
+    """This device's copy of the cycle position: the number of calls of this cycle so far."""
+    return shared_arrays(state)[micro_step_entry(layout)][0]
+
+
+def call_weight(reducing: bool, weight, layout) -> jax.Array:
+    """The global weight of one call, in float32: its share of the cycle's mean."""
+    if not reducing:
+        return jnp.ones((), jnp.float32)                    # each call's gradient is already a mean
+    axes, devices = _reduce.reduction(layout)
+    if weight is None:
+        return jnp.asarray(devices, jnp.float32)  # each device's gradient is a mean over its batch
+    return _reduce.global_weight(weight, axes)
+
+
+def with_local(g_leaves: list, state) -> list:
+    """The final call of `accumulate="local"`: the gradients plus this device's sums so far, in float32."""
+    return [a[0] + g.astype(a.dtype) for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
+
+
+def cleared(state):
+    """`state` with its local sums back at zero (`accumulate="local"`, after the final call)."""
+    return dataclasses.replace(state, local=jax.tree.map(jnp.zeros_like, state.local))
+
+
+def add_local(layout, state, g_leaves: list, w: jax.Array):
+    """A non-final call of `accumulate="local"`: no collective, no inner update; the gradients are added to this
+    device's sums and the cycle's position and weight advance."""
+    step, total = micro_step_entry(layout), weight_sum_entry(layout)
+    inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
+        x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
+        for j, x in shared_arrays(state).items()]))
+    local = jax.tree.leaves(state.local)
+    new_local = [(a[0] + g.astype(a.dtype))[None] for g, a in zip(g_leaves, local)]
+    return dataclasses.replace(state, inner_state=inner,
+                               local=jax.tree.unflatten(jax.tree.structure(state.local), new_local))
+
+
+def init_local(layout, params, axes):
+    """The zero local accumulators of `params` (per device `[1, *shape]`), typed varying over `axes`."""
+    zeros = jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), acc_dtype(p.dtype)), params)
+    return _compat.pvary(zeros, axes) if _compat.vma_enabled(axes) else zeros

@@ -1,0 +1,457 @@
+"""The sliced leaves inside `shard_map`, stored and updated by group (`Layout.groups`).
+
+A group's leaves run one program, so the inner update runs once per group, not once per leaf: on the view of the
+group's first member (`optax.masked`-style, every other leaf masked) holding the concatenation of this device's
+slots of all members. Its state is the view's state at that length: the shared entries (step counts) and one
+history array per kind (Adam's `mu`, `nu`) for the whole group, which is what `ZeroState` stores
+(`SlicedState`). A tree of a thousand leaves with one program is then a handful of arrays, however many leaves it
+has, both in the step's program and at the `shard_map` boundary.
+
+The coupling analysis at `init` proves this exact: no computation mixes coordinates or leaves, the shared entries
+depend on no leaf, and every member's program is the first member's, independent of the length
+(`zero_optax.layout._planner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zero_optax.core._errors import ZeroStructureError
+from zero_optax.core._names import tree_signature
+from zero_optax.layout import _layout, _planner, _inner_state
+from zero_optax.step import (
+    _offload,
+    _reduce,
+    _slots,
+    _varying,
+    _wire,
+)
+from zero_optax.layout._layout import Group, Layout
+from zero_optax.layout._state import SlicedState
+
+
+def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
+    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
+    leaves = _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values)
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
+    """`step.inner.update(grads, state, params, **step.extra)`, every value typed varying across the ZeRO axes, so the
+    inner update runs whatever it branches on (`zero_optax.step._varying`). The updates come back typed at
+    least as their gradients, the new state at least as the old one (a history of a leaf sharded over a tensor
+    axis varies across it, even where the inner update builds it from a constant). `slices`: per leaf of the
+    arguments, None or the `_reduce.Coordinates` it holds (its full reductions then run across the devices)."""
+    u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
+                          step.layout.axes, slices)
+    return _varying.like(u, grads), _varying.like(new, state)
+
+
+def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
+    """The members' `(slots,)` values of `group`, concatenated: this device's part of the group's buffer."""
+    parts = [values[i] for i in group.leaves]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def split(group: Group, x: jax.Array, layout: Layout) -> dict[int, jax.Array]:
+    """This device's part of a group's buffer, cut into its members' `(slots,)` values."""
+    if len(group.leaves) == 1:
+        return {group.first: x}
+    cuts = [off + layout.leaves[i].slots for off, i in zip(group.offsets, group.leaves)][:-1]
+    return dict(zip(group.leaves, jnp.split(x, cuts)))
+
+
+def order(layout: Layout) -> list[int]:
+    """The sliced leaves in tree order, the order buckets are planned in (so the bucket count does not depend on
+    the grouping); a group's members that follow each other in a bucket move as one slice of its row."""
+    return sorted(i for g in layout.groups for i in g.leaves)
+
+
+def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
+    pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
+              for k, lo, hi in _layout.runs(positions)]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
+def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
+    """Each group's part of the buffer, cut from the buckets' rows (a bucket's row is its leaves' slots, in order):
+    one slice per run of members that share a bucket, not one per leaf."""
+    where = {}
+    for k, b in enumerate(buckets):
+        for i, off in zip(b.leaves, np.cumsum([0] + [layout.leaves[i].slots for i in b.leaves])):
+            where[i] = (k, int(off))
+    return [_pieces(rows, [(*where[i], layout.leaves[i].slots) for i in g.leaves]) for g in layout.groups]
+
+
+def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
+    """The inverse of `parts_from_rows`: every bucket's row, cut from the groups' parts."""
+    where = {i: (g, off) for g, group in enumerate(layout.groups) for i, off in zip(group.leaves, group.offsets)}
+    return [_pieces(parts, [(*where[i], layout.leaves[i].slots) for i in b.leaves]) for b in buckets]
+
+
+def _rank(layout: Layout, group: Group, ranks) -> jax.Array:
+    return ranks[layout.zero_axes(layout.leaves[group.first])]
+
+
+def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
+    """Which coordinates `[start, start + length)` of this device's part of the buffer (all of it by default) are
+    real, not padding; None when all are.
+
+    Member `m` holds `slots` coordinates starting at `rank * slots` of its `size`, so the first
+    `clip(size - rank * slots, 0, slots)` of its part are real. The mask is built from per-member numbers (its
+    position in the part and that count), not from a constant the size of the buffer.
+    """
+    leaves = [layout.leaves[i] for i in group.leaves]
+    if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
+        return None
+    slots = jnp.asarray([leaf.slots for leaf in leaves], jnp.int32)
+    real = jnp.clip(jnp.asarray([leaf.size for leaf in leaves], jnp.int32) - rank.astype(jnp.int32) * slots, 0, slots)
+    offsets = jnp.asarray(group.offsets, jnp.int32)
+    where = start + lax.iota(jnp.int32, group.size if length is None else length)
+    member = jnp.searchsorted(offsets, where, side="right") - 1
+    return where - offsets[member] < real[member]
+
+
+def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Keeps the padded coordinates of a history at zero (some optimizers add eps to them)."""
+    return x if mask is None else jnp.where(mask, x, jnp.zeros_like(x))
+
+
+def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, p_dtype) -> tuple:
+    """What a group's update `u` (a part of its buffer, or a chunk of it) leaves: without master copies, `(None,
+    the updates)`, zero where the step is skipped; with them (`master`), the new master copies (padding zeroed,
+    the old ones where the step is skipped) and their rounding to `p_dtype`, which every device receives."""
+    if master is None:
+        return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
+    new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
+    return new, new.astype(p_dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """What the parts of one `update` call read alike (`_engine.Engine._run`, the group and owned views).
+
+    Attributes:
+      layout: the state's layout.
+      inner: the transformation that runs (under accumulation, the final step's or a micro-step's).
+      extra: its extra arguments.
+      denom: the reduction's denominator (`_reduce.denominator`); `denom.ok` is None, or whether the step's
+        global weight is nonzero.
+      inner_dt: leaf -> the dtype name the inner update sees its gradient in.
+      sum_dt: leaf -> the dtype name its gradients are summed in.
+      ranks: this device's index along each tuple of axes a group of leaves is sharded over (`Engine._ranks`).
+      stepping: False for a micro-batch that only accumulates.
+      streamed: the stored arrays live in host memory and stream through the device (offload).
+      p_leaves: the parameter leaves (None when `update` got none), as the code that reads them holds them (inside
+        an owner's branch, the branch's operand).
+      shared_old: the shared entries' old values (entry -> array), once the group views have read them.
+      phase: under accumulation, the side of the call that runs (`_accumulate.Phase`); None otherwise.
+    """
+
+    layout: Layout
+    inner: Any
+    extra: dict
+    denom: Any
+    inner_dt: dict
+    sum_dt: dict
+    ranks: dict
+    stepping: bool = True
+    streamed: bool = False
+    p_leaves: list | None = None
+    shared_old: dict | None = None
+    phase: Any = None
+
+    @property
+    def rank(self):
+        """This device's index along the ZeRO axes."""
+        return self.ranks[self.layout.axes]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _GroupStream:
+    """What every chunk of one group's streamed update reads (`Groups.update_streamed`, offload).
+
+    Attributes:
+      step: the step (its `shared_old` set).
+      g, group: the group's index and description in the layout.
+      arrays: the group's stored arrays in host memory: its histories, then (with `master`) its master copy.
+      grads, params: this device's parts of the group's gradient and parameter buffers (on the device).
+      rank: this device's index along the group's ZeRO axes.
+      master: whether the group's master copy steps with it (`master_dtype`, and a step that is no micro-step).
+      p_dtype: the parameter dtype the new master values are rounded to.
+    """
+
+    step: Step
+    g: int
+    group: Group
+    arrays: list
+    grads: jax.Array
+    params: jax.Array | None
+    rank: jax.Array
+    master: bool
+    p_dtype: Any
+
+
+def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinates:
+    """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
+    leaf = layout.leaves[group.first]
+    return _reduce.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
+                               leaf.shape if leaf.blocks == 1 else None, _rank(layout, group, ranks), leaf.slots,
+                               leaf.group)
+
+
+class Groups:
+    """`init` and `update` of the groups of one `Config`'s layouts."""
+
+    def __init__(self, cfg: _planner.Config):
+        self.cfg = cfg
+        self._views: dict = {}
+
+    def view(self, layout: Layout, g: int | None) -> tuple[Any, list[int]]:
+        """The inner state treedef of group `g`'s view (of no leaf when `g` is None: a layout without sliced
+        leaves still advances its shared entries there), and the entries its leaves stand for, in order: the
+        shared entries and the first member's histories (cached)."""
+        key = (layout, g)
+        if key not in self._views:
+            group = None if g is None else layout.groups[g]
+            present = set() if group is None else {group.first}
+            order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
+            what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
+            self._views[key] = (_planner.view_treedef(self.cfg, layout, present, order, what), order)
+        return self._views[key]
+
+    def targets(self, layout: Layout) -> list[int | None]:
+        return list(range(len(layout.groups))) or [None]
+
+    def _assemble(self, layout: Layout, g: int | None, shared: dict[int, Any], histories: Sequence[Any]) -> Any:
+        treedef, order = self.view(layout, g)
+        own = {} if g is None else dict(zip(layout.groups[g].histories[0], histories))
+        return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+
+    def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
+        _, order = self.view(layout, g)
+        values = dict(zip(order, jax.tree.leaves(state)))
+        own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
+        return {j: values[j] for j in layout.shared_entries if j in values}, own
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
+        """The stored state of the groups: the inner `init` on each group's view of its part of the parameters
+        (`rows`), or the entries of a plain optax state (`full`) cut to this device's slots and joined."""
+        shared: dict[int, Any] | None = None
+        histories = []
+        for g in self.targets(layout):
+            group = None if g is None else layout.groups[g]
+            if full is None:
+                values = {} if group is None else {group.first: rows[g].reshape(group.part_shape)}
+                s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
+            else:
+                s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
+                h = [] if group is None else [self._cut(layout, group, full, k, ranks)
+                                              for k in range(len(group.histories[0]))]
+            shared = s if shared is None else {**s, **shared}  # (the first view's, and each view's replicas)
+            if group is not None:
+                mask = valid(layout, group, _rank(layout, group, ranks))
+                histories.append(tuple(zero_padding(x, mask) for x in h))
+        return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
+
+    @staticmethod
+    def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
+        """This device's part of history `k` of `group`, from the full values of its members' entries."""
+        values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
+                  for i, entries in zip(group.leaves, group.histories)}
+        return _slots.own_rows(values, layout, group.leaves, _rank(layout, group, ranks)).reshape(group.part_shape)
+
+    # ------------------------------------------------------------------ update
+
+    @staticmethod
+    def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:
+        """The shared entries' values from storage (one copy per device -> the value, typed varying as every input
+        of the inner update is: `run_inner`)."""
+        return {j: x[0] for j, x in zip(layout.shared_entries, _inner_state.items(stored.shared))}
+
+    def _run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
+                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
+        """The inner update on group `g`'s view holding `grads` and, `with_params`, `params` (of its whole part or a
+        chunk; None on the view of no leaf), its state the shared values (`step.shared_old`) and `histories`: the first member's
+        update (None on the view of no leaf; in the shape of the part, `Group.part_shape`, unless it is a chunk),
+        the new shared values and the new histories."""
+        layout = step.layout
+        group = None if g is None else layout.groups[g]
+
+        def view(x):
+            if group is not None and group.shape is not None:
+                x = x.reshape(group.shape)
+            return masked_tree(layout, {} if group is None else {group.first: x})
+        g_view = view(grads)
+        old = self._assemble(layout, g, step.shared_old, histories)
+        u, new = run_inner(step, g_view, old, view(params) if with_params else None)
+        what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
+        check_returned(u, new, g_view, old, what)
+        new_shared, new_histories = self._disassemble(layout, g, new)
+        u = jax.tree.leaves(u)
+        return (u[0] if u else None), new_shared, new_histories
+
+    def joint_view(self, layout: Layout) -> tuple[Any, list[int]]:
+        """The inner state treedef of the view holding every sliced leaf (`Layout.joint`), and the entries
+        its leaves stand for, in order (cached)."""
+        key = (layout, "joint")
+        if key not in self._views:
+            present = {g.first for g in layout.groups}
+            order = sorted(layout.view_shared(present) + tuple(j for g in layout.groups for j in g.histories[0]))
+            self._views[key] = (_planner.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
+        return self._views[key]
+
+    def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
+                   ) -> tuple[list, dict[int, Any], list[tuple]]:
+        """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
+        one: `Layout.joint`), whose full reductions run across the devices: the updates of each group, the
+        new shared values and each group's new histories. `grads`, `params` (or master copies; None without
+        them) and `masks`: each group's part of the reduced gradient, of the parameters, and its padding mask."""
+        layout, shared = step.layout, step.shared_old
+        treedef, order = self.joint_view(layout)
+        slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
+
+        def view(parts):
+            return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
+                                        for g, x in zip(layout.groups, parts)})
+        own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
+        old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+        g_view = view(grads)
+        p_view = None if params is None else view(params)
+        firsts = sorted(slices)
+        tags = [slices[i] for i in firsts]
+        tags += [None if layout.entries[j].leaf is None else slices[layout.entries[j].leaf] for j in order]
+        tags += ([] if p_view is None else [slices[i] for i in firsts]) + [None] * len(jax.tree.leaves(step.extra))
+        u, new = run_inner(step, g_view, old, p_view, tags)
+        check_returned(u, new, g_view, old, "sliced leaves")
+        values = dict(zip(order, jax.tree.leaves(new)))
+        updates = dict(zip(firsts, jax.tree.leaves(u)))
+        return ([updates[g.first] for g in layout.groups], {j: values[j] for j in layout.shared_entries},
+                [tuple(values[j] for j in g.histories[0]) for g in layout.groups])
+
+    def update(self, step: Step, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
+               stored: SlicedState, masks: list) -> tuple[list, SlicedState, dict]:
+        """The inner update on every group's view.
+
+        `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
+        group's updates (its part of the buffer), the new stored state (the old histories where the step is
+        skipped; the shared entries as computed) and the old shared values, which the owned views read. The
+        shared entries' new values are the first view's (every view computes the same).
+        """
+        layout, ok = step.layout, step.denom.ok
+        shared_old = self.shared_values(layout, stored)
+        step = dataclasses.replace(step, shared_old=shared_old)
+        if layout.joint:
+            updates, shared_new, new = self._run_joint(step, grads, params, masks, stored)
+            histories = [tuple(_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, old))
+                         for h, old, mask in zip(new, stored.histories, masks)]
+            new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                              tuple(histories))
+            return updates, new, shared_old
+        updates, histories = [], []
+        shared_new = None
+        for t, g in enumerate(self.targets(layout)):
+            old = () if g is None else stored.histories[g]
+            u, shared, new = self._run_view(step, g, grads[t], None if params is None else params[t], old,
+                                            params is not None)
+            shared_new = shared if shared_new is None else shared_new
+            updates.append(u)
+            if g is not None:
+                histories.append(tuple(_reduce.skip_if_empty(ok, zero_padding(x, masks[g]), y)
+                                       for x, y in zip(new, old)))
+        new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                          tuple(histories))
+        return updates, new, shared_old
+
+    # ------------------------------------------------------------------ offload: streamed through the device
+
+    def update_streamed(self, step: Step, grads: list[jax.Array], params: list[jax.Array] | None, state,
+                        p_dtypes: list) -> tuple:
+        """The group views' update with the groups' arrays (histories, master copies) in host memory.
+
+        Each group is updated chunk by chunk: a chunk of at most `bucket_bytes` of all its arrays together is
+        brought to the device, updated, and returned to host memory before the next one (a `fori_loop`, so the
+        chunks run in order and the device holds one chunk's state at a time, not the group's). `grads` and
+        `params` (this device's parts of the buffers, without master copies) stay on the device, as do the
+        results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
+        which are returned with the new stored state, the new master copies and the old shared values. Without
+        `step.stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and
+        nothing is returned for every device (None).
+        """
+        layout, stepping, chunk_bytes = step.layout, step.stepping, self.cfg.bucket_bytes
+        shared_old = self.shared_values(layout, state.inner_state)
+        step = dataclasses.replace(step, shared_old=shared_old)
+        master = state.master is not None and stepping
+        values, histories, masters, shared_new = [], [], [], None
+        for g, group in enumerate(layout.groups):
+            arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
+            width = sum(np.dtype(a.dtype).itemsize for a in arrays) or 1
+            size = group.size if chunk_bytes <= 0 else max(1, min(group.size, chunk_bytes // width))
+            rank = _rank(layout, group, step.ranks)
+
+            stream = _GroupStream(step, g, group, arrays, grads[g], None if params is None else params[g], rank,
+                                  master, p_dtypes[g])
+
+            def chunk(start, length, carry, stream=stream):
+                return self._chunk(stream, start, length, carry)
+            carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
+            full = group.size // size
+            if full > 1:
+                carry = lax.fori_loop(1, full, lambda c, carry, size=size, chunk=chunk: chunk(c * size, size, carry),
+                                      carry)
+            if group.size % size:
+                carry = chunk(full * size, group.size % size, carry)
+            new_arrays, out, shared = carry
+            values.append(out)
+            histories.append(tuple(new_arrays[:len(new_arrays) - master]))
+            if master:
+                masters.append(new_arrays[-1])
+            shared_new = shared if shared_new is None else shared_new
+        new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                          tuple(histories))
+        return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
+
+    def _chunk(self, s: _GroupStream, start, length: int, carry) -> tuple:
+        """One chunk of group `s.g`: `[start, start + length)` of this device's part of its buffers. `carry`: the
+        group's arrays written so far, the results every device receives (None before the first chunk), and the
+        shared entries' new values."""
+        new_arrays, out, _ = carry
+        old = [_offload.fetch(a, start, length) for a in s.arrays]
+        hist, m_old = (old[:-1], old[-1]) if s.master else (old, None)
+        g_c = lax.dynamic_slice_in_dim(s.grads, start, length)
+        p_c = m_old if s.master else (None if s.params is None else lax.dynamic_slice_in_dim(s.params, start, length))
+        ok = s.step.denom.ok
+        u, shared, h = self._run_view(s.step, s.g, g_c, p_c, hist, p_c is not None)
+        mask = valid(s.step.layout, s.group, s.rank, start, length)
+        results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
+        if s.step.stepping:
+            m_new, value = stepped(u, m_old, mask, ok, s.p_dtype)
+            if s.master:
+                results.append(m_new)
+            if out is None:  # typed by the update below (varying where `value` is)
+                out = jnp.zeros((s.group.size,), value.dtype)
+            out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
+        new_arrays = [_offload.store(a, x, start) for a, x in zip(new_arrays, results)]
+        return new_arrays, out, shared
+
+
+
+def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:
+    """Refuses an inner update whose results are not structured like its inputs."""
+    if jax.tree.structure(updates) != jax.tree.structure(g_tree):
+        raise ZeroStructureError(
+            f"The inner update returned updates structured as {tree_signature(updates)} for the {what}, but the "
+            f"gradients it was given are {tree_signature(g_tree)}.")
+    if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+        raise ZeroStructureError(
+            f"The inner update returned a state structured as {tree_signature(new_state)} for the {what}, but "
+            f"its state was {tree_signature(old_state)}: zero1 stores the state in the layout init found.")

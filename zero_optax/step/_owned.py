@@ -1,0 +1,256 @@
+"""Owned leaves: one device updates each of them as a whole tensor.
+
+Whole tensors keep matrix optimizers exact (Muon's orthogonalisation, Adafactor's factored moments, LAMB's trust
+ratio, Shampoo's preconditioners). In SPMD every device must hold blocks of one shape, so device `r` packs the
+state of the leaves it owns into per-dtype buffers padded to the largest device's share, and one `lax.switch` on
+the device index runs each device's own inner update. Gradients reach owners by a reduce-scatter of owner-packed
+buffers (or an all-reduce, when padding would move more bytes); results return to every device by an all-gather
+of the same packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zero_optax.layout import _layout
+from zero_optax.layout._layout import Layout, Packing
+
+Key = int | tuple[int, ...]
+"""An item of a packing (a state entry, or a leaf's gradient or update), or the same item of the members of a stack
+(`Layout.stacks`), whose value is then their values stacked on a leading axis."""
+
+
+def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size: int) -> bool:
+    """Whether `items`, each of `size` elements, follow each other in one buffer at `offsets`."""
+    dtype, start = offsets[items[0]]
+    return all(offsets[j] == (dtype, start + k * size) for k, j in enumerate(items))
+
+
+def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
+    """`(dtype, offset, 1-D value)` for every value: a stack in one piece where its members lie side by side."""
+    for key, x in values.items():
+        members = key if isinstance(key, tuple) else (key,)
+        if not isinstance(key, tuple) or side_by_side(offsets, key, x[0].size):
+            yield (*offsets[members[0]], x.reshape(-1))
+        else:
+            for m, j in enumerate(key):
+                yield (*offsets[j], x[m].reshape(-1))
+
+
+def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
+         base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """Writes `values` (item or stack -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
+
+    With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
+    XLA performs in place, so a step touches only the bytes it changes. Without it, each buffer is one
+    concatenation of the values, with zeros where none is written.
+    """
+    pieces: dict[str, list] = {d: [] for d in sizes}
+    for dtype, off, x in _pieces(values, offsets):
+        pieces[dtype].append((off, x.astype(dtype)))
+    if base is not None:
+        out = dict(base)
+        for d, ps in pieces.items():
+            for off, x in ps:
+                out[d] = lax.dynamic_update_slice_in_dim(out[d], x, off, 0)
+        return out
+    return {d: _concatenated(ps, sizes[d], d) for d, ps in pieces.items()}
+
+
+def _concatenated(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
+    """One buffer of `size` holding the 1-D `pieces` (offset, value; not overlapping), zeros between them."""
+    parts, at = [], 0
+    for off, x in sorted(pieces, key=lambda p: p[0]):
+        if off > at:
+            parts.append(jnp.zeros((off - at,), dtype))
+        parts.append(x)
+        at = off + x.shape[0]
+    if at < size or not parts:
+        parts.append(jnp.zeros((size - at,), dtype))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+class Row:
+    """Items packed in one device's 1-D buffers (its owned state entries, or its leaves' gradients), read on
+    demand: one item (a slice), or the same item of a stack's members (one slice where they lie side by side).
+
+    Args:
+      buffers: dtype -> this device's 1-D buffer.
+      offsets: item -> `(dtype, offset)` (`Packing.offsets` of this device).
+      shapes: item -> shape.
+      convert: applied to every value read, with its (first) item: a division, a cast.
+    """
+
+    def __init__(self, buffers: dict[str, jax.Array], offsets: dict[int, tuple[str, int]],
+                 shapes: dict[int, tuple[int, ...]], convert: Callable[[jax.Array, int], jax.Array] | None = None):
+        self.buffers, self.offsets, self.shapes = buffers, offsets, shapes
+        self.convert = convert or (lambda x, _: x)
+        self.values: dict[int, jax.Array] = {}
+
+    def overlaid(self, values: dict[int, jax.Array]) -> Row:
+        """This row, reading `values` (item -> array, as they are) in place of those items: the whole tensors of
+        tensor-parallel leaves (`zero_optax.step._tp_owned`)."""
+        row = Row(self.buffers, self.offsets, self.shapes, self.convert)
+        row.values = dict(values)
+        return row
+
+    def __contains__(self, item: int) -> bool:
+        return item in self.offsets or item in self.values
+
+    def _read(self, item: int, count: int) -> jax.Array:
+        dtype, off = self.offsets[item]
+        size = int(np.prod(self.shapes[item]))
+        return lax.slice_in_dim(self.buffers[dtype], off, off + count * size)
+
+    def __getitem__(self, item: int) -> jax.Array:
+        if item in self.values:
+            return self.values[item]
+        return self.convert(self._read(item, 1).reshape(self.shapes[item]), item)
+
+    def stack(self, items: Sequence[int]) -> jax.Array:
+        """The values of `items` (of one shape and dtype) stacked on a leading axis."""
+        shape = self.shapes[items[0]]
+        if side_by_side(self.offsets, items, int(np.prod(shape))):
+            return self.convert(self._read(items[0], len(items)).reshape((len(items), *shape)), items[0])
+        return jnp.stack([self[j] for j in items])
+
+
+def stacked(values: Row | dict[int, jax.Array], items: Sequence[int]) -> jax.Array:
+    """`values[j]` for `j` in `items`, stacked on a leading axis (one slice of a `Row` where it can)."""
+    return values.stack(items) if isinstance(values, Row) else jnp.stack([values[j] for j in items])
+
+
+def unstacked(values: dict[Key, jax.Array]) -> dict[int, jax.Array]:
+    """`values` item by item: a stack's value cut into its members'."""
+    out: dict[int, jax.Array] = {}
+    for key, x in values.items():
+        if isinstance(key, tuple):
+            out.update((j, x[m]) for m, j in enumerate(key))
+        else:
+            out[key] = x
+    return out
+
+
+def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
+    """Where each owned leaf's gradient or update (in `dtypes[leaf]`) sits in its owner's row of a collective: in
+    tree order, except that a stack's members follow its first, side by side."""
+    first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
+    return _layout.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
+                               for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
+                               if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
+
+
+def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:
+    """The gradient collective: a one-device mesh needs none, "auto" picks the one that moves fewer bytes.
+
+    A reduce-scatter of owner-packed buffers moves `n * padded share` bytes; an all-reduce moves about twice the
+    gradient bytes. They differ when one owner's share is far above the average (a large embedding). `packed`
+    makes the reduce-scatter the choice whatever the shares: with replica axes only each owner's row then crosses
+    them (twice its bytes), where the all-reduce would carry twice every owned gradient across them; quantized
+    gradients travel by reduce-scatters only.
+    """
+    if reduce is None:
+        return None
+    if n == 1:
+        return "psum"
+    if reduce != "auto":
+        return reduce
+    if packed:
+        return "psum_scatter"
+    scatter = n * sum(size * np.dtype(d).itemsize for d, size in plan.sizes.items())
+    return "psum_scatter" if scatter <= 2 * nbytes else "psum"
+
+
+def scatter_rows(values: dict[int, jax.Array], plan: Packing, n: int) -> dict[str, jax.Array]:
+    """One `[n * size]` buffer per dtype whose row `r` holds the values of the leaves device `r` owns."""
+    rows = {i: (d, r * plan.sizes[d] + off) for r in range(n) for i, (d, off) in plan.offsets[r].items()}
+    return pack(values, rows, {d: n * size for d, size in plan.sizes.items()})
+
+
+def gathered_leaves(gathered: dict[str, jax.Array], plan: Packing, layout: Layout) -> dict[int, jax.Array]:
+    """Each owned leaf's value from all-gathered `[n, size]` buffers, read from its owner's row."""
+    out = {}
+    for r, offsets in enumerate(plan.offsets):
+        rows = {d: gathered[d][r] for d in {d for d, _ in offsets.values()}}
+        for i, (dtype, off) in offsets.items():
+            leaf = layout.leaves[i]
+            out[i] = lax.slice_in_dim(rows[dtype], off, off + leaf.size).reshape(leaf.shape)
+    return out
+
+
+def switch(rank: jax.Array, branches: Sequence[Callable], *operands):
+    """`lax.switch` on the device index, or the only branch directly."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    return lax.switch(rank, list(branches), *operands)
+
+
+# ---------------------------------------------------------------------- offload: streamed through the device
+
+Span = tuple[str, int, int]
+"""`(dtype, start, stop)`: a contiguous range of one of a device's packed buffers."""
+
+
+def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Device `r`'s owned `leaves`, in order, in buckets of at most `bucket_bytes` of stored state (histories and
+    master copies; a leaf with more is a bucket of its own): what an offloaded step brings to the device at once.
+    Leaves with 96, 96 and 200 bytes of state and `bucket_bytes=256`, say, make the buckets `[[a, b], [c]]`.
+    """
+    nbytes = dict.fromkeys(leaves, 0)
+    for j in layout.rank_entries(r):
+        if layout.entries[j].leaf in nbytes:
+            nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
+    out: list[list[int]] = []
+    total = 0
+    for i in leaves:
+        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += nbytes[i]
+    return out
+
+
+def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
+    """The contiguous ranges of the packed buffers that hold the items `sizes` (item -> size) placed at `offsets`:
+    one per run of items that follow each other in one buffer.
+
+    Examples:
+      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
+      ...       {0: 4, 1: 3, 2: 2, 3: 0})
+      [('float32', 0, 7), ('float32', 10, 12)]
+    """
+    return _layout.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
+
+
+def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
+    return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
+
+
+def read(pieces: Sequence[jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]],
+         shapes: dict[int, tuple[int, ...]]) -> dict[int, jax.Array]:
+    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges` (in their buffers' dtypes)."""
+    out = {}
+    for j, shape in shapes.items():
+        if not int(np.prod(shape)):  # an empty item has no range
+            out[j] = jnp.zeros(shape, offsets[j][0])
+            continue
+        k = _span_of(offsets[j], ranges)
+        lo = offsets[j][1] - ranges[k][1]
+        out[j] = lax.slice_in_dim(pieces[k], lo, lo + int(np.prod(shape))).reshape(shape)
+    return out
+
+
+def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]]
+          ) -> list[jax.Array]:
+    """The contents of `ranges` holding `values` (item -> array, every item of the ranges): the inverse of `read`."""
+    parts: list[list] = [[] for _ in ranges]
+    for j in sorted(values, key=lambda j: offsets[j][1]):
+        if values[j].size:
+            parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
+    return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts]

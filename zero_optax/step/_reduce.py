@@ -1,0 +1,239 @@
+"""Gradient reduction across the ZeRO axes: mean, or weighted by each device's sample or token count.
+
+Inside `jax.shard_map` (with `check_vma=True`, the default) a gradient is typed *varying* when each device holds
+its own (differentiate with respect to `zero_optax.as_local(params, axis)`) and *invariant* when it is the same on
+every device. An invariant gradient is either the sum over devices (`jax.grad` of a local loss with respect to
+replicated parameters: autodiff inserts the psum) or already the global mean (`jax.grad` of a `lax.pmean`'d
+loss, `lax.pmean`, `reduce_gradients`), and nothing in the value says which. zero1 therefore never guesses:
+reducing modes take varying gradients only, `reduce=False` takes invariant ones as the global mean.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from zero_optax.core import _compat
+from zero_optax.core._errors import WeightError, ZeroGradientError
+from zero_optax.core._names import leaf_paths
+from zero_optax.step import _wire
+
+INVARIANT_HELP = """\
+{what} got gradients that are the same on every device of `{axis}` (typed invariant), for example `{path}`.
+Such gradients are either the sum over devices (jax.grad of a local loss with respect to replicated parameters)
+or already the global mean (jax.grad of a lax.pmean'd loss, lax.pmean, zo.reduce_gradients), and zero1 cannot
+tell which. Either
+  * differentiate with respect to per-device parameters, so that zero1 reduces each device's own gradient (the
+    cheapest path: one reduce-scatter):
+        grads = jax.grad(loss_fn)(zo.as_local(params, {local!r}), batch)
+  * or, if they already are the global mean, pass reduce=False."""
+
+VARYING_HELP = """\
+zero1(reduce=False) takes gradients that are already reduced (the global mean, the same on every device), but
+`{path}` differs between the devices of `{axis}` (typed varying). Reduce it first (zo.reduce_gradients({axis!r})
+or lax.pmean), or let zero1 reduce it with reduce=True."""
+
+
+def _raise_negative(negative):
+    if negative:
+        raise WeightError(
+            "zero1: a device passed a negative `weight`. `weight` is this device's sample or token count "
+            "(its gradient being a loss sum) and must be >= 0.")
+
+
+def global_weight(weight, axes) -> jax.Array:
+    """`psum(weight)` in float32, after checking that every device's weight is a non-negative scalar."""
+    if isinstance(weight, (numbers.Number, np.ndarray)):
+        if np.ndim(weight) != 0:
+            raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
+        if weight < 0:
+            raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
+    elif jnp.ndim(weight) != 0:
+        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {jnp.shape(weight)}.")
+    w = jnp.asarray(weight, jnp.float32)
+    wire = _wire.Wire(_compat.as_tuple(axes))
+    if not isinstance(weight, (numbers.Number, np.ndarray)):
+        # A traced weight is checked on the devices; only a negative one calls back to the host, which raises
+        # (the step then fails with this message inside a JaxRuntimeError).
+        negative = wire.weight_sum((w < 0).astype(jnp.int32)) > 0
+        lax.cond(negative, lambda: jax.debug.callback(_raise_negative, negative), lambda: None)
+    return wire.weight_sum(w)
+
+
+def reduction(layout) -> tuple[tuple[str, ...], int]:
+    """The axes a zero1 state's gradients and weights are summed over (its replica axes, then its ZeRO axes), and
+    how many devices they hold."""
+    return layout.replica_axes + layout.axes, layout.world_size * layout.replica_count
+
+
+class Denominator(NamedTuple):
+    """What the summed gradient is divided by, and whether the step may move anything."""
+
+    value: jax.Array | int  # world size, or the global weight (1 where it is zero)
+    ok: jax.Array | None    # None without weights; else psum(weight) > 0
+
+
+def denominator(weight, axes, world_size: int) -> Denominator:
+    if weight is None:
+        return Denominator(world_size, None)
+    total = global_weight(weight, axes)
+    ok = total > 0
+    return Denominator(jnp.where(ok, total, 1.0), ok)
+
+
+def divide(total: jax.Array, denom: Denominator, dtype) -> jax.Array:
+    """`total / denom` computed in at least float32 and cast once to `dtype`.
+
+    A float16 gradient summed over many tokens stays finite only if the division does not happen in float16
+    (the token count alone may exceed 65504).
+    """
+    if isinstance(denom.value, int) and denom.value == 1:
+        return total.astype(dtype)
+    wide = jnp.promote_types(total.dtype, jnp.float32)
+    return (total.astype(wide) / jnp.asarray(denom.value, wide)).astype(dtype)
+
+
+def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes: Sequence[Sequence[str]],
+                    reducing: bool, what: str = "zero1(reduce=True)", replicas: Sequence[str] = ()) -> None:
+    """Refuses gradients whose varying/invariant type does not fit the reduction (see the module docstring).
+
+    Reducing modes need every gradient varying across its ZeRO axes and the `replicas` axes; `reduce=False` needs
+    them invariant. With `check_vma=False` values carry no such type and the gradients are taken as the mode says.
+    """
+    replicas = tuple(replicas)
+    for g, path, axes in zip(leaves, paths, zero_axes):
+        axes = replicas + tuple(axes)
+        if not axes or not _compat.vma_enabled(axes):
+            continue
+        varying = _compat.varying_axes(g)
+        if reducing and not set(axes) <= varying:
+            axis = next(a for a in axes if a not in varying)
+            local = axes if replicas else axis  # (as_local over every axis the gradients are summed over)
+            raise ZeroGradientError(INVARIANT_HELP.format(what=what, axis=axis, path=path, local=local))
+        if not reducing and set(axes) & varying:
+            axis = next(a for a in axes if a in varying)
+            raise ZeroGradientError(VARYING_HELP.format(axis=axis, path=path))
+
+
+def mean_gradients(grads: Any, axes, denom: Denominator, reduce_dtype=None) -> Any:
+    """All-reduces `grads` and divides by `denom`, summing in `reduce_dtype` if given; keeps each leaf's dtype."""
+    wire = _wire.Wire(_compat.as_tuple(axes))
+
+    def one(g):
+        wide = g.astype(reduce_dtype) if reduce_dtype is not None else g
+        return divide(wire.all_reduce(wide), denom, g.dtype)
+    return jax.tree.map(one, grads)
+
+
+def skip_if_empty(ok: jax.Array | None, new: Any, old: Any) -> Any:
+    """Selects `old` wherever the global weight was zero (`ok` False); `new` otherwise."""
+    if ok is None:
+        return new
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+class ReduceGradientsState(NamedTuple):
+    """`reduce_gradients` keeps no state."""
+
+
+def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransformationExtraArgs:
+    """Reduces each device's local gradients to their global mean, or weighted mean, across `axis_name`.
+
+    Use it before global operations that must see the full reduced gradient, followed by
+    `zero1(..., reduce=False)`. Runs inside `jax.shard_map`; its state is empty. The gradients must be per-device
+    (typed varying: differentiate with respect to `zero_optax.as_local(params, axis_name)`); gradients that are
+    already the same on every device are refused, because they may be a sum or a mean.
+
+    Without `weight` the result is the mean over devices. With `weight` (this device's sample or token count,
+    its gradient being a loss *sum*) it is `psum(grads) / psum(weight)`; where the global weight is zero the
+    result is zero. The division happens in float32 (or wider), so float16 gradients stay finite.
+
+    Args:
+      axis_name: the data-parallel mesh axis, or a tuple of axes.
+      reduce_dtype: if given (for example `jnp.float32`), sum bf16/f16 gradients in this dtype; the result
+        keeps each gradient's dtype.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose `update` accepts `weight=`.
+
+    Examples:
+      >>> import jax, optax, zero_optax as zo
+      >>> tx = optax.chain(zo.reduce_gradients("data"), optax.clip_by_global_norm(1.0),
+      ...                  zo.zero1(optax.adamw(1e-3), axis_name="data", reduce=False))
+    """
+    reduce_dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    axes = _compat.as_tuple(axis_name)
+
+    def init_fn(params):
+        del params
+        return ReduceGradientsState()
+
+    def update_fn(updates, state, params=None, *, weight=None, **extra_args):
+        del params, extra_args
+        n = _compat.axis_size(axes, "reduce_gradients")
+        leaves = jax.tree.leaves(updates)
+        check_semantics(leaves, leaf_paths(updates), [axes] * len(leaves), reducing=True, what="zo.reduce_gradients")
+        denom = denominator(weight, axes, n)
+        reduced = mean_gradients(updates, axes, denom, reduce_dtype)
+        if denom.ok is not None:
+            reduced = skip_if_empty(denom.ok, reduced, jax.tree.map(jnp.zeros_like, reduced))
+        return reduced, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+
+# ---------------------------------------------------------------------- reductions inside the inner update
+
+class Coordinates(NamedTuple):
+    """A value of the inner update that holds this device's coordinate slice of one sliced leaf (issue 29).
+
+    Attributes:
+      valid: which of its coordinates are real (the leaf's slots past its size, on the last devices, are
+        padding), in the slice's own shape or flat; None when all are.
+      axes: the leaf's ZeRO axes, across which the devices hold its other coordinates; empty where one device
+        holds the leaf whole.
+      shape: the leaf's shape, as plain optax sees it; None for a block of a tensor-parallel leaf.
+      rank: this device's position among the leaf's ZeRO axes: it holds the flattened leaf's coordinates
+        `[rank * slots, (rank + 1) * slots)`.
+      slots: how many coordinates each device holds.
+      group: how many devices share the leaf.
+    """
+
+    valid: jax.Array | None
+    axes: tuple[str, ...]
+    shape: tuple[int, ...] | None = None
+    rank: Any = 0
+    slots: int = 0
+    group: int = 1
+
+
+def _identity(kind: str, dtype) -> jax.Array:
+    """The value that leaves a `kind` reduction unchanged, in `dtype`."""
+    dtype = np.dtype(dtype)
+    if kind == "sum" or dtype == np.bool_:
+        return jnp.asarray(kind == "min" and dtype == np.bool_, dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.asarray(-np.inf if kind == "max" else np.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if kind == "max" else info.max, dtype)
+
+
+def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
+    """`x` (a value on `where`'s coordinates) with its padding set to the identity of a `kind` reduction."""
+    if where.valid is None:
+        return x
+    return jnp.where(where.valid.reshape(x.shape), x, _identity(kind, x.dtype))
+
+
+def across_slices(local: jax.Array, where: Coordinates, kind: str) -> jax.Array:
+    """The reduction of a whole leaf from each device's reduction of its slice (`without_padding`): `psum`,
+    `pmax` or `pmin` over the leaf's ZeRO axes, a few bytes on the wire. Every device gets the same value."""
+    return _wire.Wire(where.axes).joint(local, kind)
