@@ -31,16 +31,11 @@ from zero_optax.step import (
     _reduce,
     _slots,
     _varying,
+    _views,
     _wire,
 )
 from zero_optax.layout._layout import Group, Layout
 from zero_optax.layout._state import SlicedState
-
-
-def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
-    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
-    leaves = _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values)
-    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
@@ -210,33 +205,20 @@ def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinat
 class Groups:
     """`init` and `update` of the groups of one `Config`'s layouts."""
 
-    def __init__(self, cfg: _planner.Config):
+    def __init__(self, cfg: _planner.Config, views: _views.Views):
         self.cfg = cfg
-        self._views: dict = {}
-
-    def view(self, layout: Layout, g: int | None) -> tuple[Any, list[int]]:
-        """The inner state treedef of group `g`'s view (of no leaf when `g` is None: a layout without sliced
-        leaves still advances its shared entries there), and the entries its leaves stand for, in order: the
-        shared entries and the first member's histories (cached)."""
-        key = (layout, g)
-        if key not in self._views:
-            group = None if g is None else layout.groups[g]
-            present = set() if group is None else {group.first}
-            order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
-            what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
-            self._views[key] = (_planner.view_treedef(self.cfg, layout, present, order, what), order)
-        return self._views[key]
+        self.views = views
 
     def targets(self, layout: Layout) -> list[int | None]:
         return list(range(len(layout.groups))) or [None]
 
     def _assemble(self, layout: Layout, g: int | None, shared: dict[int, Any], histories: Sequence[Any]) -> Any:
-        treedef, order = self.view(layout, g)
+        treedef, order = self.views.group(layout, g)
         own = {} if g is None else dict(zip(layout.groups[g].histories[0], histories))
         return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
 
     def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
-        _, order = self.view(layout, g)
+        _, order = self.views.group(layout, g)
         values = dict(zip(order, jax.tree.leaves(state)))
         own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
         return {j: values[j] for j in layout.shared_entries if j in values}, own
@@ -252,7 +234,7 @@ class Groups:
             group = None if g is None else layout.groups[g]
             if full is None:
                 values = {} if group is None else {group.first: rows[g].reshape(group.part_shape)}
-                s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
+                s, h = self._disassemble(layout, g, self.cfg.inner.init(_views.masked_tree(layout, values)))
             else:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
                 h = [] if group is None else [self._cut(layout, group, full, k, ranks)
@@ -290,7 +272,7 @@ class Groups:
         def view(x):
             if group is not None and group.shape is not None:
                 x = x.reshape(group.shape)
-            return masked_tree(layout, {} if group is None else {group.first: x})
+            return _views.masked_tree(layout, {} if group is None else {group.first: x})
         g_view = view(grads)
         old = self._assemble(layout, g, step.shared_old, histories)
         u, new = run_inner(step, g_view, old, view(params) if with_params else None)
@@ -300,16 +282,6 @@ class Groups:
         u = jax.tree.leaves(u)
         return (u[0] if u else None), new_shared, new_histories
 
-    def joint_view(self, layout: Layout) -> tuple[Any, list[int]]:
-        """The inner state treedef of the view holding every sliced leaf (`Layout.joint`), and the entries
-        its leaves stand for, in order (cached)."""
-        key = (layout, "joint")
-        if key not in self._views:
-            present = {g.first for g in layout.groups}
-            order = sorted(layout.view_shared(present) + tuple(j for g in layout.groups for j in g.histories[0]))
-            self._views[key] = (_planner.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order)
-        return self._views[key]
-
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
         """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
@@ -317,11 +289,11 @@ class Groups:
         new shared values and each group's new histories. `grads`, `params` (or master copies; None without
         them) and `masks`: each group's part of the reduced gradient, of the parameters, and its padding mask."""
         layout, shared = step.layout, step.shared_old
-        treedef, order = self.joint_view(layout)
+        treedef, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
 
         def view(parts):
-            return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
+            return _views.masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
                                         for g, x in zip(layout.groups, parts)})
         own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
         old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])

@@ -1,0 +1,351 @@
+"""The owned leaves' part of a step: gradients reduced to their owners, one `lax.switch` branch per device, gather.
+
+Device `r`'s branch runs the inner update on its owned view: the leaves it owns, whole, every other leaf masked;
+its shared entries are discarded (the group views computed them). The members of a stack (`Layout.stacks`: one
+program on one shape) run as the view of one of them under `jax.vmap`. A leaf sharded over tensor-parallel axes is
+gathered whole on its owner first (`_tp_owned`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zero_optax.analysis import _coupling
+from zero_optax.core import _compat
+from zero_optax.layout import _layout
+from zero_optax.layout._layout import MASTER, Layout
+from zero_optax.step import (
+    _groups,
+    _offload,
+    _owned,
+    _reduce,
+    _tp_owned,
+    _views,
+    _wire,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TpGathered:
+    """The static part (`rows` None) of `_tp_owned.gather`'s results for the gradients and parameters (or None)."""
+
+    grads: _tp_owned.Gathered
+    params: _tp_owned.Gathered | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnedPlans:
+    """How the owned leaves' values move: the gradients' collective `mode` and packing `g`, the updates' packings
+    (`u`, and `tp_u` for tensor-parallel leaves), and `tp` (None without tensor-parallel owned leaves)."""
+
+    mode: str | None
+    g: Any
+    u: Any
+    tp_u: Any
+    tp: _TpGathered | None
+
+
+class OwnedStep:
+    """`init` and `update` of the owned leaves of one `Config`'s layouts, inside `shard_map`."""
+
+    def __init__(self, cfg, wire: _wire.Wire, views: _views.Views):
+        self.cfg = cfg
+        self.wire = wire
+        self.views = views
+
+    def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
+        """The packed buffers: row `r` holds the state (and master copies) of the leaves device `r` owns, from the
+        inner `init` or from a plain optax state (`full`). Empty when no leaf is owned."""
+        packing = layout.state_packing
+        if not packing.sizes:
+            return {}
+
+        def branch(r):
+            def run(values, full):
+                owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+                if full is None:
+                    b_entries = _views.owned_entries(layout, r)
+                    self.views.owned(layout, r)  # checks the entry order this device packs
+                    state = self.cfg.inner.init(_views.tree(layout, _layout.masked_view(values, owned)))
+                    got = dict(zip(b_entries, jax.tree.leaves(state)))
+                else:
+                    got = {j: full[j] for j in layout.rank_entries(r) if layout.entries[j].role != MASTER}
+                for j in layout.rank_entries(r):
+                    if layout.entries[j].role == MASTER:
+                        got[j] = values[layout.entries[j].leaf]
+                items = {j: got[j] for j in layout.rank_entries(r)}
+                return _compat.pvary(_owned.pack(items, packing.offsets[r], packing.sizes), layout.axes)
+            return run
+
+        buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
+        return {d: b[None] for d, b in buffers.items()}
+
+    def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
+        """The inner update on every device's owned view, in one `lax.switch` on the device index: the new buffers,
+        and the owned leaves' updates (or new master values, rounded) gathered to every device."""
+        layout, denom = step.layout, step.denom
+        n = layout.world_size
+        master = self.cfg.master_dtype is not None
+        mode, plan_g, grad_input = self._gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
+                                                   g_leaves)
+        tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
+        u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
+                    {i: d for i, d in self.views.update_dtypes(layout, step.extra, step.phase).items() if i in owned})
+        plans = _OwnedPlans(mode, plan_g, *(_owned.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
+                                                                      if layout.leaves[i].tp_owned == t})
+                                            for t in (False, True)), tp)
+        old_buffers = {d: b[0] for d, b in state.buffers.items()}
+        branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
+                    for r in range(n)]
+        out = _owned.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
+        if not step.stepping:
+            return {d: b[None] for d, b in out.items()}, {}
+        new, u_out, t_out = out
+        if not step.streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
+            new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
+        u = _gather_owned(self.wire, layout, u_out, plans.u)
+        if n > 1:
+            u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))
+        if not master:
+            u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
+        return {d: b[None] for d, b in new.items()}, u
+
+    def _branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
+        """Device `r`'s branch: its owned view's update of `mine`; the new buffers and, stepping, the packed
+        updates."""
+        layout, n = step.layout, step.layout.world_size
+        packing = layout.state_packing
+        shapes = {i: layout.leaves[i].shape for i in plans.g.offsets[r]}
+
+        def run(grad_input, buffers, p_leaves, tp_rows):
+            here = dataclasses.replace(step, p_leaves=p_leaves)  # (the branch's operand)
+            if plans.mode == "psum_scatter":
+                g = _owned.Row(grad_input, plans.g.offsets[r], shapes,
+                               lambda x, i: _reduce.divide(x, step.denom, step.inner_dt[i]))
+            else:
+                g = {i: grad_input[i] for i in mine if i in grad_input}
+            g, here = _tp_whole(here, plans, r, mine, g, tp_rows)
+            if step.streamed:
+                new_buffers, u = self._streamed(here, r, mine, g, buffers)
+            else:
+                stored = _owned.Row(buffers, packing.offsets[r],
+                                    {j: layout.entries[j].shape for j in layout.rank_entries(r)})
+                values, u = self._view_update(here, r, mine, g, stored)
+                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+            if not step.stepping:
+                return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
+            u = {k: _tp_owned.own_block(layout.leaves[k], x) if isinstance(k, int) and layout.leaves[k].tp_owned
+                 else x for k, x in u.items()}  # (each device keeps its block of a tensor-parallel leaf's result)
+            if n == 1:
+                return new_buffers, _owned.unstacked(u), {}
+            tp_u = {i: x for i, x in u.items() if isinstance(i, int) and layout.leaves[i].tp_owned}
+            u_buffers = _owned.pack({k: x for k, x in u.items() if k not in tp_u}, plans.u.offsets[r], plans.u.sizes)
+            t_buffers = _owned.pack(tp_u, plans.tp_u.offsets[r], plans.tp_u.sizes)
+            return (*_compat.pvary((new_buffers, u_buffers), layout.axes),
+                    _compat.pvary(t_buffers, layout.axes + _tp_owned.tp_axes(layout, range(len(layout.leaves)))))
+        return run
+
+    def _tp_inputs(self, step: _groups.Step, tp: list[int], mode: str | None, g_leaves: list
+                   ) -> tuple[_TpGathered | None, tuple]:
+        """The tensor-parallel owned leaves `tp`: their reduced gradients (and, without master copies, parameter
+        blocks) gathered over those axes by rows; the static part and the arrays, `(None, ())` without such leaves."""
+        layout = step.layout
+        if not tp:
+            return None, ()
+        _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
+        if mode != "psum_scatter":  # (every device holds the reduced blocks of every leaf: its row of them)
+            plan = _owned.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
+            reduced = _tp_owned.own_row(layout, reduced, plan, step.rank)
+        grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp)
+        params = None
+        if step.p_leaves is not None and self.cfg.master_dtype is None and step.stepping:
+            plan_p = _owned.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
+            rows = _tp_owned.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank)
+            params = _tp_owned.gather(self.wire, layout, rows, plan_p, tp)
+        static = _TpGathered(dataclasses.replace(grads, rows=None),
+                             None if params is None else dataclasses.replace(params, rows=None))
+        return static, (grads.rows, None if params is None else params.rows)
+
+    def _streamed(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
+                  ) -> tuple[dict, dict]:
+        """Device `r`'s update with its buffers in host memory, bucket by bucket of its leaves: each bucket's
+        entries come to the device, are updated and written back before the next is read. Returns the new
+        buffers and the updates of `mine`."""
+        layout = step.layout
+        offsets = layout.state_packing.offsets[r]
+        u_all: dict[int, jax.Array] = {}
+        for bucket in _owned.stream_buckets(layout, r, mine, self.cfg.bucket_bytes):
+            entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
+                       (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
+            ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
+            pieces = [_offload.fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
+            stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
+            values, u = self._view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
+            values = _reduce.skip_if_empty(step.denom.ok, _owned.unstacked(values), stored)
+            buffers = dict(buffers)
+            for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
+                buffers[d] = _offload.store(buffers[d], x, lo)
+            buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
+            u_all.update(_owned.unstacked(u))
+        return buffers, u_all
+
+    def _view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
+                     stored: dict[int, jax.Array]) -> tuple[dict, dict]:
+        """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
+        what every device receives (the updates, or with master copies the new masters rounded), stacks keyed by
+        their members (`_owned.Key`)."""
+        layout, p_leaves, shared_old, stepping = step.layout, step.p_leaves, step.shared_old, step.stepping
+        master = self.cfg.master_dtype is not None
+        present = set(mine)
+        entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
+        masters = {layout.entries[j].leaf: stored[j] for j in entries
+                   if layout.entries[j].role == MASTER and j in stored}
+        if p_leaves is None or not stepping:  # (a micro-step only accumulates: it reads no parameters)
+            p = None
+        else:
+            p = masters if master else {i: p_leaves[i] for i in mine}
+        stacks = [s for s in ([i for i in stack if i in present] for stack in layout.stacks) if len(s) > 1]
+        stacked = {i for s in stacks for i in s}
+        rest = [i for i in mine if i not in stacked]
+        u: dict[_owned.Key, jax.Array] = {}
+        values: dict[_owned.Key, jax.Array] = {}
+        for stack in stacks:
+            u_stack, v_stack = self._stack_update(step, r, stack, g, stored, p)
+            if u_stack is None:  # a program `jax.vmap` cannot run: its members run one by one
+                rest += stack
+                continue
+            u.update(u_stack)
+            values.update(v_stack)
+        rest.sort()
+        if rest or not stacks:
+            b_entries = _views.owned_entries(layout, r, rest)
+            old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, rest),
+                                               [shared_old[j] if j in shared_old else stored[j] for j in b_entries])
+            g_view = _views.masked_tree(layout, {i: g[i] for i in rest})
+            p_view = None if p is None else _views.masked_tree(layout, {i: p[i] for i in rest})
+            u_view, new = _groups.run_inner(step, g_view, old, p_view)
+            _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
+            u.update(zip(rest, jax.tree.leaves(u_view)))
+            values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
+        if master and stepping:
+            u = _step_masters(layout, entries, masters, _owned.unstacked(u), values, p_leaves)
+        elif master:  # a micro-batch that only accumulates: the master copies stay as they are
+            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
+        return values, u
+
+    def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
+                      ) -> tuple[dict | None, dict | None]:
+        """The view of `stack[0]` alone, vectorised over the members of `stack`: their updates keyed by
+        `tuple(stack)` and new histories keyed by their entries, or `(None, None)` where `jax.vmap` cannot run it."""
+        layout, shared_old = step.layout, step.shared_old
+        first = stack[0]
+        treedef = self.views.owned(layout, r, [first])
+        views = [_views.owned_entries(layout, r, [i]) for i in stack]
+        own = [k for k, j in enumerate(views[0]) if j not in shared_old]
+
+        def run(g1, histories, p1):
+            it = iter(histories)
+            old = jax.tree_util.tree_unflatten(treedef, [shared_old[j] if j in shared_old else next(it)
+                                                         for j in views[0]])
+            g_view = _views.masked_tree(layout, {first: g1})
+            u, new = _groups.run_inner(step, g_view, old, None if p1 is None else _views.masked_tree(
+                layout, {first: p1}))
+            _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
+            new = jax.tree.leaves(new)
+            return jax.tree.leaves(u)[0], [new[k] for k in own]
+
+        keys = [tuple(view[k] for view in views) for k in own]
+        args = (_owned.stacked(g, stack), [_owned.stacked(stored, key) for key in keys],
+                None if p is None else jnp.stack([p[i] for i in stack]))
+        if not _vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
+            return None, None
+        u, new = jax.vmap(run)(*args)
+        return {tuple(stack): u}, dict(zip(keys, new))
+
+    def _gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
+                   ) -> tuple[str, Any, dict]:
+        """How the owned leaves' gradients reach their owners (`mode`, chosen unless given), their packing, and
+        the switch operand: owner-packed rows reduce-scattered, every leaf all-reduced, or the leaves as they are."""
+        cfg = self.cfg
+        layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
+        n = layout.world_size
+        plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
+        nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
+        if mode == "choose":
+            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
+                                        self.wire.packs_owned_gradients)
+        if mode == "psum_scatter":
+            rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
+            grad_input = self.wire.scatter_packed(rows)
+        elif mode == "psum":
+            grad_input = {i: _reduce.divide(self.wire.all_reduce(g_leaves[i].astype(sum_dt[i])), denom, inner_dt[i])
+                          for i in owned}
+        else:
+            grad_input = {i: g_leaves[i].astype(inner_dt[i]) for i in owned}
+        return mode, plan_g, grad_input
+
+
+def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g, tp_rows: tuple):
+    """Inside device `r`'s branch: `g` and `step`'s parameters with the whole tensors of its tensor-parallel leaves,
+    assembled from the gathered rows `tp_rows`."""
+    layout = step.layout
+    whole = [i for i in mine if layout.leaves[i].tp_owned]
+    if not whole:
+        return g, step
+    grads = dataclasses.replace(plans.tp.grads, rows=tp_rows[0])
+    g_whole = {i: grads.whole(layout, r, i) for i in whole}
+    if plans.mode == "psum_scatter":
+        g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
+    g = g.overlaid(g_whole) if isinstance(g, _owned.Row) else {**g, **g_whole}
+    if plans.tp.params is not None:
+        params = dataclasses.replace(plans.tp.params, rows=tp_rows[1])
+        p_leaves = list(step.p_leaves)
+        for i in whole:
+            p_leaves[i] = params.whole(layout, r, i)
+        step = dataclasses.replace(step, p_leaves=p_leaves)
+    return g, step
+
+
+def _vectorisable(jaxpr) -> bool:
+    """Whether `jax.vmap` can run `jaxpr`: it refuses a `pure_callback` without `vmap_method` and an ordered
+    `io_callback`."""
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "pure_callback" and params.get("vmap_method") is None:
+            return False
+        if name == "io_callback" and params.get("ordered", False):
+            return False
+        if not all(_vectorisable(_compat.jaxpr_parts(sub)[0]) for sub in _coupling.subjaxprs(params)):
+            return False
+    return True
+
+
+def _member_type(x: jax.Array):
+    """The type (shape, dtype, varying axes) of one member of the stacked `x`."""
+    aval = jax.typeof(x)
+    return aval.update(shape=aval.shape[1:])
+
+
+def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dict[int, jax.Array], values: dict,
+                  p_leaves: list) -> dict[int, jax.Array]:
+    """Adds an owner's updates `u` to its master copies (into `values`) and returns them rounded to the
+    parameter dtype, which every device then receives."""
+    for j in entries:
+        if layout.entries[j].role == MASTER:
+            i = layout.entries[j].leaf
+            values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
+    return {i: values[j].astype(p_leaves[i].dtype) for j in entries
+            if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
+
+
+def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
+    """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
+    if layout.world_size == 1:  # a psum of one device only retypes the value as replicated (untyped needs none)
+        return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
+    return _owned.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)

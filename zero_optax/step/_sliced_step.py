@@ -1,0 +1,178 @@
+"""The sliced leaves' part of a step: reduce-scatter in buckets, update each group's slots, all-gather in buckets.
+
+Every device runs the group views (`_groups`) on its own coordinates; they also advance the shared entries (step
+counts). The gather stage assembles the step's result: the updates, or with `apply` the new parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zero_optax.core._errors import ZeroStructureError
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._state import ZeroState
+from zero_optax.step import (
+    _groups,
+    _reduce,
+    _slots,
+    _views,
+    _wire,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupsDone:
+    """What the group views leave for the rest of the step.
+
+    Attributes:
+      new_inner: the new `SlicedState`.
+      shared_old: the shared entries' old values, which the owned views read.
+      values, new_master: streamed (offload): each group's results and the new master copies; otherwise None.
+      u_parts, p_parts, masks: not streamed: each group's updates, parameters and valid-coordinate mask.
+    """
+
+    new_inner: Any
+    shared_old: dict
+    values: list | None = None
+    new_master: Any = None
+    u_parts: list | None = None
+    p_parts: list | None = None
+    masks: list | None = None
+
+
+class SlicedStep:
+    """The stages of the sliced leaves for one `Config`: `reduce`, `update`, `gather`."""
+
+    def __init__(self, cfg, wire: _wire.Wire, groups: _groups.Groups):
+        self.cfg = cfg
+        self.wire = wire
+        self.groups = groups
+
+    def reduce(self, step: _groups.Step, g_leaves: list) -> list:
+        """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
+        leaves), reduced in buckets over all sliced leaves."""
+        cfg, layout, denom, inner_dt, sum_dt, ranks = (self.cfg, step.layout, step.denom, step.inner_dt, step.sum_dt,
+                                                       step.ranks)
+        if not layout.groups:
+            return [None]
+        for g in layout.groups:
+            if len({inner_dt[i] for i in g.leaves}) > 1:
+                raise ZeroStructureError(
+                    f"The gradients of the sliced leaves {[layout.leaves[i].path for i in g.leaves]} have "
+                    f"different dtypes ({sorted({inner_dt[i] for i in g.leaves})}), but their parameters have one "
+                    "dtype and one optimizer program: pass their gradients in one dtype.")
+        sliced = _groups.order(layout)
+        grads = {i: g_leaves[i] for i in sliced}
+        if cfg.reduce is None:  # already the global mean
+            return [_slots.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
+                                    ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+        buckets = self.wire.plan(layout, sliced, [sum_dt[i] for i in sliced])
+        if cfg.reduce == "psum":
+            parts = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
+            parts = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in parts.items()}
+            return [_groups.joined(g, parts) for g in layout.groups]
+        if _by_rows(layout, buckets):
+            joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
+        else:
+            parts = self.wire.reduce_scatter(grads, layout, buckets)
+            joined = [_groups.joined(g, parts) for g in layout.groups]
+        return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
+
+    def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
+        """The inner update on each group's part of the reduced gradient, `g_parts` (streamed chunk by chunk
+        through the device with `step.streamed`)."""
+        cfg, layout, ranks, p_leaves = self.cfg, step.layout, step.ranks, step.p_leaves
+        if step.streamed and layout.groups:
+            params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
+                self._params(layout, p_leaves, state, ranks)
+            p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
+            values, new_inner, new_master, shared_old = self.groups.update_streamed(step, g_parts, params_parts, state,
+                                                                                     p_dtypes)
+            done = GroupsDone(new_inner, shared_old, values, new_master)
+        else:
+            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+            p_parts = self._params(layout, p_leaves, state, ranks)
+            u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state.inner_state, masks)
+            done = GroupsDone(new_inner, shared_old, u_parts=u_parts, p_parts=p_parts, masks=masks)
+        new_inner = done.new_inner._replace(shared=_reduce.skip_if_empty(step.denom.ok, done.new_inner.shared,
+                                                                         state.inner_state.shared))
+        return dataclasses.replace(done, new_inner=new_inner)
+
+    def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
+               apply: bool):
+        """The step's result, gathered to every device: the updates (with `apply` the new parameters), and the
+        new state."""
+        cfg, layout, p_leaves, ok = self.cfg, step.layout, step.p_leaves, step.denom.ok
+        values, new_master = done.values, done.new_master
+        if done.u_parts is not None:
+            values, new_master = self._results(layout, done.u_parts, p_leaves, state, ok, done.masks)
+            if apply and cfg.master_dtype is None:  # each device adds its part of the updates to its parameters
+                values = [None if v is None else optax.apply_updates(p.reshape(v.shape), v)
+                          for p, v in zip(done.p_parts, values)]
+        updates = self._gather_values(layout, values)
+        new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
+        if apply:
+            if cfg.master_dtype is None:
+                new_params = {**updates, **{i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()}}
+            else:  # the gathered, rounded master copies (of the owned leaves too: their owners send those)
+                new_params = {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in {**updates, **u_owned}.items()}
+            return _views.tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
+        updates.update(u_owned)
+        if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
+            md = cfg.master_dtype
+            updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
+            if ok is not None:
+                updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
+        return _views.tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
+
+    def _params(self, layout: Layout, p_leaves: list | None, state: ZeroState, ranks) -> list | None:
+        """The parameters each group's view sees: the master copies, this device's slices, or None."""
+        if p_leaves is None:
+            return None
+        if not layout.groups:
+            return [None]
+        if self.cfg.master_dtype is not None:
+            return list(state.master)
+        return [_slots.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
+                for g in layout.groups]
+
+    def _results(self, layout: Layout, u_parts: list, p_leaves: list | None, state: ZeroState, ok,
+                 masks: list) -> tuple[list, Any]:
+        """What every device receives of each group (`_groups.stepped`), and the new master copies."""
+        if not layout.groups:
+            return [], state.master
+        masters = state.master if self.cfg.master_dtype is not None else [None] * len(layout.groups)
+        results = [_groups.stepped(u, m, mask, ok, None if p_leaves is None else p_leaves[g.first].dtype)
+                   for u, m, mask, g in zip(u_parts, masters, masks, layout.groups)]
+        new_master = state.master if self.cfg.master_dtype is None else tuple(m for m, _ in results)
+        return [v for _, v in results], new_master
+
+    def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
+        """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""
+        wire = self.wire
+        updates: dict[int, jax.Array] = {}
+        if not layout.groups:
+            return updates
+        values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
+        order = _groups.order(layout)
+        dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
+        buckets = wire.plan(layout, order, [dtypes[i] for i in order])
+        if _by_rows(layout, buckets):
+            updates.update(wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
+        else:
+            per_leaf = {}
+            for g, x in zip(layout.groups, values):
+                per_leaf.update(_groups.split(g, x, layout))
+            updates.update(wire.gather(per_leaf, layout, buckets))
+        return updates
+
+
+def _by_rows(layout: Layout, buckets) -> bool:
+    """Whether the groups' buffers meet the collectives as whole bucket rows (groups of more than one device)."""
+    return all(b.axes and layout.leaves[b.leaves[0]].group > 1 for b in buckets)
