@@ -13,20 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.step import (
-    _accumulate,
-    _engine,
-    _offload,
-    _quantize,
-    _wire,
-)
-from zero_optax.layout import _handle, _keys, _planner
-from zero_optax.api import _bound
-from zero_optax.layout._layout import LEAF, PARTITIONS, SHARDED, Layout
+from zero_optax.step import _engine, _quantize, _wire
+from zero_optax.layout import _handle
+from zero_optax.layout._config import Config
+from zero_optax.api import _arguments, _bound
+from zero_optax.layout._layout import SHARDED, Layout
 from zero_optax.layout._state import ZeroState, canonical, find_states
-
-_REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
-
 
 class _NoParameterTrees:
     """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree
@@ -48,7 +40,7 @@ class Zero1:
     find it with `zero1_of(tx, ...)` (or `find_zero1(tx)`), which `zero1` records it for.
     """
 
-    def __init__(self, cfg: _planner.Config, mesh: jax.sharding.Mesh | None):
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh | None):
         self.cfg = cfg
         self.engine = _engine.Engine(cfg)
         self.mesh = mesh
@@ -210,49 +202,11 @@ def zero1(
       >>> zo.describe(state).slots
       (6,)
     """
-    _check_partition(partition, owners)
-    if reduce not in _REDUCE_CHOICES or isinstance(reduce, int) and not isinstance(reduce, bool):
-        raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {reduce!r}.")
-    axes = _data_axes(axis_name, mesh)
-    replicas = _replica_axes(replica_axis, axes, mesh)
-    if assume_elementwise and partition != "flat":
-        raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
-                        "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 0:
-        raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {bucket_bytes!r}.")
-    _accumulate.check_args(accumulate_steps, accumulate)
-    _check_quantize(quantize, reduce, master_dtype, axes + replicas)
-    if not isinstance(offload, (bool, np.bool_)):
-        raise ZeroError(f"`offload` must be True or False, got {offload!r}.")
-    if offload:
-        _offload.check_devices(mesh.devices.flat if mesh is not None else jax.devices())
-    for name, dtype in (("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
-        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
-    typed = optax.with_extra_args_support(inner)
-    inner, typed_init = _keys.as_data(typed), typed.init
-    accumulating = None
-    if accumulate_steps > 1:
-        accumulating = _accumulate.Accumulating(inner, int(accumulate_steps), accumulate)
-        inner = accumulating.transformation("final")
-        typed_init = _accumulate.Accumulating(typed, int(accumulate_steps), accumulate).init
-    cfg = _planner.Config(
-        inner=inner,
-        axis_name=axis_name if isinstance(axis_name, str) else axes,
-        partition=partition,
-        owners=None if owners is None else tuple(owners),
-        reduce="default" if reduce is True else None if reduce is False else reduce,
-        reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
-        master_dtype=None if master_dtype is None else jnp.dtype(master_dtype),
-        assume_elementwise=bool(assume_elementwise),
-        bucket_bytes=int(bucket_bytes),
-        accumulating=accumulating,
-        offload=bool(offload),
-        typed_init=typed_init,
-        param_specs=param_specs,
-        replica_axes=replicas,
-        quantize=quantize,
-    )
+    cfg = _arguments.config(inner, mesh, dict(
+        axis_name=axis_name, replica_axis=replica_axis, partition=partition, owners=owners, reduce=reduce,
+        reduce_dtype=reduce_dtype, master_dtype=master_dtype, assume_elementwise=assume_elementwise,
+        bucket_bytes=bucket_bytes, accumulate_steps=accumulate_steps, accumulate=accumulate, offload=offload,
+        param_specs=param_specs, quantize=quantize))
     z = Zero1(cfg, mesh)
     tx = optax.GradientTransformationExtraArgs(z.init, z.update)
     _handle.record(tx.init, z)
@@ -307,80 +261,6 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
     return optax.apply_updates(params, updates), opt_state
-
-
-def _check_partition(partition, owners) -> None:
-    """Refuses an unknown `partition`, and `owners` for a partition that chooses its own."""
-    if partition not in PARTITIONS:
-        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {partition!r}.")
-    if owners is not None and partition != LEAF:
-        raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
-                        "devices and \"auto\" balances the leaves it gives an owner.")
-
-
-def _axis_names(value, name: str, what: str) -> tuple[str, ...]:
-    """`value` (zero1's argument `name`) as a tuple of distinct axis names; `what` says what a single name is."""
-    axes = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else ()
-    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-        raise ZeroError(f"`{name}` must be {what} or a tuple of distinct axis names, got {value!r}.")
-    return axes
-
-
-def _check_on_mesh(axes: tuple[str, ...], name: str, mesh) -> None:
-    """Refuses axes (zero1's argument `name`) that `mesh` (if given) does not have."""
-    missing = [] if mesh is None else [a for a in axes if a not in mesh.axis_names]
-    if missing:
-        raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `{name}` names {missing}.")
-
-
-def _data_axes(axis_name, mesh) -> tuple[str, ...]:
-    """`axis_name` as a tuple of distinct axis names, after checking that `mesh` (if given) is a mesh with them
-    all."""
-    axes = _axis_names(axis_name, "axis_name", "the name of the data mesh axis")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
-    _check_on_mesh(axes, "axis_name", mesh)
-    return axes
-
-
-def _check_quantize(quantize, reduce, master_dtype, axes: tuple[str, ...]) -> None:
-    """Refuses a `quantize` that is no `zo.Quantize`, names axes zero1 does not communicate over, quantizes
-    parameters without master copies, or gradients that zero1 does not reduce by reduce-scatters."""
-    if quantize is None:
-        return
-    if not isinstance(quantize, _quantize.Quantize):
-        raise ZeroError(f"`quantize` must be None or zo.Quantize(...), got {type(quantize).__name__}.")
-    if quantize.axes is not None:
-        unknown = [a for a in quantize.axes if a not in axes]
-        if unknown:
-            raise ZeroError(f"Quantize(axes=...) names {unknown}, but zero1 communicates over {axes} "
-                            "(`axis_name` and `replica_axis`).")
-    if quantize.params is not None and master_dtype is None:
-        raise ZeroError(
-            "Quantize(params=\"int8\") sends the new parameters as int8 blocks, so each device's parameters become "
-            "the block-wise rounding of an exact master copy; it needs one: zero1(..., master_dtype=jnp.float32). "
-            "Without it the rounding error would accumulate step after step.")
-    if quantize.grads is not None and reduce is not True and reduce != "psum_scatter":
-        raise ZeroError(
-            f"Quantize(grads=\"int8\") quantizes the reduce-scatter zero1 reduces gradients with, but "
-            f"reduce={reduce!r} "
-            "reduces none (False: the gradients are already the mean) or all-reduces them (\"psum\"). Use "
-            "reduce=True, or drop grads=.")
-
-
-def _replica_axes(replica_axis, axes: tuple[str, ...], mesh) -> tuple[str, ...]:
-    """`replica_axis` as a tuple of distinct axis names (empty for None), disjoint from the ZeRO `axes` and on
-    `mesh` (if given)."""
-    if replica_axis is None:
-        return ()
-    replicas = _axis_names(replica_axis, "replica_axis", "None, the name of a mesh axis")
-    shared = [a for a in replicas if a in axes]
-    if shared:
-        raise ZeroError(f"`replica_axis` and `axis_name` both name {shared}: the state is sharded over `axis_name` "
-                        "and replicated over `replica_axis`, so an axis can be one or the other. To shard over "
-                        f"both, pass axis_name={tuple(replicas) + axes!r} and no replica_axis.")
-    _check_on_mesh(replicas, "replica_axis", mesh)
-    return replicas
 
 
 def describe(state) -> Layout:

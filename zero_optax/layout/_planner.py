@@ -33,6 +33,7 @@ from zero_optax.layout import (
     _owners,
     _specs,
 )
+from zero_optax.layout._config import Config
 from zero_optax.layout._layout import (
     AUTO,
     FLAT,
@@ -84,43 +85,6 @@ zero1 updates `{path}` as a whole tensor on one owner and reads from its Partiti
 which dimension, but inside shard_map the parameter's local block (shape {shape}) varies over the mesh axes
 {axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
 PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The arguments of `zero1`, validated."""
-
-    inner: optax.GradientTransformationExtraArgs
-    axis_name: str | tuple[str, ...]
-    partition: str
-    owners: tuple[int, ...] | None
-    reduce: str | None          # "default", "psum", "psum_scatter", or None: the gradients are the global mean
-    reduce_dtype: Any
-    master_dtype: Any
-    assume_elementwise: bool
-    bucket_bytes: int
-    accumulating: Any = None    # `_accumulate.Accumulating` with accumulate_steps > 1 (then `inner` is its final step)
-    offload: bool = False       # the stored arrays live in `pinned_host` memory between steps (`_offload`)
-    typed_init: Any = None      # the inner `init` whose typed PRNG keys `inner` holds as key data (`_keys.as_data`)
-    param_specs: Any = None     # the parameters' PartitionSpecs (`zero1(..., param_specs=)`), for `_tp_dims`
-    replica_axes: tuple[str, ...] = ()  # `zero1(..., replica_axis=)`: the state is replicated over these (issue 32)
-    quantize: Any = None        # `zero1(..., quantize=)`: `_quantize.Quantize`, or None (issue 33)
-
-    @property
-    def accumulate(self) -> str | None:
-        return None if self.accumulating is None else self.accumulating.mode
-
-    @property
-    def accumulate_steps(self) -> int:
-        return 1 if self.accumulating is None else self.accumulating.steps
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return _compat.as_tuple(self.axis_name)
-
-    def inner_dtype(self, dtype) -> np.dtype:
-        """The dtype the inner optimizer sees a leaf's gradients, parameters and state in."""
-        return np.dtype(self.master_dtype) if self.master_dtype is not None else np.dtype(dtype)
-
 
 def _update_fn(inner):
     return lambda g, s, p, e: inner.update(g, s, p, **e)
