@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import math
 import types
-from typing import Any
 
 import jax
 import numpy as np
@@ -24,10 +23,10 @@ from zero_optax.analysis import _inner
 from zero_optax.core._errors import (
     ZeroAxisError,
     ZeroCouplingError,
-    ZeroError,
     ZeroStructureError,
 )
 from zero_optax.layout import (
+    _grouping,
     _keys,
     _layout,
     _owners,
@@ -40,7 +39,6 @@ from zero_optax.layout._layout import (
     LEAF,
     MASTER,
     MASTER_PREFIX,
-    Group,
     Layout,
     ParamLeaf,
     StateEntry,
@@ -61,13 +59,6 @@ Each leaf is updated on its owner device, so the inner transformation may not co
 Move global operations before zero1, on the reduced gradient:
     optax.chain(zo.reduce_gradients("{axis}"), optax.clip_by_global_norm(1.0),
                 zo.zero1(inner, axis_name="{axis}", partition="{partition}", reduce=False))"""
-
-SHAPE_HELP = """\
-The inner transformation does something different on the 1-D coordinate slices that zero1 gives it than on the
-full parameters, so its result would be silently wrong. Usually a mask or label function reads the parameter
-shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
-parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
-partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
 
 TENSOR_PARALLEL_HELP = """\
 zero1 updates `{path}` as a whole tensor on one owner (it is {why}), but the parameter is sharded over
@@ -168,10 +159,6 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
     return out, dict(axis_sizes)
 
 
-def _labels(treedef, n: int):
-    return jax.tree_util.tree_unflatten(treedef, list(range(n)))
-
-
 REDUCTIONS_HELP = """\
 zero1 computes full reductions of sliced leaves (a global norm, a trust ratio) exactly, with a collective over
 the devices, but a leaf that needs whole tensors on an owner cannot join the collective of the sliced ones.
@@ -223,7 +210,7 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entri
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
-    labels = _labels(treedef, n_leaves)
+    labels = _grouping.labels(treedef, n_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
     try:
         found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
@@ -326,15 +313,7 @@ def _check_slices(real_state, mixed_state) -> None:
         raise ZeroCouplingError(
             f"zero1: the inner state on coordinate slices has the structure "
             f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
-            f"{SHAPE_HELP}")
-
-
-def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
-    i = next((i for i, (a, b) in enumerate(zip(real, part)) if a != b), min(len(real), len(part)))
-    return ZeroCouplingError(
-        f"zero1: the inner update applies {len(real)} operations to the parameters but {len(part)} to coordinate "
-        f"slices (at `{path}`; first difference at operation {i}: {real[i] if i < len(real) else 'none'} vs "
-        f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
+            f"{_grouping.SHAPE_HELP}")
 
 
 def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
@@ -388,15 +367,15 @@ def build_layout(cfg: Config, params) -> Layout:
     owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i], dims[i]) for i, x in enumerate(values))
-    views = _Views(cfg, treedef, leaves, extra, {}, found.joint)
-    programs = _leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
+    views = _grouping.Views(cfg, treedef, leaves, extra, {}, found.joint)
+    programs = _grouping.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    groups = () if all(owned) else _groups(views, entries, programs)
+    groups = () if all(owned) else _grouping.groups(views, entries, programs)
     return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
                   jax.tree.structure(real_state),
                   None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
                   tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups, _stacks(cfg, leaves, entries, programs),
+                  "pinned_host" if cfg.offload else "device", groups, _grouping.stacks(cfg, leaves, entries, programs),
                   found.joint and bool(groups), replicas, replica_sizes)
 
 
@@ -468,186 +447,6 @@ def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[b
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Views:
-    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
-    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
-    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
-
-    cfg: Config
-    treedef: Any
-    leaves: tuple[ParamLeaf, ...]
-    extra: dict
-    names: dict[str, str]
-    reductions: bool = False
-
-
-FUSE_BYTES = 1 << 14
-"""Sliced leaves of at most this many bytes per device are fused into groups (`_layout.Group`); larger ones keep
-arrays of their own. Fusing a leaf saves its operations (kernel launches, and arrays at the `shard_map` boundary)
-but copies its slots into and out of the group's buffer every step, which for large leaves costs more than it
-saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
-
-
-def _leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
-                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
-    """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
-    outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
-    shared state's."""
-    labels = _labels(treedef, treedef.num_leaves)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
-    return _coupling.leaf_programs(traced, sources=(labels, state_labels, labels, None),
-                                   out_sources=(labels, state_labels), names=names, collective=reductions)
-
-
-def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Each leaf's inner-state entries (its histories, in state order) and its master-copy entry."""
-    histories: dict[int, list[int]] = {}
-    masters: dict[int, int] = {}
-    for j, e in enumerate(entries):
-        if e.leaf is not None and e.role == MASTER:
-            masters[e.leaf] = j
-        elif e.leaf is not None:
-            histories.setdefault(e.leaf, []).append(j)
-    return histories, masters
-
-
-def _groups(views: _Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
-    """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
-    each runs on its slots what it runs on the parameter.
-
-    Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
-    runs the same program on each (`_coupling.leaf_programs`: the same operations on the same shared values, a
-    step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
-    leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
-    is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
-    alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
-    transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
-    leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
-    """
-    cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
-    own, master_of = _entries_by_leaf(entries)
-    histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
-    masters = {i: master_of[i] for i in histories if i in master_of}
-    candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
-    found = _view_programs(views, candidates)
-    groups, alone = [], []
-    for members in candidates:
-        if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
-                programs[None]:
-            groups.append(members)
-        else:
-            alone += members
-    if any(len(m) > 1 for m in candidates if m[0] in alone):
-        found = _view_programs(views, [[i] for i in alone])
-    _check_alone(leaves, alone, programs, found)
-    groups += [[i] for i in alone]
-    out = []
-    for members in sorted(groups):
-        offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
-        out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
-                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
-                         _own_shape(cfg, [leaves[i] for i in members])))
-    return tuple(out)
-
-
-def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
-    """`Group.shape`: a lone leaf of two or more dimensions that one device holds whole keeps its shape, except in
-    host memory (offload streams 1-D chunks)."""
-    leaf = members[0]
-    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
-        else None
-
-
-STACK_BYTES = 1 << 24
-"""Owned leaves stacked for one vectorised update (`_stacks`) bring at most this many bytes of state, parameters
-and gradients together: the stack is a transient copy of them."""
-
-
-def _stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
-            programs: dict) -> tuple[tuple[int, ...], ...]:
-    """The owned leaves that one device updates as one stack (`Layout.stacks`): same owner, shape, dtype and state
-    entries, and the same program in the update traced on the parameters, in tree order and cut at
-    `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
-    (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
-    shared = [j for j, e in enumerate(entries) if e.leaf is None]
-    own, _ = _entries_by_leaf(entries)
-    keyed: dict[Any, list[int]] = {}
-    nbytes: dict[int, int] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.sliced or i not in programs or leaf.tp_owned:  # (a tensor-parallel leaf's view is its whole tensor)
-            continue
-        view = tuple((entries[j].leaf is None, entries[j].shape, entries[j].dtype)
-                     for j in sorted(shared + own.get(i, [])))  # the entries of its view, in order
-        nbytes[i] = sum(entries[j].nbytes for j in own.get(i, [])) + \
-            2 * leaf.size * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
-        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, view), []).append(i)
-    stacks: list[tuple[int, ...]] = []
-    for members in keyed.values():
-        chunk, total = [], 0
-        for i in members:
-            if chunk and total + nbytes[i] > STACK_BYTES:
-                stacks.append(tuple(chunk))
-                chunk, total = [], 0
-            chunk.append(i)
-            total += nbytes[i]
-        stacks.append(tuple(chunk))
-    return tuple(sorted(s for s in stacks if len(s) > 1))
-
-
-def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict) -> None:
-    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`)."""
-    for i in alone:
-        if i in programs and found.get(i) != programs[i]:
-            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
-
-
-def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
-                histories: dict[int, list[int]], programs: dict) -> list[list[int]]:
-    """The sliced leaves keyed by program, axes, dtype and entries: small ones together, large ones alone."""
-    keyed: dict[Any, list[int]] = {}
-    for i, own in histories.items():
-        leaf = leaves[i]
-        small = leaf.slots * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize <= FUSE_BYTES
-        program = programs.get(i, i) if small else i  # a leaf without a program of its own stays alone
-        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype, tuple(entries[j].dtype for j in own))
-        keyed.setdefault(key, []).append(i)
-    return list(keyed.values())
-
-
-def _view_programs(views: _Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
-    """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
-    holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
-    error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
-    cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
-    structs: list[Any] = [optax.MaskedNode()] * len(leaves)
-    labels: list[Any] = [optax.MaskedNode()] * len(leaves)
-    for members in groups:
-        first = members[0]
-        structs[first] = jax.ShapeDtypeStruct((sum(leaves[i].slots for i in members),),
-                                              cfg.inner_dtype(leaves[first].dtype))
-        labels[first] = first
-    tree = jax.tree_util.tree_unflatten(treedef, structs)
-    label_tree = jax.tree_util.tree_unflatten(treedef, labels)
-    try:
-        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, structs,
-                                                   sliced=[m[0] for m in groups])
-        state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
-                                                                for e in entries])
-        state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
-        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
-                                       sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=views.names,
-                                       collective=views.reductions)
-    except ZeroError:
-        raise
-    except Exception as e:  # the user's transformation failed: refused, naming its error
-        raise ZeroCouplingError(
-            f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
-            f"sliced leaves, `{leaves[groups[0][0]].path}` among them): {type(e).__name__}: {e}\n"
-            f"{SHAPE_HELP}") from e
-
-
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
     """Every leaf's owner: `cfg.owners` (checked), or balanced over the state bytes each owned leaf brings (its
     entries, and with `master_dtype` its master copy); None for sliced leaves when balanced."""
@@ -669,16 +468,3 @@ def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str,
                             MASTER) for i, leaf in enumerate(leaves))
 
 
-def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
-    """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
-    leaves are exactly the entries `expected`, in order."""
-    structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), cfg.inner_dtype(leaf.dtype)) for leaf in layout.leaves]
-    tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
-    state = jax.eval_shape(cfg.inner.init, tree)
-    paths = _names.leaf_paths(state)
-    want = [layout.entries[j].path for j in expected]
-    if paths != want:
-        raise ZeroStructureError(
-            f"The inner optimizer's state {what} has leaves {paths}, but the layout expects {want}: its state order "
-            "changes when leaves are masked, which zero1 cannot pack.")
-    return jax.tree.structure(state)

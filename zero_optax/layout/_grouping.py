@@ -1,0 +1,237 @@
+"""Which sliced leaves run as one group and which owned leaves as one stack: leaves whose update runs the same
+program on the same kind of state, read from the inner update's traced programs (`zero_optax.analysis`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from zero_optax.analysis import _coupling
+from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCouplingError, ZeroError, ZeroStructureError
+from zero_optax.layout import _layout
+from zero_optax.layout._config import Config
+from zero_optax.layout._layout import MASTER, Group, Layout, ParamLeaf, StateEntry
+
+SHAPE_HELP = """\
+The inner transformation does something different on the 1-D coordinate slices that zero1 gives it than on the
+full parameters, so its result would be silently wrong. Usually a mask or label function reads the parameter
+shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
+parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
+partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
+
+
+def _update_fn(inner):
+    return lambda g, s, p, e: inner.update(g, s, p, **e)
+
+
+def labels(treedef, n: int):
+    """The parameter tree with each leaf replaced by its index."""
+    return jax.tree_util.tree_unflatten(treedef, list(range(n)))
+
+
+def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
+    i = next((i for i, (a, b) in enumerate(zip(real, part)) if a != b), min(len(real), len(part)))
+    return ZeroCouplingError(
+        f"zero1: the inner update applies {len(real)} operations to the parameters but {len(part)} to coordinate "
+        f"slices (at `{path}`; first difference at operation {i}: {real[i] if i < len(real) else 'none'} vs "
+        f"{part[i] if i < len(part) else 'none'}).\n{SHAPE_HELP}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Views:
+    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
+    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
+    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
+
+    cfg: Config
+    treedef: Any
+    leaves: tuple[ParamLeaf, ...]
+    extra: dict
+    names: dict[str, str]
+    reductions: bool = False
+
+
+FUSE_BYTES = 1 << 14
+"""Sliced leaves of at most this many bytes per device are fused into groups (`_layout.Group`); larger ones keep
+arrays of their own. Fusing a leaf saves its operations (kernel launches, and arrays at the `shard_map` boundary)
+but copies its slots into and out of the group's buffer every step, which for large leaves costs more than it
+saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
+
+
+def leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
+                  names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
+    """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
+    outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
+    shared state's."""
+    leaf_labels = labels(treedef, treedef.num_leaves)
+    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
+    return _coupling.leaf_programs(traced, sources=(leaf_labels, state_labels, leaf_labels, None),
+                                   out_sources=(leaf_labels, state_labels), names=names, collective=reductions)
+
+
+def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Each leaf's inner-state entries (its histories, in state order) and its master-copy entry."""
+    histories: dict[int, list[int]] = {}
+    masters: dict[int, int] = {}
+    for j, e in enumerate(entries):
+        if e.leaf is not None and e.role == MASTER:
+            masters[e.leaf] = j
+        elif e.leaf is not None:
+            histories.setdefault(e.leaf, []).append(j)
+    return histories, masters
+
+
+def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
+    """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
+    each runs on its slots what it runs on the parameter.
+
+    Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
+    runs the same program on each (`_coupling.leaf_programs`: the same operations on the same shared values, a
+    step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
+    leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
+    is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
+    alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
+    transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
+    leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
+    """
+    cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
+    own, master_of = _entries_by_leaf(entries)
+    histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
+    masters = {i: master_of[i] for i in histories if i in master_of}
+    candidates = [[i] for i in histories] if reductions else _candidates(cfg, leaves, entries, histories, programs)
+    found = _view_programs(views, candidates)
+    groups, alone = [], []
+    for members in candidates:
+        if len(members) > 1 and found.get(members[0]) == programs.get(members[0]) and found.get(None) == \
+                programs[None]:
+            groups.append(members)
+        else:
+            alone += members
+    if any(len(m) > 1 for m in candidates if m[0] in alone):
+        found = _view_programs(views, [[i] for i in alone])
+    _check_alone(leaves, alone, programs, found)
+    groups += [[i] for i in alone]
+    out = []
+    for members in sorted(groups):
+        offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
+        out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
+                         tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
+                         _own_shape(cfg, [leaves[i] for i in members])))
+    return tuple(out)
+
+
+def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
+    """`Group.shape`: a lone leaf of two or more dimensions that one device holds whole keeps its shape, except in
+    host memory (offload streams 1-D chunks)."""
+    leaf = members[0]
+    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
+        else None
+
+
+STACK_BYTES = 1 << 24
+"""Owned leaves stacked for one vectorised update (`_stacks`) bring at most this many bytes of state, parameters
+and gradients together: the stack is a transient copy of them."""
+
+
+def stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+            programs: dict) -> tuple[tuple[int, ...], ...]:
+    """The owned leaves that one device updates as one stack (`Layout.stacks`): same owner, shape, dtype and state
+    entries, and the same program in the update traced on the parameters, in tree order and cut at
+    `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
+    (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
+    shared = [j for j, e in enumerate(entries) if e.leaf is None]
+    own, _ = _entries_by_leaf(entries)
+    keyed: dict[Any, list[int]] = {}
+    nbytes: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.sliced or i not in programs or leaf.tp_owned:  # (a tensor-parallel leaf's view is its whole tensor)
+            continue
+        view = tuple((entries[j].leaf is None, entries[j].shape, entries[j].dtype)
+                     for j in sorted(shared + own.get(i, [])))  # the entries of its view, in order
+        nbytes[i] = sum(entries[j].nbytes for j in own.get(i, [])) + \
+            2 * leaf.size * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize
+        keyed.setdefault((leaf.owner, programs[i], leaf.shape, leaf.dtype, view), []).append(i)
+    stacks: list[tuple[int, ...]] = []
+    for members in keyed.values():
+        chunk, total = [], 0
+        for i in members:
+            if chunk and total + nbytes[i] > STACK_BYTES:
+                stacks.append(tuple(chunk))
+                chunk, total = [], 0
+            chunk.append(i)
+            total += nbytes[i]
+        stacks.append(tuple(chunk))
+    return tuple(sorted(s for s in stacks if len(s) > 1))
+
+
+def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict) -> None:
+    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`)."""
+    for i in alone:
+        if i in programs and found.get(i) != programs[i]:
+            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
+
+
+def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
+                histories: dict[int, list[int]], programs: dict) -> list[list[int]]:
+    """The sliced leaves keyed by program, axes, dtype and entries: small ones together, large ones alone."""
+    keyed: dict[Any, list[int]] = {}
+    for i, own in histories.items():
+        leaf = leaves[i]
+        small = leaf.slots * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize <= FUSE_BYTES
+        program = programs.get(i, i) if small else i  # a leaf without a program of its own stays alone
+        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype, tuple(entries[j].dtype for j in own))
+        keyed.setdefault(key, []).append(i)
+    return list(keyed.values())
+
+
+def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
+    """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
+    holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
+    error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
+    cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
+    structs: list[Any] = [optax.MaskedNode()] * len(leaves)
+    labels: list[Any] = [optax.MaskedNode()] * len(leaves)
+    for members in groups:
+        first = members[0]
+        structs[first] = jax.ShapeDtypeStruct((sum(leaves[i].slots for i in members),),
+                                              cfg.inner_dtype(leaves[first].dtype))
+        labels[first] = first
+    tree = jax.tree_util.tree_unflatten(treedef, structs)
+    label_tree = jax.tree_util.tree_unflatten(treedef, labels)
+    try:
+        entries, marked = _layout.discover_entries(cfg.inner.init, treedef, structs,
+                                                   sliced=[m[0] for m in groups])
+        state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                                                for e in entries])
+        state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
+        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
+                                       sources=(label_tree, state_labels, label_tree, None),
+                                       out_sources=(label_tree, state_labels), names=views.names,
+                                       collective=views.reductions)
+    except ZeroError:
+        raise
+    except Exception as e:  # the user's transformation failed: refused, naming its error
+        raise ZeroCouplingError(
+            f"zero1: the inner update runs on the parameters but fails on their 1-D coordinate slices (the "
+            f"sliced leaves, `{leaves[groups[0][0]].path}` among them): {type(e).__name__}: {e}\n"
+            f"{SHAPE_HELP}") from e
+
+
+def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
+    """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
+    leaves are exactly the entries `expected`, in order."""
+    structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), cfg.inner_dtype(leaf.dtype)) for leaf in layout.leaves]
+    tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
+    state = jax.eval_shape(cfg.inner.init, tree)
+    paths = _names.leaf_paths(state)
+    want = [layout.entries[j].path for j in expected]
+    if paths != want:
+        raise ZeroStructureError(
+            f"The inner optimizer's state {what} has leaves {paths}, but the layout expects {want}: its state order "
+            "changes when leaves are masked, which zero1 cannot pack.")
+    return jax.tree.structure(state)
