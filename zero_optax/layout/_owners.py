@@ -9,7 +9,8 @@ import numpy as np
 import optax
 
 from zero_optax.core._errors import OwnersError
-from zero_optax.layout._layout import abstract, discover_entries
+from zero_optax.layout._entries import discover_entries
+from zero_optax.layout._layout import abstract
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:

@@ -26,6 +26,7 @@ from zero_optax.core._errors import (
     ZeroStructureError,
 )
 from zero_optax.layout import (
+    _entries,
     _grouping,
     _keys,
     _layout,
@@ -345,7 +346,7 @@ def build_layout(cfg: Config, params) -> Layout:
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
     else:
-        real_entries, real_state = _layout.discover_entries(cfg.inner.init, treedef, real)
+        real_entries, real_state = _entries.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     _check_owned_placement(cfg, found)
@@ -371,12 +372,14 @@ def build_layout(cfg: Config, params) -> Layout:
     programs = _grouping.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
     groups = () if all(owned) else _grouping.groups(views, entries, programs)
-    return Layout(cfg.partition, cfg.axis_name, n, leaves, entries, treedef, _names.tree_signature(real_state),
-                  jax.tree.structure(real_state),
-                  None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
-                  tuple(axis_sizes.items()), cfg.accumulate, cfg.accumulate_steps,
-                  "pinned_host" if cfg.offload else "device", groups, _grouping.stacks(cfg, leaves, entries, programs),
-                  found.joint and bool(groups), replicas, replica_sizes)
+    return Layout(
+        partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,
+        treedef=treedef, state_tree=_names.tree_signature(real_state), state_treedef=jax.tree.structure(real_state),
+        master_dtype=None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
+        axis_sizes=tuple(axis_sizes.items()), accumulate=cfg.accumulate, accumulate_steps=cfg.accumulate_steps,
+        memory_kind="pinned_host" if cfg.offload else "device", groups=groups,
+        stacks=_grouping.stacks(cfg, leaves, entries, programs), joint=found.joint and bool(groups),
+        replicas=replicas, replica_sizes=replica_sizes)
 
 
 def _check_owned_placement(cfg: Config, found: Coupling) -> None:
@@ -428,7 +431,7 @@ def _tp_dims(cfg: Config, params, leaves: _Owned, real: list) -> list[tuple[tupl
 def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
     """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
     checking that the state is structured as on the parameters (`real_state`)."""
-    entries, marked = _layout.discover_entries(cfg.inner.init, treedef, mixed,
+    entries, marked = _entries.discover_entries(cfg.inner.init, treedef, mixed,
                                                sliced=[i for i in range(len(mixed)) if not owned[i]])
     mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
                                      [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
