@@ -1,22 +1,11 @@
-"""The static layout of a ZeRO state: which parameter leaves exist, how each is sharded, and where its state lives.
+"""The static layout of a zero1 state: its leaves, how each is sharded, and where its state lives.
 
-A `Layout` is hashable and travels as static pytree metadata inside the state, so `update`, `describe`, the
-checkpoint code and the offline tools all read the same description that `init` computed. What a checkpoint
-records of it, without the run-time plan (treedefs, groups, stacks, memory kind), is a `StoredLayout`; the views
-both answer (`StoredViews`: owners, packing, which entries are stored how) are defined once.
-
-Every parameter leaf is either *sliced* or *owned*:
-
-* sliced (`owner is None`): each device of the leaf's ZeRO group holds `slots = ceil(size / group)` consecutive
-  coordinates of the flattened leaf (device `r` holds `[r*slots, (r+1)*slots)`, the tail zero-padded). The
-  leaf's histories are stored as 1-D arrays of `blocks * group * slots` elements: block-major (one block per
-  tensor-parallel shard of the parameter), then device-major, so the padded coordinates of a block are
-  contiguous.
-* owned (`owner` is a device index): one device holds the leaf's complete state, packed with the other leaves it
-  owns into per-dtype buffers `[world_size, size]`.
-
-State entries that belong to no leaf (step counts, schedules, injected hyperparameters) are *shared*: every device
-keeps one copy, stored as `[world_size, *shape]`.
+A `Layout` is hashable static pytree metadata of the state: `update`, `describe`, checkpoints and the offline tools
+read what `init` computed. A *sliced* leaf (`owner` None) gives each device of its ZeRO group `slots =
+ceil(size / group)` consecutive coordinates, stored block-major (one block per tensor-parallel shard), then
+device-major; an *owned* leaf's state lives whole on its owner, packed into per-dtype buffers `[world_size, size]`;
+*shared* entries (step counts) are stored once per device, `[world_size, *shape]`. What a checkpoint records is a
+`StoredLayout`, without the run-time plan; `StoredViews` holds what both answer.
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ PARTITIONS = (FLAT, LEAF, AUTO)
 
 STATE = "state"
 MASTER = "master"
-# Gradient accumulation (`_accumulate`): its modes, and the paths of its state's fields in the inner state's tree
-# (`_accumulate.AccumulateState`), which the layout, the engine and checkpoints read.
+# Gradient accumulation: its modes, and the paths of `AccumulateState`'s fields in the inner state's tree.
 SHARDED = "sharded"
 """`accumulate="sharded"`: the accumulators are inner-state histories, sharded like the state (ZeRO-2)."""
 LOCAL = "local"
@@ -57,15 +45,13 @@ MASTER_PREFIX = "<master>"
 
 
 def slot_count(size: int, group: int) -> int:
-    """The slots of a sliced leaf: the coordinates each of the `group` devices of its ZeRO group holds of its `size`
-    elements, `ceil(size / group)` (the last device's tail padded with zeros)."""
+    """The coordinates each of `group` devices holds of a sliced leaf of `size` elements: `ceil(size / group)`."""
     return -(-size // group)
 
 
 def whole_shape(shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...], sizes: dict[str, int]
                 ) -> tuple[int, ...]:
-    """A parameter's whole shape from its block's `shape`, the axes cutting each dimension (`ParamLeaf.dims`;
-    empty: the block is whole) and the axes' `sizes`."""
+    """A parameter's whole shape from its block's `shape`, the axes cutting each dimension and their `sizes`."""
     if not dims:
         return tuple(shape)
     return tuple(n * math.prod(sizes[a] for a in cut) for n, cut in zip(shape, dims))
@@ -85,9 +71,8 @@ class ParamLeaf:
         along them and each block's state is sharded separately.
       blocks: the number of distinct blocks, the product of the sizes of `axes`.
       group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
-      dims: an owned leaf sharded over tensor-parallel axes: per dimension of the parameter, the mesh axes that
-        cut it (major first, as in its `PartitionSpec`); its owner updates it whole (`zero_optax.step._tp_owned`)
-        and its state entries have the whole parameter's shape. Empty for every other leaf.
+      dims: an owned leaf sharded over tensor-parallel axes: per dimension, the mesh axes that cut it (as in its
+        `PartitionSpec`); its owner updates it whole. Empty for every other leaf.
     """
 
     path: str
@@ -126,8 +111,7 @@ class StateEntry:
         for shared entries.
       dtype: dtype name.
       role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
-      key_impl: for a typed PRNG key of the inner state, stored as its key data (`shape` and `dtype` are the
-        data's), the key's implementation (`"threefry2x32"`); None for any other array (`_keys`).
+      key_impl: a typed PRNG key's implementation (`"threefry2x32"`), stored as its key data; else None.
     """
 
     path: str
@@ -148,11 +132,8 @@ class StateEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Sliced leaves whose inner update is one program: their state is stored, and updated, as one buffer.
-
-    Each device's part of a group's buffer is the concatenation of its `slots` coordinates of every member, so the
-    inner update runs once on it (a view of the first member holding the buffer), and a history of the group is
-    one array however many leaves it has.
+    """Sliced leaves whose inner update is one program, stored and updated as one buffer: each device's part is
+    the concatenation of its slots of every member, updated once on a view of the first member.
 
     Attributes:
       leaves: the members, in tree order; all have the same ZeRO axes, own axes, dtype and entries.
@@ -161,12 +142,8 @@ class Group:
       masters: per member, its master-copy entry (empty without `master_dtype`).
       offsets: where each member starts in a device's part of the buffer.
       size: the length of a device's part, the sum of the members' slots.
-      shape: None, or the shape of a device's part when it is kept in the leaf's own shape: a group of one leaf
-        of two or more dimensions whose ZeRO group is one device, which holds it whole. XLA updates a donated
-        buffer in place only through its own shape, so there the parameter and its moments are updated in place,
-        not copied (`benchmarks/RESULTS.md`, issue 20). Only the stored arrays take this shape: the gradient,
-        parameter and update parts stay `(size,)`, and every view outside a step sees `(size,)`
-        (`zero_optax.api._per_entry`).
+      shape: None, or the leaf's own shape for a lone leaf of 2+ dimensions held whole by one device: XLA
+        updates a donated buffer in place only through its own shape. Only the stored arrays take it.
     """
 
     leaves: tuple[int, ...]
@@ -203,8 +180,7 @@ class Packing:
 
 
 def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
-    """`(array, start, length)` pieces in order as `(array, start, stop)` ranges, merged where one continues the
-    previous one in the same array.
+    """`(array, start, length)` pieces as `(array, start, stop)` ranges, merging a piece that continues the last.
 
     Examples:
       >>> runs([(0, 0, 4), (0, 4, 3), (1, 0, 2), (0, 9, 1)])
@@ -236,8 +212,8 @@ def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
 
 
 class StoredViews:
-    """What follows from the fields that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`):
-    the views that `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share."""
+    """The views `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share, from the fields
+    that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`)."""
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -284,8 +260,7 @@ class StoredViews:
         return tuple(i for i, e in enumerate(self.entries) if e.role == STATE)
 
     def whole_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
-        """The parameter's whole (global) shape: its block's shape times the sizes of the axes cutting each
-        dimension (`ParamLeaf.dims`); the block's shape for a leaf without `dims`."""
+        """The parameter's whole (global) shape (`ParamLeaf.dims`); its block's shape without `dims`."""
         return whole_shape(leaf.shape, leaf.dims, dict(self.axis_sizes))
 
     def view_shape(self, leaf: ParamLeaf) -> tuple[int, ...]:
@@ -301,14 +276,12 @@ class StoredViews:
         return tuple(leaf.axes) + self.zero_axes(leaf)
 
     def local_axes(self, leaf: ParamLeaf) -> tuple[str, ...]:
-        """The mesh axes `accumulate="local"`'s per-device sums of `leaf` are stacked over (`[devices, *shape]`):
-        the replica axes, then `history_axes`."""
+        """The mesh axes `accumulate="local"`'s per-device sums of `leaf` are stacked over."""
         return self.replica_axes + self.history_axes(leaf)
 
     @functools.cached_property
     def unpacked_entries(self) -> tuple[int, ...]:
-        """The inner entries stored as arrays of their own (shared and sliced), in order: the leaves of
-        `ZeroState.inner_state`."""
+        """The inner entries stored as arrays of their own (shared and sliced): `ZeroState.inner_state`'s."""
         return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
 
     @functools.cached_property
@@ -343,19 +316,14 @@ class StoredViews:
 
 @dataclasses.dataclass(frozen=True)
 class StoredLayout(StoredViews):
-    """What a checkpoint persists and validates of a zero1 state: its leaves, entries, mesh and partition, with
-    none of the plan `init` decides for running it (treedefs, groups, stacks, memory kind: `Layout`).
-
-    `zero_optax.checkpoint._schema` builds one from a checked record, and the offline tools
-    (`zero_optax.checkpoint._offline_target`) one for another mesh; the checkpoint code reads either this or a target's
-    `Layout`, through the views both share (`StoredViews`).
+    """What a checkpoint records of a zero1 state: leaves, entries, mesh and partition, none of the run-time plan
+    (treedefs, groups, stacks, memory kind). Built from a checked record, or for another mesh by the offline tools.
 
     Attributes:
       partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps,
       replica_sizes: as `Layout`'s.
-      axis_sizes: `(name, size)` of the mesh axes named by `axis_name` or by a leaf's `axes`, as far as they are
-        known: a record lists the axes other than the ZeRO axes, whose sizes it knows only as their product,
-        `world_size` (`zero_optax.checkpoint._tp_blocks.leaf_blocks` infers an expert axis's size from its blocks).
+      axis_sizes: `(name, size)` of the mesh axes of `axis_name` and the leaves' `axes`, as far as the record knows
+        them (other axes' sizes only as their product).
     """
 
     partition: str
@@ -402,11 +370,9 @@ class Layout(StoredViews):
         leaf.
       stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
         member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
-      joint: whether the sliced leaves' update runs in one view of them all (issue 29): the inner update reduces
-        their coordinates to scalars (a global norm, a trust ratio), which then run across the devices, or draws
-        random numbers in their shapes from one key split over every leaf (`optax.add_noise`), which each device
-        draws whole and keeps its slice of (`zero_optax.step._varying`). Each sliced leaf is then a group of
-        its own. How they are updated, not stored.
+      joint: whether the sliced leaves' update runs in one view of them all: the inner update reduces their
+        coordinates to scalars (a global norm), computed across the devices, or draws random numbers in their
+        shapes (`optax.add_noise`), which each device draws whole and slices. How they are updated, not stored.
       replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
         per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
         `leaf` None), and present only in views holding `leaf` (`view_shared`).

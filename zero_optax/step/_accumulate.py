@@ -1,24 +1,10 @@
 """Gradient accumulation inside zero1: k `update` calls per optimizer step, one inner update, one all-gather.
 
-The accumulation state is part of the inner optimizer's state: `zero1(inner, accumulate_steps=k)` runs the engine
-on `accumulating(inner, k, mode)`, whose state is `AccumulateState(inner, acc, micro_step, weight_sum)`. So the
-layout code sees the accumulators as it sees any history:
-
-* `accumulate="sharded"` (ZeRO-2): `acc` is a float32 tree like the parameters. Its leaves are per-leaf histories,
-  sliced 1/N for sliced leaves and packed at the owner for owned leaves, and checkpoints save, restore and reshard
-  them like Adam's moments. `micro_step` and `weight_sum` are shared entries, like a step count.
-* `accumulate="local"`: `acc` is empty; every device keeps its own unreduced float32 sums in `ZeroState.local`
-  (full size), reduced once on the cycle's last call.
-
-Every call reduces the micro-batch's global weight (a scalar) and branches with `lax.cond` on the cycle position,
-which is the same on every device: non-final calls add the micro-batch's reduce-scattered sums (sharded) or local
-gradients (local) to the accumulators and return zero updates, moving no all-gather and running no inner update;
-the final call divides the accumulated sums by the cycle's total weight in float32, runs the inner update once and
-all-gathers once. A cycle of total weight zero is skipped.
-
-This module holds the pieces; the engine composes them into its step (`zero_optax.step._engine.Engine.
-_accumulate`): the two `Phase`s of a call (which transformation runs, in which dtypes, whether it steps), the cycle
-position, the call's weight, and the local sums' arithmetic. Nothing here calls the engine.
+A wrapper around the inner transformation (`Accumulating`, like `optax.MultiSteps`), so its accumulators are
+inner-state histories the layout shards like any other: `"sharded"` (ZeRO-2) keeps float32 sums sliced like the
+state; `"local"` keeps full-size per-device sums in `ZeroState.local`, reduced once. The engine's accumulate stage
+branches with `lax.cond` on the cycle position: a micro-step adds and returns zeros, the final call runs the inner
+update on the cycle's weighted mean and gathers once. A cycle of total weight zero is skipped.
 """
 
 from __future__ import annotations
@@ -81,13 +67,9 @@ def _map_present(fn, tree, *rest):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulating:
-    """`accumulating(inner, k, mode)`: the transformation the engine runs for `zero1(..., accumulate_steps=k)`.
-
-    `transformation("final", cast)` is the final call of a cycle (its gradient is the last micro-batch's sum,
-    `accumulate_weight` that micro-batch's global weight): the analyses at `init` see exactly the step that runs the
-    inner update. `cast` (per leaf, a dtype name) is the dtype the inner update sees each mean gradient in (the
-    sum's own dtype without it). `transformation("add")` is a non-final call.
-    """
+    """The transformation the engine runs for `zero1(..., accumulate_steps=k)`: `transformation("final", cast)`
+    is a cycle's final call (the analyses at `init` see it), `transformation("add")` a micro-step. `cast`: per
+    leaf, the dtype the inner update sees each mean gradient in."""
 
     inner: optax.GradientTransformationExtraArgs
     steps: int
@@ -133,15 +115,13 @@ class Accumulating:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One side of an accumulating call, as the engine's stages run it (`zero_optax.step._engine`). Two
-    phases are equal when they run the same program: the same side, the same `cast`.
+    """One side of an accumulating call; equal phases run the same program.
 
     Attributes:
-      inner: the transformation that runs in place of the configured one (`Accumulating.update` or `.add`).
-      step: whether this side is an optimizer step: it moves the master copies and all-gathers the updates.
-        Otherwise the updates are zeros and nothing is gathered.
+      inner: the transformation that runs (`Accumulating.update` or `.add`).
+      step: whether this side is an optimizer step (moves the master copies, gathers the updates).
       grad_dtypes: leaf index -> the dtype the reduced gradient sums are handed over in (float32).
-      cast: the final side: per leaf, the dtype the inner update sees its mean gradient in (`Accumulating.update`).
+      cast: the final side: per leaf, the dtype the inner update sees its mean gradient in.
     """
 
     inner: optax.GradientTransformationExtraArgs = dataclasses.field(compare=False)
@@ -154,8 +134,7 @@ class Phase:
 
 
 def phases(acc: Accumulating, g_leaves: list, inner_dtype) -> tuple[Phase, Phase]:
-    """The final and the micro-step phase of a call with gradients `g_leaves`; `inner_dtype` maps a gradient's
-    dtype to the one the inner update sees (`zero_optax.layout._planner.Config.inner_dtype`)."""
+    """The final and the micro-step phase of a call with gradients `g_leaves` (`inner_dtype`: `Config`'s)."""
     sums = {i: acc_dtype(g.dtype).name for i, g in enumerate(g_leaves)}
     cast = tuple(np.dtype(inner_dtype(g.dtype)).name for g in g_leaves)
     return Phase(acc.transformation("final", cast), True, sums, cast), Phase(acc.transformation("add"), False, sums)
@@ -213,8 +192,7 @@ def cleared(state):
 
 
 def add_local(layout, state, g_leaves: list, w: jax.Array):
-    """A non-final call of `accumulate="local"`: no collective, no inner update; the gradients are added to this
-    device's sums and the cycle's position and weight advance."""
+    """A micro-step of `accumulate="local"`: the gradients added to this device's sums, no collective."""
     step, total = micro_step_entry(layout), weight_sum_entry(layout)
     inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
         x + 1 if j == step else x + w.astype(x.dtype) if j == total else x

@@ -1,15 +1,8 @@
 """The sliced leaves inside `shard_map`, stored and updated by group (`Layout.groups`).
 
-A group's leaves run one program, so the inner update runs once per group, not once per leaf: on the view of the
-group's first member (`optax.masked`-style, every other leaf masked) holding the concatenation of this device's
-slots of all members. Its state is the view's state at that length: the shared entries (step counts) and one
-history array per kind (Adam's `mu`, `nu`) for the whole group, which is what `ZeroState` stores
-(`SlicedState`). A tree of a thousand leaves with one program is then a handful of arrays, however many leaves it
-has, both in the step's program and at the `shard_map` boundary.
-
-The coupling analysis at `init` proves this exact: no computation mixes coordinates or leaves, the shared entries
-depend on no leaf, and every member's program is the first member's, independent of the length
-(`zero_optax.layout._planner`).
+A group's leaves run one program, so the inner update runs once per group: on the view of its first member
+holding this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole
+group. A thousand leaves with one program are a handful of arrays. The analysis at `init` proves it exact.
 """
 
 from __future__ import annotations
@@ -39,11 +32,9 @@ from zero_optax.layout._state import SlicedState
 
 
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
-    """`step.inner.update(grads, state, params, **step.extra)`, every value typed varying across the ZeRO axes, so the
-    inner update runs whatever it branches on (`zero_optax.step._varying`). The updates come back typed at
-    least as their gradients, the new state at least as the old one (a history of a leaf sharded over a tensor
-    axis varies across it, even where the inner update builds it from a constant). `slices`: per leaf of the
-    arguments, None or the `_reduce.Coordinates` it holds (its full reductions then run across the devices)."""
+    """`step.inner.update(grads, state, params, **step.extra)` with every value typed varying (`_varying`), the
+    results typed at least as their inputs. `slices`: per argument leaf, None or the `_reduce.Coordinates` it
+    holds (its full reductions then run across the devices)."""
     u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
                           step.layout.axes, slices)
     return _varying.like(u, grads), _varying.like(new, state)
@@ -64,8 +55,7 @@ def split(group: Group, x: jax.Array, layout: Layout) -> dict[int, jax.Array]:
 
 
 def order(layout: Layout) -> list[int]:
-    """The sliced leaves in tree order, the order buckets are planned in (so the bucket count does not depend on
-    the grouping); a group's members that follow each other in a bucket move as one slice of its row."""
+    """The sliced leaves in tree order, the order buckets are planned in."""
     return sorted(i for g in layout.groups for i in g.leaves)
 
 
@@ -76,8 +66,7 @@ def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int
 
 
 def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
-    """Each group's part of the buffer, cut from the buckets' rows (a bucket's row is its leaves' slots, in order):
-    one slice per run of members that share a bucket, not one per leaf."""
+    """Each group's part of the buffer, cut from the buckets' rows: one slice per run of members in a bucket."""
     where = {}
     for k, b in enumerate(buckets):
         for i, off in zip(b.leaves, np.cumsum([0] + [layout.leaves[i].slots for i in b.leaves])):
@@ -96,13 +85,8 @@ def _rank(layout: Layout, group: Group, ranks) -> jax.Array:
 
 
 def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
-    """Which coordinates `[start, start + length)` of this device's part of the buffer (all of it by default) are
-    real, not padding; None when all are.
-
-    Member `m` holds `slots` coordinates starting at `rank * slots` of its `size`, so the first
-    `clip(size - rank * slots, 0, slots)` of its part are real. The mask is built from per-member numbers (its
-    position in the part and that count), not from a constant the size of the buffer.
-    """
+    """Which coordinates `[start, start + length)` of this device's part of the buffer are real, not padding;
+    None when all are. Built from per-member numbers, not from a constant the size of the buffer."""
     leaves = [layout.leaves[i] for i in group.leaves]
     if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
         return None
@@ -120,9 +104,8 @@ def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, p_dtype) -> tuple:
-    """What a group's update `u` (a part of its buffer, or a chunk of it) leaves: without master copies, `(None,
-    the updates)`, zero where the step is skipped; with them (`master`), the new master copies (padding zeroed,
-    the old ones where the step is skipped) and their rounding to `p_dtype`, which every device receives."""
+    """What a group's update `u` leaves: `(None, the updates)`; with master copies, the new masters and their
+    rounding to `p_dtype`, which every device receives. A skipped step leaves zeros, or the old masters."""
     if master is None:
         return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
     new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
@@ -131,23 +114,18 @@ def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
-    """What the parts of one `update` call read alike (`_engine.Engine._run`, the group and owned views).
+    """What every stage of one `update` call reads alike.
 
     Attributes:
-      layout: the state's layout.
       inner: the transformation that runs (under accumulation, the final step's or a micro-step's).
-      extra: its extra arguments.
-      denom: the reduction's denominator (`_reduce.denominator`); `denom.ok` is None, or whether the step's
-        global weight is nonzero.
-      inner_dt: leaf -> the dtype name the inner update sees its gradient in.
-      sum_dt: leaf -> the dtype name its gradients are summed in.
-      ranks: this device's index along each tuple of axes a group of leaves is sharded over (`Engine._ranks`).
+      denom: the reduction's denominator; `denom.ok` is None, or whether the step's global weight is nonzero.
+      inner_dt, sum_dt: leaf -> the dtype name the inner update sees its gradient in, and the one it is summed in.
+      ranks: this device's index along each tuple of axes a group of leaves is sharded over.
       stepping: False for a micro-batch that only accumulates.
       streamed: the stored arrays live in host memory and stream through the device (offload).
-      p_leaves: the parameter leaves (None when `update` got none), as the code that reads them holds them (inside
-        an owner's branch, the branch's operand).
-      shared_old: the shared entries' old values (entry -> array), once the group views have read them.
-      phase: under accumulation, the side of the call that runs (`_accumulate.Phase`); None otherwise.
+      p_leaves: the parameter leaves (None without), as the reading code holds them (in a branch, its operand).
+      shared_old: the shared entries' old values, once the group views have read them.
+      phase: under accumulation, the side of the call that runs (`_accumulate.Phase`).
     """
 
     layout: Layout
@@ -171,15 +149,12 @@ class Step:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _GroupStream:
-    """What every chunk of one group's streamed update reads (`Groups.update_streamed`, offload).
+    """What every chunk of one group's streamed update reads (offload).
 
     Attributes:
-      step: the step (its `shared_old` set).
-      g, group: the group's index and description in the layout.
       arrays: the group's stored arrays in host memory: its histories, then (with `master`) its master copy.
       grads, params: this device's parts of the group's gradient and parameter buffers (on the device).
-      rank: this device's index along the group's ZeRO axes.
-      master: whether the group's master copy steps with it (`master_dtype`, and a step that is no micro-step).
+      master: whether the group's master copy steps with it (a step that is no micro-step).
       p_dtype: the parameter dtype the new master values are rounded to.
     """
 
@@ -226,8 +201,8 @@ class Groups:
     # ------------------------------------------------------------------ init
 
     def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
-        """The stored state of the groups: the inner `init` on each group's view of its part of the parameters
-        (`rows`), or the entries of a plain optax state (`full`) cut to this device's slots and joined."""
+        """The groups' stored state: the inner `init` on each group's part of the parameters (`rows`), or a plain
+        optax state's entries (`full`) cut to this device's slots."""
         shared: dict[int, Any] | None = None
         histories = []
         for g in self.targets(layout):
@@ -256,16 +231,13 @@ class Groups:
 
     @staticmethod
     def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:
-        """The shared entries' values from storage (one copy per device -> the value, typed varying as every input
-        of the inner update is: `run_inner`)."""
+        """The shared entries' values from storage (one copy per device)."""
         return {j: x[0] for j, x in zip(layout.shared_entries, _inner_state.items(stored.shared))}
 
     def _run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
                   ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
-        """The inner update on group `g`'s view holding `grads` and, `with_params`, `params` (of its whole part or a
-        chunk; None on the view of no leaf), its state the shared values (`step.shared_old`) and `histories`: the first member's
-        update (None on the view of no leaf; in the shape of the part, `Group.part_shape`, unless it is a chunk),
-        the new shared values and the new histories."""
+        """The inner update on group `g`'s view of `grads` (and `params`, a part or a chunk) with the shared values
+        and `histories`: the first member's update (None on the view of no leaf), new shared values and histories."""
         layout = step.layout
         group = None if g is None else layout.groups[g]
 
@@ -284,10 +256,8 @@ class Groups:
 
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
-        """The inner update on one view of every sliced leaf, each holding its part of the buffer (a group of
-        one: `Layout.joint`), whose full reductions run across the devices: the updates of each group, the
-        new shared values and each group's new histories. `grads`, `params` (or master copies; None without
-        them) and `masks`: each group's part of the reduced gradient, of the parameters, and its padding mask."""
+        """The inner update on one view of every sliced leaf (`Layout.joint`), whose full reductions run across the
+        devices: each group's updates, the new shared values and each group's new histories."""
         layout, shared = step.layout, step.shared_old
         treedef, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
@@ -312,13 +282,8 @@ class Groups:
 
     def update(self, step: Step, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
                stored: SlicedState, masks: list) -> tuple[list, SlicedState, dict]:
-        """The inner update on every group's view.
-
-        `grads` and `params` hold each group's part of the buffer (None for the view of no leaf). Returns each
-        group's updates (its part of the buffer), the new stored state (the old histories where the step is
-        skipped; the shared entries as computed) and the old shared values, which the owned views read. The
-        shared entries' new values are the first view's (every view computes the same).
-        """
+        """The inner update on every group's view of its part of `grads` and `params`: each group's updates, the
+        new stored state (old histories where the step is skipped) and the old shared values."""
         layout, ok = step.layout, step.denom.ok
         shared_old = self.shared_values(layout, stored)
         step = dataclasses.replace(step, shared_old=shared_old)
@@ -348,16 +313,9 @@ class Groups:
 
     def update_streamed(self, step: Step, grads: list[jax.Array], params: list[jax.Array] | None, state,
                         p_dtypes: list) -> tuple:
-        """The group views' update with the groups' arrays (histories, master copies) in host memory.
-
-        Each group is updated chunk by chunk: a chunk of at most `bucket_bytes` of all its arrays together is
-        brought to the device, updated, and returned to host memory before the next one (a `fori_loop`, so the
-        chunks run in order and the device holds one chunk's state at a time, not the group's). `grads` and
-        `params` (this device's parts of the buffers, without master copies) stay on the device, as do the
-        results every device receives (the updates, or with master copies the new masters rounded to `p_dtypes`),
-        which are returned with the new stored state, the new master copies and the old shared values. Without
-        `step.stepping` (a micro-batch that only accumulates) the master copies stay in place, untouched, and
-        nothing is returned for every device (None).
+        """The group views' update with the groups' arrays in host memory, chunk by chunk (at most `bucket_bytes`
+        of all a group's arrays, in a `fori_loop`, so the device holds one chunk's state at a time). Returns what
+        every device receives (None for a micro-step), the new stored state, master copies and old shared values.
         """
         layout, stepping, chunk_bytes = step.layout, step.stepping, self.cfg.bucket_bytes
         shared_old = self.shared_values(layout, state.inner_state)
@@ -393,9 +351,8 @@ class Groups:
         return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
 
     def _chunk(self, s: _GroupStream, start, length: int, carry) -> tuple:
-        """One chunk of group `s.g`: `[start, start + length)` of this device's part of its buffers. `carry`: the
-        group's arrays written so far, the results every device receives (None before the first chunk), and the
-        shared entries' new values."""
+        """One chunk `[start, start + length)` of group `s.g`; `carry`: its arrays so far, the results every device
+        receives (None before the first chunk), and the shared entries' new values."""
         new_arrays, out, _ = carry
         old = [_offload.fetch(a, start, length) for a in s.arrays]
         hist, m_old = (old[:-1], old[-1]) if s.master else (old, None)
