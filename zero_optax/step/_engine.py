@@ -25,6 +25,7 @@ from zero_optax.layout._state import ZeroState
 from zero_optax.step import (
     _accumulate,
     _groups,
+    _master,
     _offload,
     _owned_step,
     _reduce,
@@ -113,8 +114,9 @@ class Engine:
         self.cfg = cfg
         self.wire = _wire.Wire.of(cfg)
         self.views = _views.Views(cfg)
-        self.sliced = _sliced_step.SlicedStep(cfg, self.wire, _groups.Groups(cfg, self.views))
-        self.owned = _owned_step.OwnedStep(cfg, self.wire, self.views)
+        self.masters = _master.of(cfg)
+        self.sliced = _sliced_step.SlicedStep(cfg, self.wire, _groups.Groups(cfg, self.views), self.masters)
+        self.owned = _owned_step.OwnedStep(cfg, self.wire, self.views, self.masters)
 
     @staticmethod
     def _ranks(layout: Layout) -> dict:
@@ -137,9 +139,7 @@ class Engine:
         whole = [_tp_owned.gather_whole(self.wire, layout, leaf, x) if leaf.tp_owned else x
                  for leaf, x in zip(layout.leaves, values)]
         buffers = self.owned.build(layout, whole, full, ranks[layout.axes])
-        master = None
-        if cfg.master_dtype is not None:
-            master = tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
+        master = self.masters.init(rows, layout)
         local = None
         if layout.accumulate == LOCAL:
             local = _accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
@@ -189,8 +189,7 @@ class Engine:
         extra = {**call.extra, "accumulate_weight": w}
         final, micro = _accumulate.phases(acc, call.g_leaves, cfg.inner_dtype)
         local = acc.mode == LOCAL
-        dtypes = ({i: np.dtype(cfg.master_dtype).name for i in range(len(layout.leaves))}
-                  if cfg.master_dtype is not None else self.views.update_dtypes(layout, extra, final))
+        dtypes = self.masters.update_dtypes(self.views, layout, extra, final)
 
         def last(operands):
             g_leaves, state, p_leaves = operands
@@ -232,10 +231,7 @@ class Engine:
         layout = check_layout(state, cfg.axis_name, cfg.replica_axes)
         g_leaves = check_tree(grads, layout, "gradients")
         p_leaves = None if params is None else check_tree(params, layout, "parameters")
-        if cfg.master_dtype is not None and p_leaves is None:
-            raise ZeroStructureError(
-                "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
-                "the returned updates move them onto the master copy.")
+        self.masters.check(p_leaves)
         reducing = cfg.reduce is not None
         if semantics:
             _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],

@@ -22,6 +22,7 @@ from zero_optax.layout import _layout
 from zero_optax.layout._layout import MASTER, Layout
 from zero_optax.step import (
     _groups,
+    _master,
     _offload,
     _owned,
     _reduce,
@@ -54,10 +55,11 @@ class _OwnedPlans:
 class OwnedStep:
     """`init` and `update` of the owned leaves of one `Config`'s layouts, inside `shard_map`."""
 
-    def __init__(self, cfg, wire: _wire.Wire, views: _views.Views):
+    def __init__(self, cfg, wire: _wire.Wire, views: _views.Views, masters: _master.NoMasters):
         self.cfg = cfg
         self.wire = wire
         self.views = views
+        self.masters = masters
 
     def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
         """The packed buffers: row `r` holds the state (and master copies) of the leaves device `r` owns, from the
@@ -91,12 +93,10 @@ class OwnedStep:
         and the owned leaves' updates (or new master values, rounded) gathered to every device."""
         layout, denom = step.layout, step.denom
         n = layout.world_size
-        master = self.cfg.master_dtype is not None
         mode, plan_g, grad_input = self._gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
-        u_dtypes = ({i: np.dtype(step.p_leaves[i].dtype).name for i in owned} if master else
-                    {i: d for i, d in self.views.update_dtypes(layout, step.extra, step.phase).items() if i in owned})
+        u_dtypes = self.masters.sent_dtypes(self.views, step, owned)
         plans = _OwnedPlans(mode, plan_g, *(_owned.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
                                                                       if layout.leaves[i].tp_owned == t})
                                             for t in (False, True)), tp)
@@ -112,9 +112,7 @@ class OwnedStep:
         u = _gather_owned(self.wire, layout, u_out, plans.u)
         if n > 1:
             u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))
-        if not master:
-            u = _reduce.skip_if_empty(denom.ok, u, jax.tree.map(jnp.zeros_like, u))
-        return {d: b[None] for d, b in new.items()}, u
+        return {d: b[None] for d, b in new.items()}, self.masters.owned_received(u, denom.ok)
 
     def _branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
         """Device `r`'s branch: its owned view's update of `mine`; the new buffers and, stepping, the packed
@@ -164,7 +162,7 @@ class OwnedStep:
             reduced = _tp_owned.own_row(layout, reduced, plan, step.rank)
         grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp)
         params = None
-        if step.p_leaves is not None and self.cfg.master_dtype is None and step.stepping:
+        if step.p_leaves is not None and self.masters.gathers_tp_params() and step.stepping:
             plan_p = _owned.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
             rows = _tp_owned.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank)
             params = _tp_owned.gather(self.wire, layout, rows, plan_p, tp)
@@ -200,16 +198,12 @@ class OwnedStep:
         """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
         what every device receives (the updates, or with master copies the new masters rounded), stacks keyed by
         their members (`_owned.Key`)."""
-        layout, p_leaves, shared_old, stepping = step.layout, step.p_leaves, step.shared_old, step.stepping
-        master = self.cfg.master_dtype is not None
+        layout, p_leaves, shared_old = step.layout, step.p_leaves, step.shared_old
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
-        masters = {layout.entries[j].leaf: stored[j] for j in entries
-                   if layout.entries[j].role == MASTER and j in stored}
-        if p_leaves is None or not stepping:  # (a micro-step only accumulates: it reads no parameters)
-            p = None
-        else:
-            p = masters if master else {i: p_leaves[i] for i in mine}
+        p = None  # (a micro-step only accumulates: it reads no parameters)
+        if p_leaves is not None and step.stepping:
+            p = self.masters.owner_params(_master.stored_masters(layout, entries, stored), p_leaves, mine)
         stacks = [s for s in ([i for i in stack if i in present] for stack in layout.stacks) if len(s) > 1]
         stacked = {i for s in stacks for i in s}
         rest = [i for i in mine if i not in stacked]
@@ -233,11 +227,7 @@ class OwnedStep:
             _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
             u.update(zip(rest, jax.tree.leaves(u_view)))
             values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
-        if master and stepping:
-            u = _step_masters(layout, entries, masters, _owned.unstacked(u), values, p_leaves)
-        elif master:  # a micro-batch that only accumulates: the master copies stay as they are
-            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
-        return values, u
+        return values, self.masters.owner_results(layout, entries, stored, u, values, step)
 
     def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
                       ) -> tuple[dict | None, dict | None]:
@@ -330,18 +320,6 @@ def _member_type(x: jax.Array):
     """The type (shape, dtype, varying axes) of one member of the stacked `x`."""
     aval = jax.typeof(x)
     return aval.update(shape=aval.shape[1:])
-
-
-def _step_masters(layout: Layout, entries, masters: dict[int, jax.Array], u: dict[int, jax.Array], values: dict,
-                  p_leaves: list) -> dict[int, jax.Array]:
-    """Adds an owner's updates `u` to its master copies (into `values`) and returns them rounded to the
-    parameter dtype, which every device then receives."""
-    for j in entries:
-        if layout.entries[j].role == MASTER:
-            i = layout.entries[j].leaf
-            values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
-    return {i: values[j].astype(p_leaves[i].dtype) for j in entries
-            if layout.entries[j].role == MASTER for i in [layout.entries[j].leaf]}
 
 
 def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:

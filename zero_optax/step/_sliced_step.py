@@ -10,15 +10,14 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._state import ZeroState
 from zero_optax.step import (
     _groups,
+    _master,
     _reduce,
     _slots,
     _views,
@@ -49,10 +48,11 @@ class GroupsDone:
 class SlicedStep:
     """The stages of the sliced leaves for one `Config`: `reduce`, `update`, `gather`."""
 
-    def __init__(self, cfg, wire: _wire.Wire, groups: _groups.Groups):
+    def __init__(self, cfg, wire: _wire.Wire, groups: _groups.Groups, masters: _master.NoMasters):
         self.cfg = cfg
         self.wire = wire
         self.groups = groups
+        self.masters = masters
 
     def reduce(self, step: _groups.Step, g_leaves: list) -> list:
         """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
@@ -87,10 +87,10 @@ class SlicedStep:
     def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
         """The inner update on each group's part of the reduced gradient, `g_parts` (streamed chunk by chunk
         through the device with `step.streamed`)."""
-        cfg, layout, ranks, p_leaves = self.cfg, step.layout, step.ranks, step.p_leaves
+        layout, ranks, p_leaves = step.layout, step.ranks, step.p_leaves
         if step.streamed and layout.groups:
-            params_parts = None if p_leaves is None or cfg.master_dtype is not None else \
-                self._params(layout, p_leaves, state, ranks)
+            params_parts = None if p_leaves is None else \
+                self.masters.streamed_params(lambda: self._slices(layout, p_leaves, ranks))
             p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
             values, new_inner, new_master, shared_old = self.groups.update_streamed(step, g_parts, params_parts, state,
                                                                                      p_dtypes)
@@ -108,50 +108,31 @@ class SlicedStep:
                apply: bool):
         """The step's result, gathered to every device: the updates (with `apply` the new parameters), and the
         new state."""
-        cfg, layout, p_leaves, ok = self.cfg, step.layout, step.p_leaves, step.denom.ok
+        layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
-        if done.u_parts is not None:
-            values, new_master = self._results(layout, done.u_parts, p_leaves, state, ok, done.masks)
-            if apply and cfg.master_dtype is None:  # each device adds its part of the updates to its parameters
-                values = [None if v is None else optax.apply_updates(p.reshape(v.shape), v)
-                          for p, v in zip(done.p_parts, values)]
-        updates = self._gather_values(layout, values)
+        if done.u_parts is not None and layout.groups:
+            p_dtypes = [None if p_leaves is None else p_leaves[g.first].dtype for g in layout.groups]
+            values, new_master = self.masters.group_results(done.u_parts, state, done.masks, ok, p_dtypes)
+            values = self.masters.before_gather(values, done.p_parts, apply)
+        elif done.u_parts is not None:
+            values, new_master = [], state.master
+        result = self.masters.after_gather(self._gather_values(layout, values), u_owned, p_leaves, ok, apply)
         new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
-        if apply:
-            if cfg.master_dtype is None:
-                new_params = {**updates, **{i: optax.apply_updates(p_leaves[i], u) for i, u in u_owned.items()}}
-            else:  # the gathered, rounded master copies (of the owned leaves too: their owners send those)
-                new_params = {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in {**updates, **u_owned}.items()}
-            return _views.tree(layout, [new_params[i] for i in range(len(layout.leaves))]), new_state
-        updates.update(u_owned)
-        if cfg.master_dtype is not None:  # every device moves its parameters onto the gathered, rounded master copy
-            md = cfg.master_dtype
-            updates = {i: t.astype(md) - p_leaves[i].astype(md) for i, t in updates.items()}
-            if ok is not None:
-                updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        return _views.tree(layout, [updates[i] for i in range(len(layout.leaves))]), new_state
+        return _views.tree(layout, [result[i] for i in range(len(layout.leaves))]), new_state
 
     def _params(self, layout: Layout, p_leaves: list | None, state: ZeroState, ranks) -> list | None:
-        """The parameters each group's view sees: the master copies, this device's slices, or None."""
+        """The parameters each group's view sees (`_master`), or None without parameters."""
         if p_leaves is None:
             return None
         if not layout.groups:
             return [None]
-        if self.cfg.master_dtype is not None:
-            return list(state.master)
+        return self.masters.group_params(state, lambda: self._slices(layout, p_leaves, ranks))
+
+    @staticmethod
+    def _slices(layout: Layout, p_leaves: list, ranks) -> list:
+        """This device's slices of the parameters, each group's part of them."""
         return [_slots.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
                 for g in layout.groups]
-
-    def _results(self, layout: Layout, u_parts: list, p_leaves: list | None, state: ZeroState, ok,
-                 masks: list) -> tuple[list, Any]:
-        """What every device receives of each group (`_groups.stepped`), and the new master copies."""
-        if not layout.groups:
-            return [], state.master
-        masters = state.master if self.cfg.master_dtype is not None else [None] * len(layout.groups)
-        results = [_groups.stepped(u, m, mask, ok, None if p_leaves is None else p_leaves[g.first].dtype)
-                   for u, m, mask, g in zip(u_parts, masters, masks, layout.groups)]
-        new_master = state.master if self.cfg.master_dtype is None else tuple(m for m, _ in results)
-        return [v for _, v in results], new_master
 
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""

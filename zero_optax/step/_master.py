@@ -1,0 +1,163 @@
+"""Master copies (`zero1(..., master_dtype=)`) as one strategy the stages call, chosen once per `Config`.
+
+`NoMasters`: the inner update runs on the parameters, devices gather its updates. `MasterCopies`: each device keeps
+its slots (owners: their leaves) of the parameters in `master_dtype`, the inner update runs on them, the new masters
+are added in place, and devices gather them rounded to the parameter dtype; the updates then move each parameter
+onto its rounded master. Every difference between the two lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zero_optax.core._errors import ZeroStructureError
+from zero_optax.layout._layout import MASTER, Layout
+from zero_optax.step import _groups, _owned, _reduce
+
+
+def stored_masters(layout: Layout, entries: list[int], stored: dict) -> dict:
+    """Leaf -> its master copy among an owner's `stored` entries (empty without master copies)."""
+    return {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored}
+
+
+class NoMasters:
+    """Without master copies: the inner update runs on the parameters; devices receive its updates."""
+
+    dtype = None
+
+    def init(self, rows: list, layout: Layout):
+        """The sliced leaves' master copies a new state stores: none."""
+        del rows, layout
+        return None
+
+    def check(self, p_leaves: list | None) -> None:
+        """Refuses a call without the parameters where they are needed."""
+
+    def update_dtypes(self, views, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
+        """Per leaf, the dtype of the updates `update` returns."""
+        return views.update_dtypes(layout, extra, phase)
+
+    def sent_dtypes(self, views, step: _groups.Step, owned: list[int]) -> dict[int, str]:
+        """Per owned leaf, the dtype its owner sends every device."""
+        return {i: d for i, d in views.update_dtypes(step.layout, step.extra, step.phase).items() if i in owned}
+
+    def group_params(self, state, slices: Callable[[], list]) -> list:
+        """The parameters each group's view sees: this device's slices of them."""
+        del state
+        return slices()
+
+    def streamed_params(self, slices: Callable[[], list]) -> list:
+        """The parameters a streamed group's chunks read from the device: this device's slices."""
+        return slices()
+
+    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, None]:
+        """What every device receives of each group (the updates, zero where the step is skipped)."""
+        del masks, p_dtypes
+        return [_groups.stepped(u, None, None, ok, None)[1] for u in u_parts], state.master
+
+    def before_gather(self, values: list, p_parts: list, apply: bool) -> list:
+        """With `apply`, each device adds its part of the updates to its part of the parameters."""
+        if not apply:
+            return values
+        return [None if v is None else optax.apply_updates(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
+
+    def after_gather(self, gathered: dict, owned: dict, p_leaves: list, ok, apply: bool) -> dict:
+        """The step's result per leaf from the gathered values and the owned leaves' ones: the updates, or with
+        `apply` the new parameters."""
+        if apply:
+            return {**gathered, **{i: optax.apply_updates(p_leaves[i], u) for i, u in owned.items()}}
+        return {**gathered, **owned}
+
+    def owned_received(self, u: dict, ok) -> dict:
+        """The owned leaves' gathered results, zero where the step is skipped."""
+        return _reduce.skip_if_empty(ok, u, jax.tree.map(jnp.zeros_like, u))
+
+    def gathers_tp_params(self) -> bool:
+        """Whether owners of tensor-parallel leaves need the parameters' blocks gathered."""
+        return True
+
+    def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
+        """The parameters an owner's view sees."""
+        del masters
+        return {i: p_leaves[i] for i in mine}
+
+    def owner_results(self, layout: Layout, entries: list[int], stored: dict, u: dict, values: dict, step) -> dict:
+        """What an owner sends for its leaves (its updates); `values` its new stored entries."""
+        del layout, entries, stored, values, step
+        return u
+
+
+class MasterCopies(NoMasters):
+    """Master copies in `dtype`: the inner update runs on them; devices receive them rounded."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+
+    def init(self, rows: list, layout: Layout):
+        return tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
+
+    def check(self, p_leaves: list | None) -> None:
+        if p_leaves is None:
+            raise ZeroStructureError(
+                "zero1(master_dtype=...) needs the parameters: call tx.update(grads, opt_state, params), so that "
+                "the returned updates move them onto the master copy.")
+
+    def update_dtypes(self, views, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
+        return {i: self.dtype.name for i in range(len(layout.leaves))}
+
+    def sent_dtypes(self, views, step: _groups.Step, owned: list[int]) -> dict[int, str]:
+        return {i: np.dtype(step.p_leaves[i].dtype).name for i in owned}
+
+    def group_params(self, state, slices: Callable[[], list]) -> list:
+        return list(state.master)
+
+    def streamed_params(self, slices: Callable[[], list]) -> None:
+        return None  # (the chunks read the master copies from host memory)
+
+    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, tuple]:
+        results = [_groups.stepped(u, m, mask, ok, dt) for u, m, mask, dt in zip(u_parts, state.master, masks, p_dtypes)]
+        return [v for _, v in results], tuple(m for m, _ in results)
+
+    def before_gather(self, values: list, p_parts: list, apply: bool) -> list:
+        return values
+
+    def after_gather(self, gathered: dict, owned: dict, p_leaves: list, ok, apply: bool) -> dict:
+        rounded = {**gathered, **owned}  # (the owned leaves' owners send their rounded masters too)
+        if apply:
+            return {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in rounded.items()}
+        updates = {i: t.astype(self.dtype) - p_leaves[i].astype(self.dtype) for i, t in rounded.items()}
+        if ok is not None:
+            updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
+        return updates
+
+    def owned_received(self, u: dict, ok) -> dict:
+        return u
+
+    def gathers_tp_params(self) -> bool:
+        return False
+
+    def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
+        return masters
+
+    def owner_results(self, layout: Layout, entries: list[int], stored: dict, u: dict, values: dict, step) -> dict:
+        masters = stored_masters(layout, entries, stored)
+        if not step.stepping:  # a micro-batch that only accumulates: the master copies stay as they are
+            values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
+            return u
+        u, out = _owned.unstacked(u), {}
+        for j in entries:
+            if layout.entries[j].role == MASTER:
+                i = layout.entries[j].leaf
+                values[j] = (masters[i] + u[i]).astype(masters[i].dtype)
+                out[i] = values[j].astype(step.p_leaves[i].dtype)
+        return out
+
+
+def of(cfg) -> NoMasters:
+    """The master-copy strategy of `cfg`."""
+    return NoMasters() if cfg.master_dtype is None else MasterCopies(cfg.master_dtype)
