@@ -20,7 +20,6 @@ from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
 from zero_optax.layout import _layout, _planner, _inner_state
 from zero_optax.step import (
-    _offload,
     _reduce,
     _slots,
     _varying,
@@ -147,28 +146,6 @@ class Step:
         return self.ranks[self.layout.axes]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _GroupStream:
-    """What every chunk of one group's streamed update reads (offload).
-
-    Attributes:
-      arrays: the group's stored arrays in host memory: its histories, then (with `master`) its master copy.
-      grads, params: this device's parts of the group's gradient and parameter buffers (on the device).
-      master: whether the group's master copy steps with it (a step that is no micro-step).
-      p_dtype: the parameter dtype the new master values are rounded to.
-    """
-
-    step: Step
-    g: int
-    group: Group
-    arrays: list
-    grads: jax.Array
-    params: jax.Array | None
-    rank: jax.Array
-    master: bool
-    p_dtype: Any
-
-
 def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinates:
     """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
     leaf = layout.leaves[group.first]
@@ -234,7 +211,7 @@ class Groups:
         """The shared entries' values from storage (one copy per device)."""
         return {j: x[0] for j, x in zip(layout.shared_entries, _inner_state.items(stored.shared))}
 
-    def _run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
+    def run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
                   ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
         """The inner update on group `g`'s view of `grads` (and `params`, a part or a chunk) with the shared values
         and `histories`: the first member's update (None on the view of no leaf), new shared values and histories."""
@@ -298,7 +275,7 @@ class Groups:
         shared_new = None
         for t, g in enumerate(self.targets(layout)):
             old = () if g is None else stored.histories[g]
-            u, shared, new = self._run_view(step, g, grads[t], None if params is None else params[t], old,
+            u, shared, new = self.run_view(step, g, grads[t], None if params is None else params[t], old,
                                             params is not None)
             shared_new = shared if shared_new is None else shared_new
             updates.append(u)
@@ -308,70 +285,6 @@ class Groups:
         new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
                           tuple(histories))
         return updates, new, shared_old
-
-    # ------------------------------------------------------------------ offload: streamed through the device
-
-    def update_streamed(self, step: Step, grads: list[jax.Array], params: list[jax.Array] | None, state,
-                        p_dtypes: list) -> tuple:
-        """The group views' update with the groups' arrays in host memory, chunk by chunk (at most `bucket_bytes`
-        of all a group's arrays, in a `fori_loop`, so the device holds one chunk's state at a time). Returns what
-        every device receives (None for a micro-step), the new stored state, master copies and old shared values.
-        """
-        layout, stepping, chunk_bytes = step.layout, step.stepping, self.cfg.bucket_bytes
-        shared_old = self.shared_values(layout, state.inner_state)
-        step = dataclasses.replace(step, shared_old=shared_old)
-        master = state.master is not None and stepping
-        values, histories, masters, shared_new = [], [], [], None
-        for g, group in enumerate(layout.groups):
-            arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
-            width = sum(np.dtype(a.dtype).itemsize for a in arrays) or 1
-            size = group.size if chunk_bytes <= 0 else max(1, min(group.size, chunk_bytes // width))
-            rank = _rank(layout, group, step.ranks)
-
-            stream = _GroupStream(step, g, group, arrays, grads[g], None if params is None else params[g], rank,
-                                  master, p_dtypes[g])
-
-            def chunk(start, length, carry, stream=stream):
-                return self._chunk(stream, start, length, carry)
-            carry = chunk(0, size, (list(arrays), None, None))  # the first chunk types the loop's carry
-            full = group.size // size
-            if full > 1:
-                carry = lax.fori_loop(1, full, lambda c, carry, size=size, chunk=chunk: chunk(c * size, size, carry),
-                                      carry)
-            if group.size % size:
-                carry = chunk(full * size, group.size % size, carry)
-            new_arrays, out, shared = carry
-            values.append(out)
-            histories.append(tuple(new_arrays[:len(new_arrays) - master]))
-            if master:
-                masters.append(new_arrays[-1])
-            shared_new = shared if shared_new is None else shared_new
-        new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
-                          tuple(histories))
-        return (values if stepping else None), new, tuple(masters) if master else state.master, shared_old
-
-    def _chunk(self, s: _GroupStream, start, length: int, carry) -> tuple:
-        """One chunk `[start, start + length)` of group `s.g`; `carry`: its arrays so far, the results every device
-        receives (None before the first chunk), and the shared entries' new values."""
-        new_arrays, out, _ = carry
-        old = [_offload.fetch(a, start, length) for a in s.arrays]
-        hist, m_old = (old[:-1], old[-1]) if s.master else (old, None)
-        g_c = lax.dynamic_slice_in_dim(s.grads, start, length)
-        p_c = m_old if s.master else (None if s.params is None else lax.dynamic_slice_in_dim(s.params, start, length))
-        ok = s.step.denom.ok
-        u, shared, h = self._run_view(s.step, s.g, g_c, p_c, hist, p_c is not None)
-        mask = valid(s.step.layout, s.group, s.rank, start, length)
-        results = [_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, hist)]
-        if s.step.stepping:
-            m_new, value = stepped(u, m_old, mask, ok, s.p_dtype)
-            if s.master:
-                results.append(m_new)
-            if out is None:  # typed by the update below (varying where `value` is)
-                out = jnp.zeros((s.group.size,), value.dtype)
-            out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
-        new_arrays = [_offload.store(a, x, start) for a, x in zip(new_arrays, results)]
-        return new_arrays, out, shared
-
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
@@ -23,9 +22,9 @@ from zero_optax.layout._layout import MASTER, Layout
 from zero_optax.step import (
     _groups,
     _master,
-    _offload,
     _owned,
     _reduce,
+    _streamed,
     _tp_owned,
     _views,
     _wire,
@@ -130,11 +129,11 @@ class OwnedStep:
                 g = {i: grad_input[i] for i in mine if i in grad_input}
             g, here = _tp_whole(here, plans, r, mine, g, tp_rows)
             if step.streamed:
-                new_buffers, u = self._streamed(here, r, mine, g, buffers)
+                new_buffers, u = _streamed.owned(self, here, r, mine, g, buffers)
             else:
                 stored = _owned.Row(buffers, packing.offsets[r],
                                     {j: layout.entries[j].shape for j in layout.rank_entries(r)})
-                values, u = self._view_update(here, r, mine, g, stored)
+                values, u = self.view_update(here, r, mine, g, stored)
                 new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
             if not step.stepping:
                 return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
@@ -170,30 +169,7 @@ class OwnedStep:
                              None if params is None else dataclasses.replace(params, rows=None))
         return static, (grads.rows, None if params is None else params.rows)
 
-    def _streamed(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
-                  ) -> tuple[dict, dict]:
-        """Device `r`'s update with its buffers in host memory, bucket by bucket of its leaves: each bucket's
-        entries come to the device, are updated and written back before the next is read. Returns the new
-        buffers and the updates of `mine`."""
-        layout = step.layout
-        offsets = layout.state_packing.offsets[r]
-        u_all: dict[int, jax.Array] = {}
-        for bucket in _owned.stream_buckets(layout, r, mine, self.cfg.bucket_bytes):
-            entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
-                       (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
-            ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
-            pieces = [_offload.fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
-            stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
-            values, u = self._view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
-            values = _reduce.skip_if_empty(step.denom.ok, _owned.unstacked(values), stored)
-            buffers = dict(buffers)
-            for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
-                buffers[d] = _offload.store(buffers[d], x, lo)
-            buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
-            u_all.update(_owned.unstacked(u))
-        return buffers, u_all
-
-    def _view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
+    def view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
                      stored: dict[int, jax.Array]) -> tuple[dict, dict]:
         """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
         what every device receives (the updates, or with master copies the new masters rounded), stacks keyed by
