@@ -69,6 +69,7 @@ class Wire:
     alone_bytes: int | None = None
     replicas: tuple[str, ...] = ()
     quantize: _quantize.Quantize | None = None
+    _plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, cfg) -> Wire:
@@ -83,9 +84,16 @@ class Wire:
 
     # ------------------------------------------------------------------ the bucket plan
 
-    def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> list[Bucket]:
-        """The buckets of the sliced leaves `indices` travelling in `dtypes`, closed at `bucket_bytes` or
-        `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone.
+    def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> tuple[Bucket, ...]:
+        """The buckets of the sliced leaves `indices` travelling in `dtypes`: computed once per layout, leaf order
+        and dtypes, not at every trace."""
+        key = (layout, tuple(indices), tuple(dtypes))
+        if key not in self._plans:
+            self._plans[key] = self._plan(*key)
+        return self._plans[key]
+
+    def _plan(self, layout: Layout, indices: tuple[int, ...], dtypes: tuple[str, ...]) -> tuple[Bucket, ...]:
+        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone.
 
         A bucket is listed when it closes: float32 leaves of 1, 100 and 2 KiB make `[(1,), (0, 2)]` on the CPU.
         """
@@ -111,7 +119,7 @@ class Wire:
                     current, nbytes = [], 0
             if current:
                 out.append(Bucket(tuple(current), axes, dtype))
-        return out
+        return tuple(out)
 
     # ------------------------------------------------------------------ sliced leaves, bucket by bucket
 
