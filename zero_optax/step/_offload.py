@@ -1,9 +1,8 @@
 """Offload: every array a zero1 state stores lives in each device's `pinned_host` memory between steps.
 
-With `zero1(..., offload=True)` `init` places the `ZeroState`'s arrays in host memory; a step streams them through
-the device (`jax.device_put` to `Space.Device` inside `shard_map`, and back to `Space.Host`) in buckets of about
-`bucket_bytes`, so the device never holds the state whole. XLA:CPU lowers such moves to nothing (host and device
-memory are the same RAM): there only the entry parameters and results are marked host.
+With `zero1(..., offload=True)` a step streams the state through the device (`jax.device_put` between memory spaces
+inside `shard_map`) in buckets of about `bucket_bytes`, so the device never holds it whole. XLA:CPU lowers such
+moves to nothing (one RAM): there only the entry parameters and results are marked host.
 """
 
 from __future__ import annotations

@@ -30,12 +30,10 @@ def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size
 def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
     """`(dtype, offset, 1-D value)` for every value: a stack in one piece where its members lie side by side."""
     for key, x in values.items():
-        members = key if isinstance(key, tuple) else (key,)
-        if not isinstance(key, tuple) or side_by_side(offsets, key, x[0].size):
-            yield (*offsets[members[0]], x.reshape(-1))
+        if isinstance(key, tuple) and side_by_side(offsets, key, x[0].size):
+            yield (*offsets[key[0]], x.reshape(-1))
         else:
-            for m, j in enumerate(key):
-                yield (*offsets[j], x[m].reshape(-1))
+            yield from ((*offsets[j], v.reshape(-1)) for j, v in unstacked({key: x}).items())
 
 
 def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],

@@ -62,8 +62,7 @@ def global_weight(weight, axes) -> jax.Array:
 
 
 def reduction(layout) -> tuple[tuple[str, ...], int]:
-    """The axes a zero1 state's gradients and weights are summed over (its replica axes, then its ZeRO axes), and
-    how many devices they hold."""
+    """The axes a zero1 state's gradients and weights are summed over (replica, then ZeRO axes), and their size."""
     return layout.replica_axes + layout.axes, layout.world_size * layout.replica_count
 
 
@@ -134,10 +133,9 @@ class ReduceGradientsState(NamedTuple):
 def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransformationExtraArgs:
     """Reduces each device's local gradients to their global mean, or weighted mean, across `axis_name`.
 
-    Use it before global operations that must see the full reduced gradient, followed by
-    `zero1(..., reduce=False)`. Runs inside `jax.shard_map`; its state is empty. With `weight` (this device's
-    sample or token count, its gradient a loss *sum*) the result is `psum(grads) / psum(weight)`, zero where the
-    global weight is zero; the division happens in at least float32.
+    Use it before global operations that must see the full reduced gradient, followed by `zero1(...,
+    reduce=False)`; inside `jax.shard_map`. With `weight` (this device's sample or token count, its gradient a loss
+    *sum*) the result is `psum(grads) / psum(weight)` (in at least float32), zero where the global weight is zero.
 
     Args:
       axis_name: the data-parallel mesh axis, or a tuple of axes.
@@ -148,9 +146,8 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
       An `optax.GradientTransformationExtraArgs` whose `update` accepts `weight=`.
 
     Raises:
-      ZeroGradientError: from `update`, for gradients already the same on every device (typed invariant: they may
-        be a sum or a mean); differentiate with respect to `zero_optax.as_local(params, axis_name)`.
-      WeightError: from `update`, for a `weight` that is no scalar or is negative (a traced one fails the step).
+      ZeroGradientError: from `update`, for gradients already the same on every device (a sum, or a mean?).
+      WeightError: from `update`, for a `weight` that is no scalar or is negative.
 
     Examples:
       >>> import jax, optax, zero_optax as zo
@@ -181,14 +178,8 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
 # ---------------------------------------------------------------------- reductions inside the inner update
 
 class Coordinates(NamedTuple):
-    """A value of the inner update that holds this device's coordinate slice of one sliced leaf.
-
-    Attributes:
-      valid: which of its coordinates are real (not padding), in the slice's shape or flat; None when all are.
-      axes: the leaf's ZeRO axes, across which the devices hold its other coordinates.
-      shape: the leaf's shape, as plain optax sees it; None for a block of a tensor-parallel leaf.
-      rank: this device's position among the leaf's ZeRO axes (it holds coordinates `[rank * slots, ...)`).
-    """
+    """Where a value of the inner update lies: this device's `slots` coordinates of one sliced leaf, from
+    `rank * slots` on, `valid` where not padding (None: all are); `shape` None for a tensor-parallel block."""
 
     valid: jax.Array | None
     axes: tuple[str, ...]

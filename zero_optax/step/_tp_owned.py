@@ -1,9 +1,8 @@
 """Owned leaves sharded over tensor-parallel axes: their owner gathers the blocks and updates the whole tensor.
 
-A leaf that needs an owner (Muon's matrices) may be cut over mesh axes other than the ZeRO axes (`ParamLeaf.dims`,
-from the parameters' `PartitionSpec`s). Its reduced gradient blocks are all-gathered over those axes on the
-devices of the owner's ZeRO rank, which all run the inner update on the whole tensor (each keeps the leaf's whole
-state, typed invariant over those axes) and keep their own block of the result (`own_block`).
+A leaf that needs an owner (Muon's matrices) may be cut over mesh axes other than the ZeRO axes (`ParamLeaf.dims`).
+The devices of the owner's ZeRO rank all-gather its reduced gradient blocks over those axes, all run the inner
+update on the whole tensor (each keeping the leaf's whole state) and keep their own block of the result.
 """
 
 from __future__ import annotations
@@ -88,7 +87,8 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
 
 def gather(wire: Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]
            ) -> Gathered:
-    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves`."""
+    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves`, outside the switch:
+    every device runs the same collective."""
     axes = tp_axes(layout, leaves)
     return Gathered(plan, wire.gather_blocks(rows, axes), axes)
 

@@ -1,12 +1,13 @@
 """Every collective zero1 emits, the buckets sliced leaves travel in, and the wire strategies they travel by.
 
-A step moves values between devices only through a `Wire`, built once from the config (`Wire.of`). A *wire
-strategy* is how a collective carries its bytes: today exact (`lax` collectives) or int8 quantized (ZeRO++'s qgZ
-and qwZ: `quantized_reduce_scatter`, `quantized_all_gather`, codec in `zero_optax.step._quantize`), chosen per
-collective by `Wire._quantized`. To add a strategy, add its collectives at the bottom of this module, its option
-to the fields `Wire.of` fills, and a branch to the primitives `_reduce_scatter`, `_replica_sum` and
-`_gather_values`; nothing outside this module changes. With replica axes, gradients are reduce-scattered over the
-ZeRO axes, then only this device's shard is summed over the replica axes; nothing else crosses them.
+A step moves values between devices only through a `Wire`, built once from the config (`Wire.of`). A *wire strategy*
+is how a collective carries its bytes: exact (`lax` collectives) or int8 quantized (ZeRO++'s qgZ and qwZ:
+`quantized_reduce_scatter`, `quantized_all_gather`; codec and option `Quantize` in `zero_optax.step._quantize`),
+chosen per collective by `Wire._quantized` (weights, joint reductions and tensor-parallel gathers stay exact).
+Adding one changes this module (its collectives at the bottom, a branch in the primitives `_reduce_scatter`,
+`_replica_sum` and `_gather_values`) and the option that selects it, which `Wire.of` reads off the config. With
+replica axes, gradients are reduce-scattered over the ZeRO axes, then only this device's shard is summed over the
+replica axes; nothing else crosses them.
 """
 
 from __future__ import annotations
@@ -52,16 +53,9 @@ _JOINT = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """The collectives of one zero1 configuration.
-
-    Attributes:
-      axes: the ZeRO axes; a bucket travels over its own `Bucket.axes` (these minus its leaves' own).
-      bucket_bytes: the size at which a bucket closes; `<= 0` gives one bucket per leaf.
-      sum_dtype_of: the dtype gradients are summed in (`reduce_dtype`, else `master_dtype`), or None.
-      alone_bytes: the size from which a leaf travels alone below `bucket_bytes` (`ALONE_BYTES`), or None.
-      replicas: the replica axes, over which gradients and weights are also summed.
-      quantize: `zero_optax.step._quantize.Quantize`, or None: every collective exact.
-    """
+    """The collectives of one zero1 configuration, over its ZeRO `axes` (a bucket over its own `Bucket.axes`) and,
+    for gradients and weights, its `replicas` axes; gradients are summed in `sum_dtype_of` (`reduce_dtype`, else
+    `master_dtype`) where it is set, and travel quantized where `quantize` says."""
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
