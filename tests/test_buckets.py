@@ -1,6 +1,7 @@
 """Bucketed collectives of sliced leaves: few collective ops per step, the same wire volume and the same result."""
 
 import math
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import zero_optax as zo
 from tests import _harness as h
 from tests._models import bucket_tree
 from benchmarks.hlo import WIRE_WEIGHTS, collective_ops
-from zero_optax.step._wire import ALONE_BYTES, DEFAULT_BUCKET_BYTES, MAX_BUCKET_LEAVES
+from zero_optax.step._wire import ALONE_BYTES, DEFAULT_BUCKET_BYTES, MAX_BUCKET_LEAVES, Wire
 
 N = 8
 
@@ -99,3 +100,19 @@ def test_a_leaf_alone_beside_its_group_mates_matches_optax():
     paths = [leaf.path for leaf in zs.layout.leaves]
     fused = [{paths[i] for i in g.leaves} for g in zs.layout.groups]
     assert any({"['big']", "['b']"} <= f for f in fused), fused  # a big leaf shares a group with a small one
+
+
+def test_the_bucket_plan_is_computed_once_per_tree_not_per_trace():
+    """A second trace of the same step (a new `jax.jit`) asks the wire for its plan again and gets the stored one."""
+    params = h.small_params()
+    grads = h.gradient_sequence(params, N, steps=2)
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data")
+    with mock.patch.object(Wire, "plan", autospec=True, side_effect=Wire.plan) as asked, \
+            mock.patch.object(Wire, "_plan", autospec=True, side_effect=Wire._plan) as planned:
+        h.run_zero(tx, params, grads, N)
+        first = (asked.call_count, planned.call_count)
+        zp, zs, _ = h.run_zero(tx, params, grads, N)
+    assert first[0] >= 1 and first[1] >= 1
+    assert asked.call_count == 2 * first[0] and planned.call_count == first[1]
+    rp, rs = h.run_oracle(optax.adamw(1e-2), params, grads)
+    h.assert_matches(zp, zs, rp, rs)

@@ -1,11 +1,7 @@
-"""Owned leaves: one device updates each of them as a whole tensor.
+"""Owned leaves: one device updates each of them as a whole tensor, which keeps matrix optimizers exact.
 
-Whole tensors keep matrix optimizers exact (Muon's orthogonalisation, Adafactor's factored moments, LAMB's trust
-ratio, Shampoo's preconditioners). In SPMD every device must hold blocks of one shape, so device `r` packs the
-state of the leaves it owns into per-dtype buffers padded to the largest device's share, and one `lax.switch` on
-the device index runs each device's own inner update. Gradients reach owners by a reduce-scatter of owner-packed
-buffers (or an all-reduce, when padding would move more bytes); results return to every device by an all-gather
-of the same packing.
+In SPMD every device holds blocks of one shape, so device `r` packs what it owns into per-dtype buffers padded to
+the largest share, and one `lax.switch` on the device index runs each device's own inner update.
 """
 
 from __future__ import annotations
@@ -19,10 +15,10 @@ from jax import lax
 
 from zero_optax.layout import _layout
 from zero_optax.layout._layout import Layout, Packing
+from zero_optax.step._slots import concat
 
 Key = int | tuple[int, ...]
-"""An item of a packing (a state entry, or a leaf's gradient or update), or the same item of the members of a stack
-(`Layout.stacks`), whose value is then their values stacked on a leading axis."""
+"""An item of a packing, or the same item of a stack's members (`Layout.stacks`), their values stacked."""
 
 
 def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size: int) -> bool:
@@ -34,22 +30,16 @@ def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size
 def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
     """`(dtype, offset, 1-D value)` for every value: a stack in one piece where its members lie side by side."""
     for key, x in values.items():
-        members = key if isinstance(key, tuple) else (key,)
-        if not isinstance(key, tuple) or side_by_side(offsets, key, x[0].size):
-            yield (*offsets[members[0]], x.reshape(-1))
+        if isinstance(key, tuple) and side_by_side(offsets, key, x[0].size):
+            yield (*offsets[key[0]], x.reshape(-1))
         else:
-            for m, j in enumerate(key):
-                yield (*offsets[j], x[m].reshape(-1))
+            yield from ((*offsets[j], v.reshape(-1)) for j, v in unstacked({key: x}).items())
 
 
 def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
          base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
-    """Writes `values` (item or stack -> array) into per-dtype 1-D buffers of `sizes` at `offsets`.
-
-    With `base` (the previous buffers, donated by the caller's jit), the writes are dynamic-update-slices that
-    XLA performs in place, so a step touches only the bytes it changes. Without it, each buffer is one
-    concatenation of the values, with zeros where none is written.
-    """
+    """Writes `values` (item or stack -> array) into per-dtype 1-D buffers of `sizes` at `offsets`: updates of
+    `base` in place (donated buffers: a step touches only what it changes), else one concatenation with zeros."""
     pieces: dict[str, list] = {d: [] for d in sizes}
     for dtype, off, x in _pieces(values, offsets):
         pieces[dtype].append((off, x.astype(dtype)))
@@ -72,19 +62,12 @@ def _concatenated(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) ->
         at = off + x.shape[0]
     if at < size or not parts:
         parts.append(jnp.zeros((size - at,), dtype))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return concat(parts)
 
 
 class Row:
-    """Items packed in one device's 1-D buffers (its owned state entries, or its leaves' gradients), read on
-    demand: one item (a slice), or the same item of a stack's members (one slice where they lie side by side).
-
-    Args:
-      buffers: dtype -> this device's 1-D buffer.
-      offsets: item -> `(dtype, offset)` (`Packing.offsets` of this device).
-      shapes: item -> shape.
-      convert: applied to every value read, with its (first) item: a division, a cast.
-    """
+    """Items packed in one device's 1-D `buffers` (dtype -> buffer) at `offsets`, read on demand, each through
+    `convert(value, item)` (a division, a cast); a stack's members in one slice where they lie side by side."""
 
     def __init__(self, buffers: dict[str, jax.Array], offsets: dict[int, tuple[str, int]],
                  shapes: dict[int, tuple[int, ...]], convert: Callable[[jax.Array, int], jax.Array] | None = None):
@@ -93,8 +76,7 @@ class Row:
         self.values: dict[int, jax.Array] = {}
 
     def overlaid(self, values: dict[int, jax.Array]) -> Row:
-        """This row, reading `values` (item -> array, as they are) in place of those items: the whole tensors of
-        tensor-parallel leaves (`zero_optax.step._tp_owned`)."""
+        """This row, reading `values` (as they are) in place of those items: tensor-parallel leaves' whole tensors."""
         row = Row(self.buffers, self.offsets, self.shapes, self.convert)
         row.values = dict(values)
         return row
@@ -146,14 +128,9 @@ def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
 
 
 def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:
-    """The gradient collective: a one-device mesh needs none, "auto" picks the one that moves fewer bytes.
-
-    A reduce-scatter of owner-packed buffers moves `n * padded share` bytes; an all-reduce moves about twice the
-    gradient bytes. They differ when one owner's share is far above the average (a large embedding). `packed`
-    makes the reduce-scatter the choice whatever the shares: with replica axes only each owner's row then crosses
-    them (twice its bytes), where the all-reduce would carry twice every owned gradient across them; quantized
-    gradients travel by reduce-scatters only.
-    """
+    """The gradient collective: none on one device; "auto" picks the one that moves fewer bytes (a reduce-scatter
+    moves `n * padded share`, an all-reduce twice the gradient), or the reduce-scatter whenever `packed`
+    (`Wire.packs_owned_gradients`)."""
     if reduce is None:
         return None
     if n == 1:
@@ -176,10 +153,9 @@ def gathered_leaves(gathered: dict[str, jax.Array], plan: Packing, layout: Layou
     """Each owned leaf's value from all-gathered `[n, size]` buffers, read from its owner's row."""
     out = {}
     for r, offsets in enumerate(plan.offsets):
-        rows = {d: gathered[d][r] for d in {d for d, _ in offsets.values()}}
-        for i, (dtype, off) in offsets.items():
-            leaf = layout.leaves[i]
-            out[i] = lax.slice_in_dim(rows[dtype], off, off + leaf.size).reshape(leaf.shape)
+        row = Row({d: gathered[d][r] for d in {d for d, _ in offsets.values()}}, offsets,
+                  {i: layout.leaves[i].shape for i in offsets})
+        out.update((i, row[i]) for i in offsets)
     return out
 
 
@@ -197,10 +173,8 @@ Span = tuple[str, int, int]
 
 
 def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Device `r`'s owned `leaves`, in order, in buckets of at most `bucket_bytes` of stored state (histories and
-    master copies; a leaf with more is a bucket of its own): what an offloaded step brings to the device at once.
-    Leaves with 96, 96 and 200 bytes of state and `bucket_bytes=256`, say, make the buckets `[[a, b], [c]]`.
-    """
+    """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone):
+    what an offloaded step brings to the device at once."""
     nbytes = dict.fromkeys(leaves, 0)
     for j in layout.rank_entries(r):
         if layout.entries[j].leaf in nbytes:
@@ -217,8 +191,7 @@ def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: 
 
 
 def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
-    """The contiguous ranges of the packed buffers that hold the items `sizes` (item -> size) placed at `offsets`:
-    one per run of items that follow each other in one buffer.
+    """The contiguous ranges of the packed buffers holding the items `sizes` (item -> size) placed at `offsets`.
 
     Examples:
       >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
@@ -229,6 +202,7 @@ def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Sp
 
 
 def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
+    """The index of the range holding the position `where`."""
     return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
 
 
@@ -253,4 +227,4 @@ def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[in
     for j in sorted(values, key=lambda j: offsets[j][1]):
         if values[j].size:
             parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
-    return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts]
+    return [concat(p) for p in parts]

@@ -1,37 +1,10 @@
-"""The block-wise int8 codec of zero1's quantized collectives (DeepSpeed ZeRO++'s quantized weights, qwZ, and
-quantized gradients, qgZ), in plain JAX, and `Quantize`, the option that turns them on.
+"""The block-wise int8 codec of zero1's quantized collectives (ZeRO++'s qwZ and qgZ), and `Quantize`, its option.
 
-A 1-D value is cut into blocks of `block_size` consecutive elements (the tail block zero-padded). Each block
-travels as one float32 scale and `block_size` int8 codes::
-
-    scale = max(|x| over the block) / 127
-    q     = clip(round_half_to_even(x / scale), -127, 127)     (int8; -128 is never used)
-    x    ~= q * scale
-
-A block of zeros has scale 0 and codes 0 (where the scale is 0 the division is by 1), and comes back as zeros.
-Rounding to the nearest code puts every element within `scale / 2` of its original value (up to float32 rounding,
-a few ulps of the block's absmax), so an outlier costs precision only to the elements of its own block.
-
-In float32 both divisions are multiplications by a reciprocal, written out: `scale = absmax * float32(1 / 127)`
-and `q = round(x * (1 / scale))`, with `1 / scale` one float32 division per block. XLA's algebraic simplifier
-rewrites a division by a broadcast value (`absmax / 127`, `x / scale` over a block) into exactly these
-multiplications, eagerly and under `jax.jit` alike, so they are what `/` would compute on XLA:CPU anyway (an ulp
-off numpy's correctly rounded division for about one scale in twenty); written out, the codes no longer depend on
-that rewrite, and a numpy reference reproduces them bit for bit (`tests/test_quantize.py`).
-
-On the wire a block of `b` elements costs `b + 4` bytes instead of `4 b` (`wire_bytes`).
-
-The collectives built on these (`zero_optax.step._wire.quantized_all_gather`, and
-`quantized_reduce_scatter`, an all-to-all) are the wire's, as every collective zero1 emits is:
-
-* the all-gather: every device quantizes its own block, the codes and scales are all-gathered, and every device
-  dequantizes every sender's block;
-* the reduce-scatter: every device quantizes each of its `n` parts (part `r` destined to device `r`), one
-  all-to-all of the codes and one of the scales deliver to every device the `n` parts destined to it, and it
-  dequantizes and sums them in float32. Each part is quantized once, by its sender, so the error of the sum is
-  at most the sum over the senders of their blocks' `scale / 2`.
-
-`Quantize` is what `zero1(..., quantize=)` takes (issue 33).
+A 1-D value is cut into blocks of `block_size` elements (the tail zero-padded); each travels as one float32
+`scale = absmax / 127` and int8 codes `q = clip(round_half_to_even(x / scale), -127, 127)`, so every element is
+within `scale / 2` of its value and `b` elements cost `b + 4` bytes instead of `4 b`. Both divisions are written
+as float32 multiplications by a reciprocal (what XLA rewrites `/` into anyway), so a numpy reference reproduces the
+codes bit for bit. The collectives built on it are the wire's (`zero_optax.step._wire`).
 """
 
 from __future__ import annotations
@@ -46,14 +19,9 @@ import numpy as np
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 
-QMAX = 127
-"""The largest int8 code: codes lie in [-127, 127], symmetric, so a block's scale is its absmax / 127."""
-
-_INV_QMAX = np.float32(1) / np.float32(QMAX)
-"""float32(1 / 127): a block's scale is its absmax times this (what XLA makes of `absmax / 127`)."""
-
-SCALE_BYTES = 4
-"""Bytes of one block's scale on the wire (float32)."""
+QMAX = 127  # codes lie in [-127, 127], symmetric
+_INV_QMAX = np.float32(1) / np.float32(QMAX)  # a block's scale is its absmax times this
+SCALE_BYTES = 4  # one float32 scale a block
 
 INT8 = "int8"
 
@@ -63,21 +31,18 @@ class Quantize:
     """Quantized collectives for `zero_optax.zero1(..., quantize=zo.Quantize(...))` (ZeRO++'s qwZ and qgZ).
 
     Attributes:
-      params: `"int8"`: the new parameters travel in zero1's all-gathers as int8 codes with one float32 scale per
-        block of `block_size` (about a quarter of the float32 bytes); every device then holds the block-wise int8
-        rounding of the master copy (within `scale / 2` of it per element, the same on every device). Requires
-        `zero1(..., master_dtype=...)`, so that the master copy stays exact and the rounding never accumulates.
-        None: exact.
-      grads: `"int8"`: each device quantizes its gradients per block, the blocks are exchanged by all-to-all,
-        and each receiver dequantizes and sums them in float32 (the reduce-scatter; over replica axes, the same
-        reduce-scatter followed by an int8 all-gather of the sums). The reduced gradient then differs from the
-        exact sum by at most the senders' half-scales summed (each part is quantized once, by its sender; the
-        replica level adds its own). Only inside `shard_map`: a mesh-bound zero1 under `jax.jit` receives
-        gradients XLA has already reduced. None: exact.
-      block_size: elements per scale (DeepSpeed uses about 4k, at most 16k; 256 keeps the scales at 1.6% of the
-        bytes and outliers local).
+      params: `"int8"`: new parameters travel in zero1's all-gathers as int8 codes with one float32 scale per
+        block (about a quarter of the float32 bytes); every device then holds the block-wise int8 rounding of the
+        master copy, which `zero1(..., master_dtype=...)` (required) keeps exact. None: exact.
+      grads: `"int8"`: gradients are reduce-scattered as int8 blocks through an all-to-all and summed in float32,
+        within the senders' half-scales of the exact sum. Only inside `shard_map` (a mesh-bound zero1 under
+        `jax.jit` receives gradients XLA has already reduced). None: exact.
+      block_size: elements per scale; small blocks keep outliers local.
       axes: the mesh axes whose collectives are quantized (a collective over any of them is), for example only
         zero1's `replica_axis`; None: all of them.
+
+    Raises:
+      ZeroError: an option is neither None nor `"int8"`, `block_size` is no positive int, or `axes` names no axis.
 
     Examples:
       >>> import zero_optax as zo
@@ -106,8 +71,12 @@ class Quantize:
         return getattr(self, kind) == INT8 and bool(axes) and (self.axes is None or bool(set(axes) & set(self.axes)))
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+    if not _is_int(block_size) or block_size < 1:
         raise ZeroError(f"block_size must be a positive int (the elements that share one scale), got {block_size!r}.")
     return int(block_size)
 
@@ -141,14 +110,13 @@ def padded_size(n: int, block_size: int) -> int:
       (8, 0)
     """
     block_size = check_block_size(block_size)
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+    if not _is_int(n) or n < 0:
         raise ZeroError(f"n must be a non-negative int (an element count), got {n!r}.")
     return -(-int(n) // block_size) * block_size
 
 
 def wire_bytes(n_elements: int, block_size: int) -> int:
-    """Bytes one quantized copy of `n_elements` values costs on the wire: one int8 code per (padded) element and
-    one float32 scale per block.
+    """Bytes one quantized copy of `n_elements` values costs on the wire: a code an element, a scale a block.
 
     Examples:
       >>> wire_bytes(10, 4)  # 12 codes + 3 scales
@@ -165,7 +133,7 @@ def quantize_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     last axis: int8 `[..., padded]` and float32 `[..., padded // block_size]`."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     scales = jnp.max(jnp.abs(blocks), axis=-1, initial=0.0) * _INV_QMAX
-    inverse = jnp.float32(1) / jnp.where(scales == 0, jnp.float32(1), scales)  # one division per block
+    inverse = jnp.float32(1) / jnp.where(scales == 0, jnp.float32(1), scales)  # a zero block's codes are 0
     q = jnp.clip(jnp.round(blocks * inverse[..., None]), -QMAX, QMAX).astype(jnp.int8)
     return q.reshape(x.shape), scales
 
@@ -182,19 +150,8 @@ def pad_last(x: jax.Array, padded: int) -> jax.Array:
 
 
 def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """Block-wise int8 codes and float32 scales of the 1-D floating `x` (computed in float32).
-
-    `x` is zero-padded to `padded_size(x.size, block_size)`; block `k` is elements `[k*block_size,
-    (k+1)*block_size)`, with `scale = absmax / 127` and `q = clip(round(x / scale), -127, 127)` (round half to
-    even; where the scale is 0 the division is by 1, so a block of zeros has codes 0). Both divisions are float32
-    multiplications by a reciprocal (`absmax * float32(1 / 127)`, `x * (1 / scale)`; see the module docstring).
-
-    Args:
-      x: a 1-D array of any floating dtype.
-      block_size: elements per scale (a positive int).
-
-    Returns:
-      `(q, scales)`: int8 `[padded]` and float32 `[padded // block_size]`.
+    """`(q, scales)`: int8 codes `[padded]` and float32 scales `[padded // block_size]` of the 1-D floating `x`,
+    zero-padded to whole blocks.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -211,13 +168,8 @@ def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
-    """The values `quantize` encoded: `q * scale` per block in float32, the first `size` elements, as `dtype`.
-
-    Args:
-      q: int8 `[nblocks * block_size]` codes.
-      scales: float32 `[nblocks]`; the block size is `q.size // scales.size`.
-      size: how many elements to keep (the length `quantize` was given).
-      dtype: the result's dtype.
+    """The first `size` values `quantize` encoded as `q` and `scales` (block size `q.size // scales.size`), as
+    `dtype`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -232,6 +184,6 @@ def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
     if (nblocks == 0 and q.shape[0]) or (nblocks and q.shape[0] % nblocks):
         raise ZeroError(f"dequantize: q's length {q.shape[0]} is not a multiple of the {nblocks} scales.")
     block_size = q.shape[0] // nblocks if nblocks else 1
-    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or not 0 <= size <= q.shape[0]:
+    if not _is_int(size) or not 0 <= size <= q.shape[0]:
         raise ZeroError(f"dequantize: size must be an int in [0, {q.shape[0]}] (q's length), got {size!r}.")
     return dequantize_rows(q, scales.astype(jnp.float32), block_size)[:size].astype(dtype)

@@ -1,11 +1,8 @@
 """Gradient reduction across the ZeRO axes: mean, or weighted by each device's sample or token count.
 
-Inside `jax.shard_map` (with `check_vma=True`, the default) a gradient is typed *varying* when each device holds
-its own (differentiate with respect to `zero_optax.as_local(params, axis)`) and *invariant* when it is the same on
-every device. An invariant gradient is either the sum over devices (`jax.grad` of a local loss with respect to
-replicated parameters: autodiff inserts the psum) or already the global mean (`jax.grad` of a `lax.pmean`'d
-loss, `lax.pmean`, `reduce_gradients`), and nothing in the value says which. zero1 therefore never guesses:
-reducing modes take varying gradients only, `reduce=False` takes invariant ones as the global mean.
+A gradient typed invariant inside `shard_map` (the same on every device) may be the sum over devices or already the
+global mean, and nothing in the value says which. So zero1 never guesses: reducing modes take varying (per-device)
+gradients only, `reduce=False` takes invariant ones as the global mean.
 """
 
 from __future__ import annotations
@@ -50,26 +47,22 @@ def _raise_negative(negative):
 
 def global_weight(weight, axes) -> jax.Array:
     """`psum(weight)` in float32, after checking that every device's weight is a non-negative scalar."""
-    if isinstance(weight, (numbers.Number, np.ndarray)):
-        if np.ndim(weight) != 0:
-            raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
-        if weight < 0:
-            raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
-    elif jnp.ndim(weight) != 0:
-        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {jnp.shape(weight)}.")
+    concrete = isinstance(weight, (numbers.Number, np.ndarray))
+    xp = np if concrete else jnp
+    if xp.ndim(weight) != 0:
+        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {xp.shape(weight)}.")
+    if concrete and weight < 0:
+        raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
     w = jnp.asarray(weight, jnp.float32)
     wire = _wire.Wire(_compat.as_tuple(axes))
-    if not isinstance(weight, (numbers.Number, np.ndarray)):
-        # A traced weight is checked on the devices; only a negative one calls back to the host, which raises
-        # (the step then fails with this message inside a JaxRuntimeError).
+    if not concrete:  # checked on the devices: only a negative weight calls back to the host, which raises
         negative = wire.weight_sum((w < 0).astype(jnp.int32)) > 0
         lax.cond(negative, lambda: jax.debug.callback(_raise_negative, negative), lambda: None)
     return wire.weight_sum(w)
 
 
 def reduction(layout) -> tuple[tuple[str, ...], int]:
-    """The axes a zero1 state's gradients and weights are summed over (its replica axes, then its ZeRO axes), and
-    how many devices they hold."""
+    """The axes a zero1 state's gradients and weights are summed over (replica, then ZeRO axes), and their size."""
     return layout.replica_axes + layout.axes, layout.world_size * layout.replica_count
 
 
@@ -81,6 +74,7 @@ class Denominator(NamedTuple):
 
 
 def denominator(weight, axes, world_size: int) -> Denominator:
+    """The world size without `weight`, else the global weight and whether it is positive."""
     if weight is None:
         return Denominator(world_size, None)
     total = global_weight(weight, axes)
@@ -89,11 +83,7 @@ def denominator(weight, axes, world_size: int) -> Denominator:
 
 
 def divide(total: jax.Array, denom: Denominator, dtype) -> jax.Array:
-    """`total / denom` computed in at least float32 and cast once to `dtype`.
-
-    A float16 gradient summed over many tokens stays finite only if the division does not happen in float16
-    (the token count alone may exceed 65504).
-    """
+    """`total / denom` computed in at least float32 (a token count may exceed float16's 65504), cast to `dtype`."""
     if isinstance(denom.value, int) and denom.value == 1:
         return total.astype(dtype)
     wide = jnp.promote_types(total.dtype, jnp.float32)
@@ -102,11 +92,8 @@ def divide(total: jax.Array, denom: Denominator, dtype) -> jax.Array:
 
 def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes: Sequence[Sequence[str]],
                     reducing: bool, what: str = "zero1(reduce=True)", replicas: Sequence[str] = ()) -> None:
-    """Refuses gradients whose varying/invariant type does not fit the reduction (see the module docstring).
-
-    Reducing modes need every gradient varying across its ZeRO axes and the `replicas` axes; `reduce=False` needs
-    them invariant. With `check_vma=False` values carry no such type and the gradients are taken as the mode says.
-    """
+    """Refuses gradients not varying across their ZeRO and `replicas` axes (reducing) or not invariant (not
+    reducing); with `check_vma=False` values carry no such type and are taken as the mode says."""
     replicas = tuple(replicas)
     for g, path, axes in zip(leaves, paths, zero_axes):
         axes = replicas + tuple(axes)
@@ -115,7 +102,7 @@ def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes
         varying = _compat.varying_axes(g)
         if reducing and not set(axes) <= varying:
             axis = next(a for a in axes if a not in varying)
-            local = axes if replicas else axis  # (as_local over every axis the gradients are summed over)
+            local = axes if replicas else axis
             raise ZeroGradientError(INVARIANT_HELP.format(what=what, axis=axis, path=path, local=local))
         if not reducing and set(axes) & varying:
             axis = next(a for a in axes if a in varying)
@@ -146,14 +133,9 @@ class ReduceGradientsState(NamedTuple):
 def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransformationExtraArgs:
     """Reduces each device's local gradients to their global mean, or weighted mean, across `axis_name`.
 
-    Use it before global operations that must see the full reduced gradient, followed by
-    `zero1(..., reduce=False)`. Runs inside `jax.shard_map`; its state is empty. The gradients must be per-device
-    (typed varying: differentiate with respect to `zero_optax.as_local(params, axis_name)`); gradients that are
-    already the same on every device are refused, because they may be a sum or a mean.
-
-    Without `weight` the result is the mean over devices. With `weight` (this device's sample or token count,
-    its gradient being a loss *sum*) it is `psum(grads) / psum(weight)`; where the global weight is zero the
-    result is zero. The division happens in float32 (or wider), so float16 gradients stay finite.
+    Use it before global operations that must see the full reduced gradient, followed by `zero1(...,
+    reduce=False)`; inside `jax.shard_map`. With `weight` (this device's sample or token count, its gradient a loss
+    *sum*) the result is `psum(grads) / psum(weight)` (in at least float32), zero where the global weight is zero.
 
     Args:
       axis_name: the data-parallel mesh axis, or a tuple of axes.
@@ -162,6 +144,10 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose `update` accepts `weight=`.
+
+    Raises:
+      ZeroGradientError: from `update`, for gradients already the same on every device (a sum, or a mean?).
+      WeightError: from `update`, for a `weight` that is no scalar or is negative.
 
     Examples:
       >>> import jax, optax, zero_optax as zo
@@ -189,23 +175,11 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-
 # ---------------------------------------------------------------------- reductions inside the inner update
 
 class Coordinates(NamedTuple):
-    """A value of the inner update that holds this device's coordinate slice of one sliced leaf (issue 29).
-
-    Attributes:
-      valid: which of its coordinates are real (the leaf's slots past its size, on the last devices, are
-        padding), in the slice's own shape or flat; None when all are.
-      axes: the leaf's ZeRO axes, across which the devices hold its other coordinates; empty where one device
-        holds the leaf whole.
-      shape: the leaf's shape, as plain optax sees it; None for a block of a tensor-parallel leaf.
-      rank: this device's position among the leaf's ZeRO axes: it holds the flattened leaf's coordinates
-        `[rank * slots, (rank + 1) * slots)`.
-      slots: how many coordinates each device holds.
-      group: how many devices share the leaf.
-    """
+    """Where a value of the inner update lies: this device's `slots` coordinates of one sliced leaf, from
+    `rank * slots` on, `valid` where not padding (None: all are); `shape` None for a tensor-parallel block."""
 
     valid: jax.Array | None
     axes: tuple[str, ...]
@@ -234,6 +208,5 @@ def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
 
 
 def across_slices(local: jax.Array, where: Coordinates, kind: str) -> jax.Array:
-    """The reduction of a whole leaf from each device's reduction of its slice (`without_padding`): `psum`,
-    `pmax` or `pmin` over the leaf's ZeRO axes, a few bytes on the wire. Every device gets the same value."""
+    """The `kind` reduction of a whole leaf from each device's reduction of its slice (`without_padding`)."""
     return _wire.Wire(where.axes).joint(local, kind)

@@ -1,11 +1,8 @@
-"""Sliced leaves: every device of a leaf's ZeRO group updates `slots` consecutive coordinates of its block.
+"""The slot geometry of sliced leaves: padding, this device's slice of a leaf, and back.
 
 With `size` elements and a group of `N` devices a leaf has `slots = ceil(size / N)`; device `r` owns coordinates
 `[r*slots, (r+1)*slots)` of the flattened block, the tail padded with zeros. The inner optimizer runs on these 1-D
-slices, which is exact for transformations that act coordinate by coordinate (Adam, Lion, SGD, RMSProp, ...).
-
-This module holds the slot geometry (padding, this device's slice, and back); the slices travel between devices
-in the buckets of `zero_optax.step._wire`.
+slices, which is exact for transformations that act coordinate by coordinate (Adam, Lion, SGD).
 """
 
 from __future__ import annotations
@@ -47,7 +44,11 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     return jnp.split(flat, cuts)
 
 
+def concat(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
+    """`parts` concatenated along `axis` (a single part as it is)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+
+
 def own_rows(values: dict[int, jax.Array], layout: Layout, leaves: Sequence[int], rank: jax.Array) -> jax.Array:
     """This device's slots of every leaf of `leaves` (of one ZeRO group), concatenated."""
-    parts = [own_slice(values[i], layout.leaves[i], rank) for i in leaves]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return concat([own_slice(values[i], layout.leaves[i], rank) for i in leaves])

@@ -1,35 +1,13 @@
-"""What zero1 puts on the wire: every collective it emits, the buckets they move, and the dtype each travels in.
+"""Every collective zero1 emits, the buckets sliced leaves travel in, and the wire strategies they travel by.
 
-A step's stages (`zero_optax.step._engine`) move values between devices only through a `Wire`, built once
-from the config:
-
-* sliced leaves travel in *buckets* (`plan`): contiguous per-dtype buffers of whole leaves' slices (DeepSpeed's and
-  FSDP's device), so a tree of hundreds of leaves costs a few reduce-scatters and all-gathers instead of one per
-  leaf. A bucket is closed once it holds at least `bucket_bytes`, so a tree of `B` bytes needs at most
-  `ceil(B / bucket_bytes)` buckets per dtype and group. Gradients are summed in `sum_dtype` (`reduce_dtype`, else
-  `master_dtype`, else their own); results travel in the dtype they have.
-* owned leaves travel packed per owner (`zero_optax.step._owned`): `scatter_packed`, `gather_packed`; the
-  blocks of owned leaves sharded over tensor-parallel axes are gathered over those axes (`gather_blocks`);
-* scalars: the global weight (`weight_sum`), the accumulation cycle's position (`agree`), and the full reductions
-  an inner update computes over a sliced leaf (`joint`, `zero_optax.step._varying`).
-
-With replica axes (`zero1(..., replica_axis=)`, issue 32) gradients are reduced on two levels: reduce-scattered
-over the ZeRO axes (the fast network), then only this device's shard all-reduced over the replica axes (the slow
-one: 1/N of the bytes), so every replica holds the same shard. Weights are summed over both. Everything after the
-reduction (the inner update, the joint reductions, the all-gathers) is the same on every replica and moves over the
-ZeRO axes only.
-
-Every collective goes through the primitives at the bottom of `Wire` (`_sum`, `_scatter`, `_gather`, and `joint`
-for max and min), over the axes they are given; the gradients' reductions add the replica level
-(`_reduce_sum`, `_reduce_scatter`). A new way to move values (quantized collectives) is a change to those and to
-the fields `Wire.of` fills, and nothing else.
-
-Quantized collectives (`zero1(..., quantize=zo.Quantize(...))`, issue 33, kernels in
-`zero_optax.step._quantize`): with `grads="int8"` the gradients' reduce-scatters (`_reduce_scatter`) travel
-as int8 blocks through an all-to-all and are summed in float32, and so does the replica level (a quantized
-reduce-scatter over the replica axes, then an int8 all-gather of the sums); with `params="int8"` the all-gathers
-of new parameter values (`gather_rows`, `gather_packed`) travel as int8 blocks. Weights, the joint reductions and
-the tensor-parallel gathers stay exact.
+A step moves values between devices only through a `Wire`, built once from the config (`Wire.of`). A *wire strategy*
+is how a collective carries its bytes: exact (`lax` collectives) or int8 quantized (ZeRO++'s qgZ and qwZ:
+`quantized_reduce_scatter`, `quantized_all_gather`; codec and option `Quantize` in `zero_optax.step._quantize`),
+chosen per collective by `Wire._quantized` (weights, joint reductions and tensor-parallel gathers stay exact).
+Adding one changes this module (its collectives at the bottom, a branch in the primitives `_reduce_scatter`,
+`_replica_sum` and `_gather_values`) and the option that selects it, which `Wire.of` reads off the config. With
+replica axes, gradients are reduce-scattered over the ZeRO axes, then only this device's shard is summed over the
+replica axes; nothing else crosses them.
 """
 
 from __future__ import annotations
@@ -48,26 +26,17 @@ from jax import lax
 from zero_optax.core import _compat, _errors
 from zero_optax.step import _quantize
 from zero_optax.layout._layout import Layout
-from zero_optax.step._slots import own_slice, padded, split, unpadded
+from zero_optax.step._slots import concat, own_slice, padded, split, unpadded
 
 DEFAULT_BUCKET_BYTES = 4 << 20
-"""Chosen by `benchmarks/collectives.py --section buckets` and `benchmarks/first_step.py` (`benchmarks/RESULTS.md`):
-with at most `MAX_BUCKET_LEAVES` leaves a bucket, 4 MiB keeps a tree of B bytes within 2 x ceil(B / 4 MiB)
-collectives per step, and a 4 MiB collective is long enough to amortise its launch latency on GPUs."""
+"""Keeps a tree of B bytes within 2 x ceil(B / 4 MiB) collectives a step, each long enough to amortise its launch."""
 
 ALONE_BYTES = {"cpu": 64 << 10}
-"""Per backend, the size from which a sliced leaf travels alone even below `bucket_bytes` (elsewhere: from
-`bucket_bytes`). A leaf in a bucket is copied into the bucket before the reduce-scatter and out of it after the
-all-gather, and a leaf alone is not: its gathered values are the step's output (`zero_optax.apply_gradients`
-writes each new parameter once, as GSPMD's step does). On XLA:CPU a collective's launch costs less than copying
-64 KiB twice, so from there leaves travel alone and the GPT tree's step writes what GSPMD's writes (figures in
-`benchmarks/RESULTS.md`, "The default step"); many small leaves still share buckets (the 1000-leaf tree). On GPUs
-and TPUs a launch costs more than copying megabytes, so there buckets take every leaf below `bucket_bytes`."""
+"""Per backend, the size from which a sliced leaf travels alone below `bucket_bytes` (its gathered values are then
+the step's output, with no copy out of a bucket); on XLA:CPU a launch costs less than copying 64 KiB twice."""
 
 MAX_BUCKET_LEAVES = 32
-"""A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of the number of slices
-taken from one buffer (0.64 s for a 100-leaf update unbucketed, 1.2 s with 32-leaf buckets, 2.3 s with one
-bucket), so longer buckets cost seconds of compilation for no bandwidth gain."""
+"""A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of a buffer's slices."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +53,9 @@ _JOINT = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """The collectives of one zero1 configuration.
-
-    Attributes:
-      axes: the ZeRO axes (`axis_name` as a tuple): what the owned leaves, weights and cycle positions travel over.
-        A bucket of sliced leaves travels over its own `Bucket.axes` (the ZeRO axes minus a leaf's own).
-      bucket_bytes: the size at which a bucket closes (`plan`); `<= 0` gives one bucket per leaf.
-      alone_bytes: the size from which a leaf travels alone below `bucket_bytes` (`ALONE_BYTES`); None: from
-        `bucket_bytes` only.
-      sum_dtype_of: the dtype gradients are summed in when it is set (`reduce_dtype` or `master_dtype`).
-      replicas: the replica axes (`zero1(..., replica_axis=)`): gradients and weights are also summed over these,
-        after the ZeRO axes' reduce-scatter; nothing else crosses them.
-      quantize: `zero_optax.step._quantize.Quantize`, or None: every collective exact.
-    """
+    """The collectives of one zero1 configuration, over its ZeRO `axes` (a bucket over its own `Bucket.axes`) and,
+    for gradients and weights, its `replicas` axes; gradients are summed in `sum_dtype_of` (`reduce_dtype`, else
+    `master_dtype`) where it is set, and travel quantized where `quantize` says."""
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -104,6 +63,7 @@ class Wire:
     alone_bytes: int | None = None
     replicas: tuple[str, ...] = ()
     quantize: _quantize.Quantize | None = None
+    _plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, cfg) -> Wire:
@@ -118,16 +78,18 @@ class Wire:
 
     # ------------------------------------------------------------------ the bucket plan
 
-    def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> list[Bucket]:
-        """Groups the sliced leaves `indices` (with the dtype each travels in) into buckets of at least
-        `bucket_bytes`.
+    def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> tuple[Bucket, ...]:
+        """The buckets of the sliced leaves `indices` travelling in `dtypes`: computed once per layout, leaf order
+        and dtypes, not at every trace."""
+        key = (layout, tuple(indices), tuple(dtypes))
+        if key not in self._plans:
+            self._plans[key] = self._plan(*key)
+        return self._plans[key]
 
-        A leaf of at least `alone_bytes` travels alone, and the smaller ones around it keep filling the open
-        bucket: a leaf alone in its all-gather needs no cut out of a shared buffer, so its gathered values can be
-        the step's output (`zero_optax.apply_gradients`). `bucket_bytes <= 0` gives one bucket per leaf.
+    def _plan(self, layout: Layout, indices: tuple[int, ...], dtypes: tuple[str, ...]) -> tuple[Bucket, ...]:
+        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone.
 
-        Example: float32 leaves of 1, 100 and 2 KiB, `bucket_bytes` 4 MiB and `alone_bytes` 64 KiB make the
-        buckets `[(1,), (0, 2)]` (the leaf alone first: a bucket is listed when it closes).
+        A bucket is listed when it closes: float32 leaves of 1, 100 and 2 KiB make `[(1,), (0, 2)]` on the CPU.
         """
         alone = self.bucket_bytes if self.alone_bytes is None else min(self.alone_bytes, self.bucket_bytes)
         out: list[Bucket] = []
@@ -151,14 +113,13 @@ class Wire:
                     current, nbytes = [], 0
             if current:
                 out.append(Bucket(tuple(current), axes, dtype))
-        return out
+        return tuple(out)
 
     # ------------------------------------------------------------------ sliced leaves, bucket by bucket
 
     def reduce_scatter(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
                        ) -> dict[int, jax.Array]:
-        """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype (still to
-        be divided by the reduction's denominator)."""
+        """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype."""
         out = {}
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
@@ -171,58 +132,47 @@ class Wire:
 
     def reduce_scatter_rows(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
                             ) -> list[jax.Array]:
-        """Like `reduce_scatter`, but each bucket's row whole (the concatenation of its leaves' `(slots,)`
-        parts), for buckets of groups of more than one device.
-
-        A bucket is `[group, sum(slots)]`: row `r` is the concatenation of device `r`'s slices of its leaves, so
-        one tiled reduce-scatter leaves every device its row.
-        """
+        """Like `reduce_scatter`, each bucket's row whole, for groups of several devices: a bucket is
+        `[group, sum(slots)]`, row `r` device `r`'s slices of its leaves, so one tiled reduce-scatter serves it."""
         out = []
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
             group = leaves[0].group
             parts = [padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
                      for i, leaf in zip(b.leaves, leaves)]
-            stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-            out.append(self._reduce_scatter(stacked, b.axes)[0])
+            out.append(self._reduce_scatter(concat(parts, axis=1), b.axes)[0])
         return out
 
     def all_reduce_slices(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
                           ranks: dict) -> dict[int, jax.Array]:
-        """Like `reduce_scatter`, but all-reduces the bucket and slices it (3x the wire volume with the gather).
-
-        The bucket is one variadic all-reduce of its leaves (no concatenation: `lax.psum` of a list is one op).
-        """
+        """Like `reduce_scatter`, by one variadic all-reduce of each bucket, then sliced."""
         out = {}
         for b in buckets:
-            leaves = [layout.leaves[i] for i in b.leaves]
             parts = self._reduce_sum([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
-            for i, leaf, g in zip(b.leaves, leaves, parts):
-                out[i] = own_slice(g, leaf, ranks[b.axes])
+            for i, g in zip(b.leaves, parts):
+                out[i] = own_slice(g, layout.leaves[i], ranks[b.axes])
         return out
 
     def gather(self, values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
                ) -> dict[int, jax.Array]:
         """The full block of every sliced leaf of `buckets`, invariant across the group, from each device's
-        `(slots,)` values: one all-gather per bucket of the concatenated values."""
+        `(slots,)` values: one all-gather per bucket."""
         out = {}
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
             parts = [values[i].astype(b.dtype) for i in b.leaves]
             if b.axes and leaves[0].group > 1:
-                out.update(self.gather_rows([parts[0] if len(parts) == 1 else jnp.concatenate(parts)], layout, [b]))
+                out.update(self.gather_rows([concat(parts)], layout, [b]))
                 continue
-            if b.axes and _compat.vma_enabled(b.axes):  # one device: a gather of one block only retypes the value
-                # as invariant (XLA:CPU keeps it as a copy, a psum costs more); untyped (`check_vma=False`), it
-                # needs none
-                parts = [self._gather(p, b.axes, tiled=True) for p in parts]
+            if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
+                parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
             for i, leaf, x in zip(b.leaves, leaves, parts):
                 out[i] = unpadded(x, leaf)
         return out
 
     def gather_rows(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]
                     ) -> dict[int, jax.Array]:
-        """Like `gather`, from each bucket's row whole, for buckets of groups of more than one device."""
+        """Like `gather`, from each bucket's row whole, for groups of several devices."""
         out = {}
         for b, row in zip(buckets, rows):
             leaves = [layout.leaves[i] for i in b.leaves]
@@ -240,43 +190,35 @@ class Wire:
 
     @property
     def packs_owned_gradients(self) -> bool:
-        """Whether owned leaves' gradients must travel owner-packed (`scatter_packed`) rather than all-reduced:
-        with replica axes only each owner's row then crosses them, and quantized gradients travel by
-        reduce-scatters only (`zero_optax.step._owned.choose_reduce`)."""
+        """Whether owned leaves' gradients must travel owner-packed (`scatter_packed`): with replica axes only each
+        owner's row then crosses them, and quantized gradients travel by reduce-scatters only."""
         return bool(self.replicas) or self._quantized("grads", self.axes)
 
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Every device's packed buffers (owned leaves' updates, or with master copies their new values), gathered
-        to every device as `[n, size]` (typed invariant)."""
+        """Every device's packed buffers gathered to every device as `[n, size]` (typed invariant)."""
         return {d: self._gather_values(b, self.axes).reshape(-1, b.shape[0]) for d, b in buffers.items()}
 
     def gather_blocks(self, x, axes: tuple[str, ...]):
-        """Every device's `x` (a pytree) from all devices of the tensor-parallel `axes`, stacked on a new leading
-        axis (row-major over `axes`), typed invariant over them: the blocks of owned leaves sharded over those
-        axes, which their owner updates whole (`zero_optax.step._tp_owned`)."""
-        return jax.tree.map(lambda b: self._gather(b, axes), x)
+        """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked on a new leading axis (row-major
+        over `axes`), typed invariant over them."""
+        return jax.tree.map(lambda b: _compat.all_gather_invariant(b, axes), x)
 
     def all_reduce(self, x):
-        """The sum of gradients `x` (a pytree, one collective) over every device of the ZeRO and replica axes;
-        invariant across them."""
+        """The sum of `x` (a pytree of gradients, or a weight: one collective) over the ZeRO and replica axes."""
         return self._reduce_sum(x, self.axes)
 
-    def invariant(self, x):
-        """`x` (a pytree, the same on every device of a one-device group) typed invariant over the ZeRO axes: a
-        psum over one device."""
-        return self._sum(x, self.axes)
+    weight_sum = all_reduce
 
-    def weight_sum(self, w: jax.Array) -> jax.Array:
-        """The sum of every device's weight (a scalar) over the ZeRO and replica axes."""
-        return self._reduce_sum(w, self.axes)
+    def invariant(self, x):
+        """`x` (a pytree, the same on every device of a one-device group) typed invariant: a psum over one device."""
+        return lax.psum(x, self.axes)
 
     def agree(self, x: jax.Array) -> jax.Array:
-        """`x`, the same on every device, typed invariant across the ZeRO axes (the largest value: one scalar)."""
+        """`x`, the same on every device, typed invariant across the ZeRO axes (a pmax of one scalar)."""
         return lax.pmax(x, self.axes) if _compat.vma_enabled(self.axes) else x
 
     def joint(self, local: jax.Array, kind: str) -> jax.Array:
-        """The `kind` ("sum", "max" or "min") reduction over the axes of every device's `local` reduction of its
-        slice of one leaf: a few bytes on the wire. Every device gets the same value."""
+        """The `kind` ("sum", "max" or "min") reduction over the axes of every device's `local` value."""
         return _JOINT[kind](local, self.axes) if self.axes else local
 
     # ------------------------------------------------------------------ the primitives
@@ -284,7 +226,7 @@ class Wire:
     def _reduce_sum(self, x, axes: tuple[str, ...]):
         """Gradients summed over `axes` and the replica axes (one all-reduce; none over no axis)."""
         axes = self.replicas + tuple(axes)
-        return self._sum(x, axes) if axes else x
+        return lax.psum(x, axes) if axes else x
 
     def _quantized(self, kind: str, axes: Sequence[str], x: jax.Array | None = None) -> bool:
         """Whether a collective of `kind` over `axes` (of the value `x`: a floating one) is quantized."""
@@ -292,22 +234,22 @@ class Wire:
                 and (x is None or jnp.issubdtype(x.dtype, jnp.floating)))
 
     def _reduce_scatter(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        """Gradients reduce-scattered over `axes`, then this device's block all-reduced over the replica axes."""
+        """Gradients reduce-scattered over `axes`, then this device's block summed over the replica axes."""
         if self._quantized("grads", axes, x):
             n = _compat.axis_size(axes)
             block = quantized_reduce_scatter(x.reshape(-1), axes, self.quantize.block_size)
             block = block.astype(x.dtype).reshape(x.shape[0] // n, *x.shape[1:])
         else:
-            block = self._scatter(x, axes)
+            block = _compat.psum_scatter(x, axes)
         return self._replica_sum(block)
 
     def _replica_sum(self, x: jax.Array) -> jax.Array:
-        """A gradient block summed over the replica axes: an all-reduce, or quantized a reduce-scatter
-        (int8 through an all-to-all, summed in float32) of its `R` parts and an int8 all-gather of the sums."""
+        """A gradient block summed over the replica axes: an all-reduce, or quantized a reduce-scatter of its
+        parts and an all-gather of the sums."""
         if not self.replicas:
             return x
         if not self._quantized("grads", self.replicas, x):
-            return self._sum(x, self.replicas)
+            return lax.psum(x, self.replicas)
         r, flat = _compat.axis_size(self.replicas), x.reshape(-1)
         rows = -(-flat.shape[0] // r)
         part = quantized_reduce_scatter(jnp.pad(flat, (0, r * rows - flat.shape[0])), self.replicas,
@@ -316,48 +258,26 @@ class Wire:
         return total.astype(x.dtype).reshape(x.shape)
 
     def _gather_values(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        """The 1-D `x` of every device of `axes`, concatenated (typed invariant); new parameter values as int8
-        blocks where `params` is quantized over `axes`."""
+        """The 1-D `x` of every device of `axes`, concatenated (typed invariant), quantized where `params` is."""
         if self._quantized("params", axes, x):
             return quantized_all_gather(x, axes, self.quantize.block_size)
-        return self._gather(x, axes, tiled=True)
-
-    @staticmethod
-    def _sum(x, axes: tuple[str, ...]):
-        return lax.psum(x, axes)
-
-    @staticmethod
-    def _scatter(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        return _compat.psum_scatter(x, axes)
-
-    @staticmethod
-    def _gather(x: jax.Array, axes: tuple[str, ...], tiled: bool = False) -> jax.Array:
-        return _compat.all_gather_invariant(x, axes, tiled=tiled)
+        return _compat.all_gather_invariant(x, axes, tiled=True)
 
 
-# ---------------------------------------------------------------------- quantized collectives (issue 33)
+# ---------------------------------------------------------------------- the int8 quantized strategy
+
+def _checked(x, axes, block_size, what: str) -> tuple[jax.Array, tuple[str, ...], int, int]:
+    """The quantized collectives' arguments checked: `x`, `axes`, their device count and `block_size`."""
+    block_size = _quantize.check_block_size(block_size)
+    x = _quantize.check_vector(x, what)
+    axes = _quantize.check_axes(axes, what)
+    return x, axes, _compat.axis_size(axes, what), block_size
+
 
 def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """Every device's `x` over `axes`, concatenated (like `all_gather_invariant(x, axes, tiled=True)`), each
-    block as its block-wise int8 rounding. Inside `jax.shard_map`.
-
-    Each device quantizes its own `x`; the codes and the scales are all-gathered
-    (`_quantize.wire_bytes(x.size, block_size)` per device instead of `x.nbytes`) and every sender's block is
-    dequantized. Typed invariant across
-    `axes` (so `out_specs=P()` holds over them).
-
-    Args:
-      x: this device's 1-D floating block, the same length on every device.
-      axes: the mesh axes to gather over (row-major device order over a tuple).
-      block_size: elements per scale.
-
-    Returns:
-      `[n * x.size]` in `x.dtype`, `n` the product of the sizes of `axes`.
-    """
-    block_size = _quantize.check_block_size(block_size)
-    x = _quantize.check_vector(x, "quantized_all_gather")
-    axes = _quantize.check_axes(axes, "quantized_all_gather")
-    n = _compat.axis_size(axes, "quantized_all_gather")
+    """`all_gather_invariant(x, axes, tiled=True)` of the 1-D floating `x`, each device's block travelling as int8
+    codes and scales (`_quantize.quantize`), dequantized by every receiver."""
+    x, axes, n, block_size = _checked(x, axes, block_size, "quantized_all_gather")
     size = x.shape[0]
     q, scales = _quantize.quantize(x, block_size)
     q = _compat.all_gather_invariant(q, axes, tiled=True).reshape(n, -1)
@@ -366,27 +286,9 @@ def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -
 
 
 def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """This device's part of the sum over `axes` of every device's `x` (like `psum_scatter(x, axes)`), each part
-    quantized block-wise by its sender; float32. Inside `jax.shard_map`.
-
-    `x` is `n` parts of `rows` elements, part `r` destined to device `r` (`n` the product of the sizes of `axes`,
-    devices row-major over a tuple). Each part is zero-padded to `_quantize.padded_size(rows, block_size)` and
-    quantized; one all-to-all of the codes and one of the scales hand every device the `n` parts destined to it
-    (`n * _quantize.wire_bytes(rows, block_size)` bytes through each device), which it dequantizes and sums in
-    float32, senders in order 0..n-1. Typed varying across `axes`, as `psum_scatter`'s result is.
-
-    Args:
-      x: this device's 1-D floating `[n * rows]` values.
-      axes: the mesh axes to reduce over.
-      block_size: elements per scale.
-
-    Returns:
-      float32 `[rows]`.
-    """
-    block_size = _quantize.check_block_size(block_size)
-    x = _quantize.check_vector(x, "quantized_reduce_scatter")
-    axes = _quantize.check_axes(axes, "quantized_reduce_scatter")
-    n = _compat.axis_size(axes, "quantized_reduce_scatter")
+    """`psum_scatter(x, axes)` of the 1-D floating `x` in float32: each of its `n` parts quantized by its sender,
+    handed to its receiver by an all-to-all, dequantized and summed there, senders in order."""
+    x, axes, n, block_size = _checked(x, axes, block_size, "quantized_reduce_scatter")
     if x.shape[0] % n:
         raise _errors.ZeroError(f"quantized_reduce_scatter: x's length {x.shape[0]} is not a multiple of the {n} "
                                 f"devices of {axes}.")
@@ -394,10 +296,8 @@ def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: in
     parts = _quantize.pad_last(x.astype(jnp.float32).reshape(n, rows), _quantize.padded_size(rows, block_size))
     q, scales = _quantize.quantize_rows(parts, block_size)
     q, scales = _compat.pvary((q, scales), axes)  # all_to_all takes values typed varying across its axes
-    # lax.all_to_all over a tuple of axes (row-major, like psum_scatter's device order) works on JAX 0.10.2 and
-    # 0.12 alike (tests/test_quantize.py checks the order on a (2, 4) mesh): no per-axis emulation is needed.
-    axis = _compat._axis_arg(axes)
-    q = lax.all_to_all(q, axis, 0, 0, tiled=True)            # row s: sender s's part for this device
+    axis = _compat._axis_arg(axes)  # (a tuple of axes is row-major, as psum_scatter's order: test_quantize checks)
+    q = lax.all_to_all(q, axis, 0, 0, tiled=True)  # row s: sender s's part for this device
     scales = lax.all_to_all(scales, axis, 0, 0, tiled=True)
     received = _quantize.dequantize_rows(q, scales, block_size)
     total = functools.reduce(operator.add, [received[s] for s in range(n)])
