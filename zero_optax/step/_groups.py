@@ -41,8 +41,7 @@ def run_inner(step: Step, grads, state, params, slices: list | None = None) -> t
 
 def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
     """The members' `(slots,)` values of `group`, concatenated: this device's part of the group's buffer."""
-    parts = [values[i] for i in group.leaves]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return _slots.concat([values[i] for i in group.leaves])
 
 
 def split(group: Group, x: jax.Array, layout: Layout) -> dict[int, jax.Array]:
@@ -61,7 +60,7 @@ def order(layout: Layout) -> list[int]:
 def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
     pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
               for k, lo, hi in _layout.runs(positions)]
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+    return _slots.concat(pieces)
 
 
 def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
@@ -195,7 +194,8 @@ class Groups:
             if group is not None:
                 mask = valid(layout, group, _rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
-        return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
+        shared_tree = _inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries])
+        return SlicedState(shared_tree, tuple(histories))
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:

@@ -120,7 +120,8 @@ class MasterCopies(NoMasters):
         return None  # (the chunks read the master copies from host memory)
 
     def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, tuple]:
-        results = [_groups.stepped(u, m, mask, ok, dt) for u, m, mask, dt in zip(u_parts, state.master, masks, p_dtypes)]
+        results = [_groups.stepped(u, m, mask, ok, dt)
+                   for u, m, mask, dt in zip(u_parts, state.master, masks, p_dtypes)]
         return [v for _, v in results], tuple(m for m, _ in results)
 
     def before_gather(self, values: list, p_parts: list, apply: bool) -> list:

@@ -93,8 +93,8 @@ class SlicedStep:
             params_parts = None if p_leaves is None else \
                 self.masters.streamed_params(lambda: self._slices(layout, p_leaves, ranks))
             p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
-            values, new_inner, new_master, shared_old = _streamed.groups(self.groups, step, g_parts, params_parts, state,
-                                                                              p_dtypes)
+            values, new_inner, new_master, shared_old = _streamed.groups(self.groups, step, g_parts, params_parts,
+                                                                         state, p_dtypes)
             done = GroupsDone(new_inner, shared_old, values, new_master)
         else:
             masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
