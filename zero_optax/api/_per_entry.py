@@ -65,6 +65,7 @@ def _local(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
 
 
 def _per_device(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
+    """`_local` of `inputs`, inside `shard_map` on their mesh where one is known."""
     arrays = jax.tree.leaves(inputs)
     mesh = _mesh_of(arrays)
     if mesh is None:
@@ -96,18 +97,13 @@ def _joined(layout: Layout) -> tuple[int, ...]:
 
 
 def _group_entries(group: Group) -> list[int]:
-    """The entries stored in `group`'s arrays: its members' histories, then their master copies."""
-    return [j for h in group.histories for j in h] + list(group.masters)
+    """The entries stored in `group`'s arrays, in `_cut_all` order: history by history, then the master copies."""
+    return [h[k] for k in range(len(group.histories[0])) for h in group.histories] + list(group.masters)
 
 
 def _entry_order(layout: Layout) -> list[int]:
     """The sliced entries in `_cut_all` order."""
-    order = []
-    for group in layout.groups:
-        for k in range(len(group.histories[0])):
-            order += [h[k] for h in group.histories]
-        order += list(group.masters)
-    return order
+    return [j for group in layout.groups for j in _group_entries(group)]
 
 
 def unowned(state: ZeroState) -> dict[int, jax.Array]:

@@ -40,13 +40,6 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
     return [chosen.get(i) for i in range(len(owned))]
 
 
-def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
-    """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
-    structs, treedef = jax.tree.flatten(abstract(params))
-    return entry_bytes(discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0],
-                       len(structs))
-
-
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
@@ -72,8 +65,10 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if inner is not None:
-        costs = leaf_state_bytes(params, inner)
+    if inner is not None:  # traced abstractly, nothing allocated
+        structs, treedef = jax.tree.flatten(abstract(params))
+        entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
+        costs = entry_bytes(entries, len(structs))
     else:
         costs = [int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)]
     return _greedy(costs, world_size)

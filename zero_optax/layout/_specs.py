@@ -69,20 +69,16 @@ def tree_specs(tree: Any) -> Any:
     return jax.tree.map(lambda x: specs_of(x) if is_state(x) else P(), tree, is_leaf=is_state)
 
 
-def _find_mesh(tx, params, mesh):
-    """`mesh`, else `tx`'s, the context's or the parameters'."""
-    if mesh is not None:
-        return mesh
+def _find_mesh(tx, params):
+    """`tx`'s mesh, the context's or the parameters'."""
     owner = _handle.find(tx)
     if owner is not None and owner.mesh is not None:
         return owner.mesh
-    context = context_mesh()
-    if context is not None:
+    if (context := context_mesh()) is not None:
         return context
     for x in jax.tree.leaves(params):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return sharding.mesh
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x.sharding.mesh
     raise ZeroError(
         "zo.state_specs needs the mesh to know the axis sizes: pass mesh=..., bind the transformation to one "
         "(zero1(..., mesh=mesh)), call it under `with jax.set_mesh(mesh):`, or pass parameters that carry "
@@ -151,7 +147,5 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
       >>> jax.tree.leaves(specs)
       [P('data',), P('data',), P('data',)]
     """
-    if param_specs is None:
-        param_specs = P()
-    mesh = _find_mesh(tx, params, mesh)
-    return tree_specs(traced_state(tx, params, param_specs, mesh))
+    mesh = _find_mesh(tx, params) if mesh is None else mesh
+    return tree_specs(traced_state(tx, params, P() if param_specs is None else param_specs, mesh))
