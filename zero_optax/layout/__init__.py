@@ -1,5 +1,6 @@
 """What `init` decides once per parameter tree and mesh: the layout of a zero1 state. Above `zero_optax.analysis`.
 
+* `_config`: `Config`, zero1's arguments as one validated value.
 * `_planner`: the plan: each leaf sliced or owned, its owner, groups and stacks, into a `Layout`.
 * `_layout`: `Layout`, the run-time plan a state carries, its records, and `StoredLayout`, what a checkpoint records.
 * `_owners`: which device owns which leaf (`balanced_owners`).
