@@ -156,9 +156,8 @@ def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
     for j, x in zip(layout.shared_entries, values):
         entry = layout.entries[j]
         x = _keys.to_data(x)
-        if np.ndim(x) == len(entry.shape) + 1:
-            out.append(x)
-            continue
-        x = jnp.broadcast_to(jnp.asarray(x, entry.dtype), (rows, *entry.shape))
-        out.append(x if place is None else place(x))
+        if np.ndim(x) != len(entry.shape) + 1:  # a value `optax.tree.set` put there
+            x = jnp.broadcast_to(jnp.asarray(x, entry.dtype), (rows, *entry.shape))
+            x = x if place is None else place(x)
+        out.append(x)
     return out
