@@ -54,16 +54,7 @@ class ZeroOptimizer(nnx.Optimizer[M]):
         self.step.set_value(_on_mesh(tx, self.step.get_value()))
 
     def update(self, model: M, grads, /, **kwargs) -> None:  # type: ignore[override]
-        """Updates the model's parameters and the optimizer state from `grads`, and increments `step`.
-
-        Args:
-          model: the NNX module (or tree-mode pytree) whose `wrt` variables are updated in place.
-          grads: the gradients, as `nnx.grad` returns them.
-          **kwargs: extra arguments of `tx.update` (`value=` for `optax.contrib.reduce_on_plateau`).
-
-        Returns:
-          None, where `nnx.Optimizer.update` returns the updates: this step never forms them.
-        """
+        """As `nnx.Optimizer.update` (`kwargs` go to `tx.update`), but returns None: the updates are never formed."""
         graph = _graph_mode(self)
         params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
         grads = nnx.as_pure(nnx.state(grads, self.wrt, **graph))
@@ -97,15 +88,7 @@ class ZeroTrainState(train_state.TrainState):
         return state.replace(step=_on_mesh(tx, state.step))
 
     def apply_gradients(self, *, grads, **kwargs) -> ZeroTrainState:
-        """One optimizer step.
-
-        Args:
-          grads: gradients with the structure of `params`.
-          **kwargs: other fields to `replace`, as in `TrainState.apply_gradients`.
-
-        Returns:
-          The state with `step` incremented, `params` and `opt_state` updated, and `kwargs` replaced.
-        """
+        """As `TrainState.apply_gradients`: one optimizer step, `kwargs` replacing other fields."""
         overwrite = OVERWRITE_WITH_GRADIENT in grads
         params, opt_state = apply_gradients(self.tx, grads["params"] if overwrite else grads, self.opt_state,
                                             self.params["params"] if overwrite else self.params)
