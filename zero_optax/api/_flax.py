@@ -1,14 +1,8 @@
 """Flax's `nnx.Optimizer` and `TrainState`, stepping through `zero_optax.apply_gradients`.
 
-`nnx.Optimizer.update` and `TrainState.apply_gradients` call `tx.update` and then `optax.apply_updates`. With a
-zero1 transformation that means the devices all-gather the *updates* and every device then adds them to its
-parameters in a separate full-size pass. `ZeroOptimizer` and `ZeroTrainState` are the same classes with that one
-step replaced by `zero_optax.apply_gradients`: each device adds its coordinates' updates to its slice of the
-parameters and the devices all-gather the *new parameters*, as GSPMD's compiled step does
-(`benchmarks/RESULTS.md`, "Flax: the apply_gradients path"). The values are the same; a training loop changes
-only the class it constructs. For any other transformation (plain optax, a chain holding a zero1, zero1 under
-accumulation or offload) `apply_gradients` runs `tx.update` + `optax.apply_updates`, so both classes step exactly
-as their Flax parents do.
+Flax's classes call `tx.update` then `optax.apply_updates`: a zero1 step all-gathers the updates, then adds them in
+a full-size pass. These classes call `apply_gradients`, which updates each device's slice and all-gathers the new
+parameters (the same values). For any other transformation they step exactly as their Flax parents do.
 """
 
 from __future__ import annotations
@@ -31,12 +25,14 @@ M = tp.TypeVar("M")
 class ZeroOptimizer(nnx.Optimizer[M]):
     """`nnx.Optimizer` whose `update` is one `zero_optax.apply_gradients` call.
 
-    Construct it as `nnx.Optimizer` (`ZeroOptimizer(model, tx, wrt=nnx.Param)`); `step`, `tx`, `opt_state` and
-    `wrt` are the parent's, so checkpoints (`zo.ZeroSave(optimizer.opt_state)`) and `nnx.jit` treat it alike.
-    `update` takes the parameters selected by `wrt` and the gradients as `nnx.Optimizer.update` does, then writes
-    back the new parameters and state that `apply_gradients` returns and increments `step`. One addition: with a
-    mesh-bound zero1 the `step` counter is placed on that mesh, replicated, where the steps leave it, so `nnx.jit`
-    compiles the step once instead of twice.
+    Constructed and used as `nnx.Optimizer`, with the same fields. With a mesh-bound zero1, `step` starts
+    replicated on its mesh, where the steps leave it, so `nnx.jit` compiles the step once.
+
+    Args:
+      model: the NNX module whose `wrt` variables `tx` updates.
+      tx: the transformation, typically `zo.zero1(..., mesh=mesh)`; any optax transformation works.
+      wrt: the filter of the variables to update, the one given to `nnx.grad`.
+      **kwargs: other arguments of `nnx.Optimizer` (`graph=` on Flax >= 0.12.8).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -54,29 +50,11 @@ class ZeroOptimizer(nnx.Optimizer[M]):
     """
 
     def __init__(self, model: M, tx: optax.GradientTransformation, *, wrt: filterlib.Filter, **kwargs):
-        """As `nnx.Optimizer(model, tx, wrt=..., **kwargs)` (`graph=` on Flax >= 0.12.8).
-
-        Args:
-          model: the NNX module whose `wrt` variables `tx` updates.
-          tx: the transformation, typically `zo.zero1(..., mesh=mesh)`; any optax transformation works.
-          wrt: the filter of the variables to update, the one given to `nnx.grad`.
-          **kwargs: other arguments of `nnx.Optimizer`.
-        """
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.step.set_value(_on_mesh(tx, self.step.get_value()))
 
     def update(self, model: M, grads, /, **kwargs) -> None:  # type: ignore[override]
-        """Updates the model's parameters and the optimizer state from `grads`, and increments `step`.
-
-        Args:
-          model: the NNX module (or tree-mode pytree) whose `wrt` variables are updated in place.
-          grads: the gradients, as `nnx.grad` returns them.
-          **kwargs: extra arguments of `tx.update` (`value=` for `optax.contrib.reduce_on_plateau`).
-
-        Returns:
-          None. `nnx.Optimizer.update` returns the updates; this step never forms them (the devices gather the
-          new parameters instead), so there is nothing to return.
-        """
+        """As `nnx.Optimizer.update` (`kwargs` go to `tx.update`), but returns None: the updates are never formed."""
         graph = _graph_mode(self)
         params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
         grads = nnx.as_pure(nnx.state(grads, self.wrt, **graph))
@@ -90,10 +68,8 @@ class ZeroOptimizer(nnx.Optimizer[M]):
 class ZeroTrainState(train_state.TrainState):
     """`flax.training.train_state.TrainState` whose `apply_gradients` is one `zero_optax.apply_gradients` call.
 
-    Same fields as `TrainState`; `apply_gradients` returns the state with `step + 1`, the new parameters and
-    optimizer state (FP8 `OVERWRITE_WITH_GRADIENT` parameters are handled as `TrainState` does). `create` is
-    `TrainState.create`, except that with a mesh-bound zero1 `step` starts as an array replicated on its mesh, as
-    the steps return it, so `jax.jit` compiles the step once instead of twice.
+    Same fields and FP8 `OVERWRITE_WITH_GRADIENT` handling as `TrainState`. With a mesh-bound zero1, `create`
+    places `step` replicated on its mesh, where the steps leave it, so `jax.jit` compiles the step once.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -112,15 +88,7 @@ class ZeroTrainState(train_state.TrainState):
         return state.replace(step=_on_mesh(tx, state.step))
 
     def apply_gradients(self, *, grads, **kwargs) -> ZeroTrainState:
-        """One optimizer step.
-
-        Args:
-          grads: gradients with the structure of `params`.
-          **kwargs: other fields to `replace`, as in `TrainState.apply_gradients`.
-
-        Returns:
-          The state with `step` incremented, `params` and `opt_state` updated, and `kwargs` replaced.
-        """
+        """As `TrainState.apply_gradients`: one optimizer step, `kwargs` replacing other fields."""
         overwrite = OVERWRITE_WITH_GRADIENT in grads
         params, opt_state = apply_gradients(self.tx, grads["params"] if overwrite else grads, self.opt_state,
                                             self.params["params"] if overwrite else self.params)
@@ -130,10 +98,10 @@ class ZeroTrainState(train_state.TrainState):
 
 
 def _on_mesh(tx: optax.GradientTransformation, step):
-    """`step` (a step counter) as an array replicated on `tx`'s mesh if `tx` is a mesh-bound zero1, else as it is.
+    """`step` replicated on `tx`'s mesh if `tx` is a mesh-bound zero1, else as it is.
 
-    Flax creates its counters on the default device; the first jitted step returns them replicated on the mesh of
-    the arrays it ran on, and the second call then compiles the step again for the new placement."""
+    Flax creates counters on the default device; the first jitted step returns them on the mesh, so the second
+    would compile again."""
     zero = find_zero1(tx)
     if zero is None or zero.mesh is None:
         return step
@@ -141,6 +109,5 @@ def _on_mesh(tx: optax.GradientTransformation, step):
 
 
 def _graph_mode(optimizer: nnx.Optimizer) -> dict[str, tp.Any]:
-    """`nnx.state`'s `graph=` argument as the optimizer was built with it (Flax >= 0.12.8), or none (Flax 0.12.7,
-    which has no tree mode)."""
+    """`nnx.state`'s `graph=` argument as the optimizer was built with it; none on Flax 0.12.7 (no tree mode)."""
     return {"graph": optimizer.graph} if "graph" in vars(optimizer) else {}

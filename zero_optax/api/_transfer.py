@@ -1,9 +1,4 @@
-"""Moving state in and out of zero1: `gather_state`, `scatter_state` and `master_params`.
-
-`gather_state` and `master_params` read the global state (outside `shard_map`, eagerly or inside `jax.jit`):
-every array of a zero1 state is a global array whose layout `zero_optax.describe` gives, so the full values are
-slices and reshapes of it. `scatter_state` builds a zero1 state from a plain optax state where `tx.init` runs.
-"""
+"""Moving state in and out of zero1: `gather_state`, `master_params` (on global arrays) and `scatter_state`."""
 
 from __future__ import annotations
 
@@ -19,18 +14,19 @@ from zero_optax.api import _per_entry, _bound
 from zero_optax.layout import _keys, _specs
 from zero_optax.step import _offload
 from zero_optax.layout._layout import MASTER, Layout
-from zero_optax.layout._state import GATHER, ZeroState, is_state
+from zero_optax.layout._state import GATHER, ZeroState, find_states, is_state
 from zero_optax.api._zero1 import zero1_of
 
 
 def _require_global(state: ZeroState, what: str) -> Layout:
+    """`state`'s layout; refuses a state inside `shard_map` or holding sliced blocks of a tensor-parallel leaf."""
     layout = state.layout
     if _compat.is_bound(layout.axes):
         raise ZeroError(
             f"{what} reads the global state; call it outside shard_map (eagerly or inside jax.jit), on the state "
             "that a shard_map'ed init or update returned.")
     for leaf in layout.leaves:
-        if leaf.blocks > 1 and leaf.sliced:  # (an owned leaf's state is whole, `ParamLeaf.dims`)
+        if leaf.blocks > 1 and leaf.sliced:  # an owned leaf's state is whole
             raise ZeroError(
                 f"{what}: the parameter `{leaf.path}` is sharded over mesh axes {leaf.axes}, and the state records "
                 "its blocks, not how they tile the global parameter. Gather such states inside shard_map, block "
@@ -39,15 +35,13 @@ def _require_global(state: ZeroState, what: str) -> Layout:
 
 
 def _sources(state: ZeroState) -> tuple[dict[int, jax.Array], dict[str, jax.Array]]:
-    """What `_entry` reads, prepared once for all entries: the unowned entries cut from the group arrays
-    (`_per_entry.unowned`) and the owned leaves' packed buffers, replicated; an offloaded state's in device memory."""
+    """The unowned entries' global arrays and the replicated owned buffers, in device memory."""
     state = _offload.fetched(state)
     return _per_entry.unowned(state), {d: _compat.replicate(b) for d, b in state.buffers.items()}
 
 
 def _entry(layout: Layout, j: int, unowned: dict[int, jax.Array], buffers: dict[str, jax.Array]) -> jax.Array:
-    """The full value of entry `j` (a parameter-shaped history, a master copy, or a shared value), from a state's
-    `_sources`."""
+    """The full value of entry `j`, read from `_sources`."""
     e = layout.entries[j]
     kind = layout.kind(e)
     if kind == "owned":
@@ -72,17 +66,16 @@ GATHER.append(_gather_one)
 
 
 def gather_state(state: Any) -> Any:
-    """The plain optax state of the inner transformation, as `inner.init`/`inner.update` on one device holds it.
-
-    Every zero1 state inside `state` (the state of `zero1(...)`, or of a chain holding one) is replaced by its
-    inner transformation's full state: histories reassembled into the parameters' shapes, shared entries (step
-    counts) once. Runs on the global state, outside `shard_map`, eagerly or inside `jax.jit`.
+    """The plain optax state of the inner transformation, as `inner.update` on one device holds it.
 
     Args:
-      state: a state returned by a zero1 transformation's `init` or `update`.
+      state: a zero1 state, or a tree (a chain's state) holding one; global, outside `shard_map`.
 
     Returns:
-      The same tree with each zero1 state replaced by the inner optimizer's state.
+      The same tree with each zero1 state replaced by its inner transformation's full state.
+
+    Raises:
+      ZeroError: `state` holds no zero1 state, or is read inside `shard_map`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -92,16 +85,23 @@ def gather_state(state: Any) -> Any:
       >>> plain[0].mu["w"].shape
       (3,)
     """
-    if not any(is_state(x) for x in jax.tree.leaves(state, is_leaf=is_state)):
+    if not find_states(state):
         raise ZeroError(f"zo.gather_state expects a state holding a zero1 state, got {type(state).__name__}.")
     return jax.tree.map(lambda x: _gather_one(x) if is_state(x) else x, state, is_leaf=is_state)
 
 
 def master_params(state: Any) -> Any:
-    """The full master copy of the parameters (a tree like the parameters, in `master_dtype`).
+    """The full master copy of the parameters.
 
-    Runs on the global state, outside `shard_map`, eagerly or inside `jax.jit`. `state` is the state of a
-    `zero1(..., master_dtype=...)` transformation (or holds one: the first one found).
+    Args:
+      state: the state of a `zero1(..., master_dtype=...)`, or a tree holding one (the first is read); global,
+        outside `shard_map`.
+
+    Returns:
+      A tree like the parameters, in `master_dtype`.
+
+    Raises:
+      ZeroError: `state` holds no zero1 state, or one without a master copy.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -110,7 +110,7 @@ def master_params(state: Any) -> Any:
       >>> zo.master_params(tx.init({"w": jnp.ones(3, jnp.bfloat16)}))["w"].dtype
       dtype('float32')
     """
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+    found = find_states(state)
     if not found:
         raise ZeroError(f"zo.master_params expects a zero1 state, got {type(state).__name__}.")
     state = found[0]
@@ -127,18 +127,19 @@ def master_params(state: Any) -> Any:
 def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     """Builds the zero1 state of `tx` from a plain optax state of its inner transformation.
 
-    The reverse of `gather_state`: a run that checkpointed plain optax can continue under zero1, exactly. It runs
-    where `tx.init` runs (inside `shard_map` over the data axis, or anywhere for a mesh-bound `tx`), and with
-    `master_dtype` the master copy starts from `params`.
+    The reverse of `gather_state`, run where `tx.init` runs; with `master_dtype` the master copy starts from
+    `params`.
 
     Args:
       tx: a transformation returned by `zero_optax.zero1`.
-      inner_state: the inner transformation's state for `params`, as `inner.init`/`inner.update` hold it on one
-        device (replicated, not sharded).
+      inner_state: the inner transformation's state for `params`, as it is on one device.
       params: the parameters, as `tx.init` takes them.
 
     Returns:
       The zero1 state, as `tx.init(params)` returns it but holding `inner_state`'s values.
+
+    Raises:
+      ZeroError: `tx` is not a transformation `zero1` returned.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo

@@ -1,10 +1,12 @@
 """What `init` decides once per parameter tree and mesh: the layout of a zero1 state. Above `zero_optax.analysis`.
 
-* `_planner`: the plan itself: each leaf sliced or owned, its owner, groups and stacks, into a `Layout`.
-* `_layout`: `Layout`, the run-time plan a state carries, and the records it is made of (`ParamLeaf`, `StateEntry`,
-  `Group`, `Packing`); `StoredLayout`, what a checkpoint records of one.
+* `_config`: `Config`, zero1's arguments as one validated value.
+* `_planner`: the plan: each leaf sliced or owned, its owner, groups and stacks, into a `Layout`.
+* `_layout`: `Layout`, the run-time plan a state carries, its records, and `StoredLayout`, what a checkpoint records.
 * `_owners`: which device owns which leaf (`balanced_owners`).
-* `_state`: the `ZeroState` pytree; `_inner_state`: the inner optimizer's state tree inside it, for optax's tree
-  utilities; `_keys`: typed PRNG keys of the inner state, held as key data.
-* `_specs`: the `PartitionSpec`s of a state (`state_specs`); `_handle`: which zero1 object a transformation is.
+* `_state`: the `ZeroState` pytree.
+* `_inner_state`: the inner optimizer's state tree inside it, for optax's tree utilities.
+* `_keys`: typed PRNG keys of the inner state, held as key data.
+* `_specs`: the `PartitionSpec`s of a state (`state_specs`).
+* `_handle`: which zero1 object a transformation is.
 """

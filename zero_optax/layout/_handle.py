@@ -1,6 +1,4 @@
-"""Which zero1 object a transformation is: `zero1` records the object behind each transformation it returns, so
-that `apply_gradients`, `scatter_state`, `state_specs` and Flax's classes find it without reading `tx.init`'s
-bound instance."""
+"""Which zero1 object a transformation is: `zero1` records it here, so nothing reads `tx.init`'s bound instance."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ def record(init: types.MethodType, obj: Any) -> None:
 
 
 def find(tx: Any) -> Any | None:
-    """The zero1 object behind `tx` if `tx` is a transformation `zero1` returned (not a chain that holds one),
-    else None."""
+    """The zero1 object behind `tx` if `zero1` returned `tx` (not a chain that holds one), else None."""
     init = getattr(tx, "init", None)
     return _OBJECTS.get(init) if isinstance(init, types.MethodType) else None
 

@@ -1,17 +1,9 @@
 """The inner state's own tree inside a zero1 state, so that optax's tree utilities find its fields.
 
-`ZeroState.inner_state.shared` is the inner optimizer's state tree (its `NamedTuple`s and dicts, the fields named
-as optax names them) holding:
-
-* a `Shared` for each field the inner state shares across parameters (step counts, injected hyperparameters,
-  schedule-free's scalars): the stored `[N, *shape]` array, one identical copy per device, which reads as the
-  value plain optax holds (`optax.tree.get(state, "learning_rate")`);
-* a `Sharded` marker for each per-parameter field (Adam's `mu`): zero1 stores those sharded and packed elsewhere in
-  the state, so the marker holds no values, only the field's logical shape and dtype; `zo.gather_state` gives the
-  values.
-
-`optax.tree.set(state, learning_rate=0.1)` puts the new value in place of the `Shared`; zero1 stores it again
-(one copy per device) when the state next enters `update`, a checkpoint or `gather_state` (`arrays`).
+Each field shared across parameters (step counts, injected hyperparameters) is a `Shared`, which reads as the value
+plain optax holds; each per-parameter field (Adam's `mu`) is a `Sharded` marker without values, since zero1 stores
+those elsewhere. A value `optax.tree.set` puts in place of a `Shared` is stored again (`arrays`) when the state
+next enters `update`, a checkpoint or `gather_state`.
 """
 
 from __future__ import annotations
@@ -33,11 +25,9 @@ from zero_optax.layout._layout import Layout
 
 @jax.tree_util.register_pytree_node_class
 class Shared:
-    """A field the inner state shares across parameters, as zero1 stores it: `stored`, one copy per device.
+    """A shared field, `stored` one copy per device, that reads (and computes) as the value plain optax holds.
 
-    It reads as the value: `value`, `shape`, `dtype`, `float(...)`, `jnp.asarray(...)` and arithmetic give what the
-    plain optax state holds. A typed PRNG key is stored as its key data and read as the key of implementation
-    `key_impl` (`_keys`).
+    A typed PRNG key is stored as its key data and read as a key of implementation `key_impl`.
     """
 
     __slots__ = ("key_impl", "stored")
@@ -54,8 +44,7 @@ class Shared:
 
     @property
     def value(self) -> jax.Array:
-        """The value (every device's copy is the same): the first copy, after gathering the copies of a global
-        array sharded over the mesh (a few bytes), where reading one row of a sharded axis is refused."""
+        """The first copy, after replicating a global array sharded over the mesh (one row of it is refused)."""
         x = self.stored
         sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and any(sharding.spec) and not _compat.manual_axes():
@@ -103,8 +92,7 @@ class Shared:
 
 @jax.tree_util.register_pytree_node_class
 class Sharded:
-    """A per-parameter field of the inner state, which zero1 stores sharded elsewhere: its path, logical shape and
-    dtype, and no values (`zero_optax.gather_state` gives them)."""
+    """A per-parameter field, stored sharded elsewhere: its path, logical shape and dtype, and no values."""
 
     __slots__ = ("dtype", "path", "shape")
 
@@ -137,30 +125,28 @@ class Sharded:
 
 
 def tree(layout: Layout, stored: Sequence[Any]) -> Any:
-    """The inner state's tree holding `stored` (one item per shared entry, in order) as `Shared`s, and a `Sharded`
-    for every other inner entry."""
+    """The inner state's tree: `stored` (one item per shared entry) as `Shared`s, a `Sharded` for the others."""
     it = iter(stored)
+    entries = [layout.entries[j] for j in layout.inner_entries]
     return jax.tree_util.tree_unflatten(layout.state_treedef, [
-        Shared(next(it), layout.entries[j].key_impl) if layout.entries[j].leaf is None else _marker(layout, layout.entries[j])
-        for j in layout.inner_entries])
+        Shared(next(it), e.key_impl) if e.leaf is None else _marker(layout, e) for e in entries])
 
 
 def _marker(layout: Layout, entry) -> Sharded:
-    """A per-parameter entry's marker, in its logical shape: a sliced leaf's history (stored by coordinate slices)
-    has the leaf's shape, an owned leaf's entry its own."""
+    """A per-parameter entry's marker: a sliced leaf's history in the leaf's shape, an owned leaf's in its own."""
     leaf = layout.leaves[entry.leaf]
     return Sharded(entry.path, leaf.shape if leaf.sliced else entry.shape, entry.dtype)
 
 
 def items(shared: Any) -> list[Any]:
-    """The items of a `tree`, in order: each `Shared`'s stored array, or the value `optax.tree.set` put there."""
+    """Each `Shared`'s stored array of a `tree`, or the value `optax.tree.set` put there."""
     found = jax.tree.leaves(shared, is_leaf=lambda x: isinstance(x, Shared))
     return [x.stored if isinstance(x, Shared) else x for x in found]
 
 
 def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
-    """The stored arrays of a `tree`, `rows` copies each: a value `optax.tree.set` put there is broadcast to
-    `(rows, *shape)` in the entry's dtype, then given to `place` (to put it on the devices) if given."""
+    """The stored arrays of a `tree`: a value `optax.tree.set` put there broadcast to `(rows, *shape)`, then given
+    to `place` if given."""
     out = []
     values = items(shared)
     if len(values) != len(layout.shared_entries):
@@ -170,9 +156,8 @@ def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
     for j, x in zip(layout.shared_entries, values):
         entry = layout.entries[j]
         x = _keys.to_data(x)
-        if np.ndim(x) == len(entry.shape) + 1:
-            out.append(x)
-            continue
-        x = jnp.broadcast_to(jnp.asarray(x, entry.dtype), (rows, *entry.shape))
-        out.append(x if place is None else place(x))
+        if np.ndim(x) != len(entry.shape) + 1:  # a value `optax.tree.set` put there
+            x = jnp.broadcast_to(jnp.asarray(x, entry.dtype), (rows, *entry.shape))
+            x = x if place is None else place(x)
+        out.append(x)
     return out

@@ -1,12 +1,7 @@
-"""Typed PRNG keys in the inner state (`optax.noisy_sgd`'s, `optax.add_noise`'s), stored as their key data.
+"""Typed PRNG keys in the inner state (`optax.noisy_sgd`'s), stored as their key data.
 
-A typed key (`jax.random.key(0)`, dtype `key<fry>`) is an opaque array: it cannot be summed, padded, packed with
-other state or written by Orbax. zero1 therefore stores each key of the inner state as its key data
-(`jax.random.key_data`: `uint32[*shape, 2]` for threefry) and gives the inner transformation the typed key back
-(`jax.random.wrap_key_data` with the key's implementation) whenever it runs: `as_data` wraps the inner
-transformation so that everything zero1 stores, gathers, checkpoints and reshards is plain integers, while the
-inner transformation, `optax.tree.get` and `zo.gather_state` see the key plain optax keeps. Every device keeps the
-same key, as a shared entry (`StateEntry.key_impl` names its implementation).
+A typed key cannot be summed, packed or written by Orbax, so zero1 stores every key of the inner state as its key
+data, one copy per device, and gives the inner transformation typed keys back whenever it runs (`as_data`).
 
 Examples:
   >>> import jax, jax.numpy as jnp, optax
@@ -46,23 +41,26 @@ def to_key(x: Any, impl: str | None) -> Any:
     return x if impl is None or is_key(x) else jax.random.wrap_key_data(x, impl=impl)
 
 
-def _found(state: Any, found: dict[int, str]) -> Any:
-    """Records in `found` the position (in `jax.tree.leaves` order) and implementation of each key of `state`."""
-    found.update((k, str(jax.random.key_impl(x))) for k, x in enumerate(jax.tree.leaves(state)) if is_key(x))
-    return jax.tree.map(to_data, state)
+def _traced(init_fn: Callable, params: Any) -> tuple[Any, dict[int, str]]:
+    """`init_fn(params)`'s abstract state holding key data, and leaf position -> implementation of its keys."""
+    found: dict[int, str] = {}
+
+    def init_data(p):
+        state = init_fn(p)
+        found.update((k, str(jax.random.key_impl(x))) for k, x in enumerate(jax.tree.leaves(state)) if is_key(x))
+        return jax.tree.map(to_data, state)
+
+    return jax.eval_shape(init_data, params), found
 
 
 def positions(init_fn: Callable, params: Any) -> dict[int, str]:
     """The typed keys `init_fn(params)` puts in its state: leaf position -> implementation name (traced only)."""
-    found: dict[int, str] = {}
-    jax.eval_shape(lambda p: _found(init_fn(p), found), params)
-    return found
+    return _traced(init_fn, params)[1]
 
 
 def impls(init_fn: Callable, params: Any) -> dict[str, str]:
-    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced once)."""
-    found: dict[int, str] = {}
-    state = jax.eval_shape(lambda p: _found(init_fn(p), found), params)  # (key data: the same paths)
+    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced only)."""
+    state, found = _traced(init_fn, params)
     return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}
 
 
@@ -72,18 +70,17 @@ def _unsigned(x: Any) -> bool:
 
 
 def as_data(inner: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
-    """`inner` with every typed key of its state held as key data (`inner` itself if its state has none).
+    """`inner` with every typed key of its state held as key data.
 
-    Its `update` finds the keys' implementations by tracing `inner.init` on the updates' tree (the state zero1
-    passes is always one `init` gave for that tree), wraps the key data, runs `inner.update` and stores the new
-    keys' data again.
+    `update` finds the keys' implementations by tracing `inner.init` on the updates' tree, which is the tree the
+    state was made for.
     """
     def init_fn(params):
         return jax.tree.map(to_data, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         leaves, treedef = jax.tree.flatten(state)
-        # (key data is unsigned: a state without such arrays, Adam's, is passed on without tracing `init`)
+        # key data is unsigned: a state without unsigned arrays (Adam's) needs no trace of `init`
         keys = positions(inner.init, updates) if any(_unsigned(x) for x in leaves) else {}
         if not keys:
             return inner.update(updates, state, params, **extra)

@@ -14,6 +14,7 @@ from zero_optax.layout._layout import abstract
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
+    """Each cost, largest first, to the least-loaded device; ties to the lower index."""
     load = [0] * world_size
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
@@ -33,39 +34,30 @@ def entry_bytes(entries, n_leaves: int) -> list[int]:
 
 
 def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[int | None]:
-    """Balanced owners of the `owned` leaves, whose state entries are known (what zero1 and reshard use by
-    default); None for the others."""
+    """Balanced owners of the `owned` leaves by their state entries' bytes; None for the others."""
     costs = entry_bytes(entries, len(owned))
     which = [i for i, o in enumerate(owned) if o]
-    chosen = _greedy([costs[i] for i in which], world_size)
-    out: list[int | None] = [None] * len(owned)
-    for i, r in zip(which, chosen):
-        out[i] = r
-    return out
-
-
-def leaf_state_bytes(params, inner: optax.GradientTransformation) -> list[int]:
-    """Optimizer-state bytes of each parameter leaf under `inner` (computed abstractly, nothing allocated)."""
-    structs, treedef = jax.tree.flatten(abstract(params))
-    return entry_bytes(discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0],
-                       len(structs))
+    chosen = dict(zip(which, _greedy([costs[i] for i in which], world_size)))
+    return [chosen.get(i) for i in range(len(owned))]
 
 
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
-    Leaves are taken largest first and each goes to the least-loaded device; ties go to the lower leaf index and
-    the lower device index, so every process computes the same list.
+    Leaves go largest first to the least-loaded device; ties go to the lower index, so every process computes the
+    same list.
 
     Args:
       params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
       world_size: number of devices on the data axis.
-      inner: optional inner optimizer; if given, the cost of a leaf is its exact optimizer-state bytes under
-        `inner` (Adafactor's factored moments are small, Adam's are twice the parameter), else its parameter
-        bytes, which is proportional for most optimizers.
+      inner: optional inner optimizer; if given, a leaf costs its optimizer-state bytes under `inner`, else its
+        parameter bytes.
 
     Returns:
       One device index per leaf, in tree-flatten order.
+
+    Raises:
+      OwnersError: `world_size` is not a positive int.
 
     Examples:
       >>> import jax.numpy as jnp, zero_optax as zo
@@ -74,8 +66,10 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if inner is not None:
-        costs = leaf_state_bytes(params, inner)
+    if inner is not None:  # traced abstractly, nothing allocated
+        structs, treedef = jax.tree.flatten(abstract(params))
+        entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
+        costs = entry_bytes(entries, len(structs))
     else:
         costs = [int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)]
     return _greedy(costs, world_size)

@@ -17,14 +17,12 @@ from zero_optax.layout._layout import Layout, ParamLeaf
 from zero_optax.layout._state import SlicedState, ZeroState, is_state
 
 _DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
-"""The parameters' `PartitionSpec`s while a mesh-bound `init` or `zo.state_specs` traces `init` (`declared_specs`)."""
 
 
 @contextlib.contextmanager
 def declared_specs(specs: Any):
-    """While active, `init` reads the parameters' `PartitionSpec`s `specs` (a tree like the parameters, or a prefix
-    of it) for owned leaves it gathers over tensor-parallel axes (`zero_optax.step._tp_owned`): the mesh-bound form
-    and `zo.state_specs` know them, a `shard_map` body does not."""
+    """While active, `init` reads the parameters' `PartitionSpec`s from `specs`, which a `shard_map` body cannot
+    know, to gather owned tensor-parallel leaves."""
     token = _DECLARED.set(specs)
     try:
         yield
@@ -37,10 +35,14 @@ def declared() -> Any:
     return _DECLARED.get()
 
 
+def context_mesh() -> Any:
+    """The mesh of the `jax.set_mesh` context, or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
 def _spec(axes: tuple[str, ...]) -> P:
-    if not axes:
-        return P()
-    return P(axes[0] if len(axes) == 1 else axes)
+    return P(axes[0] if len(axes) == 1 else axes) if axes else P()
 
 
 def history_spec(layout: Layout, leaf: ParamLeaf) -> P:
@@ -49,7 +51,7 @@ def history_spec(layout: Layout, leaf: ParamLeaf) -> P:
 
 
 def specs_of(state: ZeroState) -> ZeroState:
-    """`state` with every array replaced by its `PartitionSpec` (the same layout, so a valid `out_specs`)."""
+    """`state` with every array replaced by its `PartitionSpec`."""
     layout = state.layout
     groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
     inner = SlicedState(_inner_state.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]),
@@ -63,23 +65,20 @@ def specs_of(state: ZeroState) -> ZeroState:
 
 
 def tree_specs(tree: Any) -> Any:
-    """Specs for an optax state that may hold zero1 states: theirs, and `P()` (replicated) for anything else."""
+    """Specs for an optax state that may hold zero1 states: theirs, and `P()` for anything else."""
     return jax.tree.map(lambda x: specs_of(x) if is_state(x) else P(), tree, is_leaf=is_state)
 
 
-def _find_mesh(tx, params, mesh):
-    if mesh is not None:
-        return mesh
+def _find_mesh(tx, params):
+    """`tx`'s mesh, the context's or the parameters'."""
     owner = _handle.find(tx)
     if owner is not None and owner.mesh is not None:
         return owner.mesh
-    context = jax.sharding.get_abstract_mesh()
-    if context is not None and not getattr(context, "empty", True):
+    if (context := context_mesh()) is not None:
         return context
     for x in jax.tree.leaves(params):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return sharding.mesh
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x.sharding.mesh
     raise ZeroError(
         "zo.state_specs needs the mesh to know the axis sizes: pass mesh=..., bind the transformation to one "
         "(zero1(..., mesh=mesh)), call it under `with jax.set_mesh(mesh):`, or pass parameters that carry "
@@ -101,9 +100,8 @@ def broadcast_specs(specs: Any, tree: Any) -> Any:
 
 
 def traced_state(tx, params, param_specs, mesh, declare: Any = None):
-    """The state `tx.init` returns inside `shard_map` over `mesh` for `params` laid out by `param_specs`, traced
-    abstractly (its arrays are tracers: read its structure and layouts only). `init` reads the parameters' specs
-    as `declare` (`declared_specs`; by default `param_specs`)."""
+    """`tx.init(params)` inside `shard_map` over `mesh`, traced abstractly (read its structure and layouts only);
+    `init` reads `declare` (by default `param_specs`) as the declared specs."""
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     params = _compat.pure(params)
     specs = broadcast_specs(param_specs, params)
@@ -124,10 +122,8 @@ def traced_state(tx, params, param_specs, mesh, declare: Any = None):
 def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.sharding.Mesh | None = None) -> Any:
     """The `PartitionSpec`s of `tx.init(params)`'s state inside `shard_map`, to pass as its `out_specs`.
 
-    On a 1-D mesh every spec is `P("data")`; on a mesh with tensor- or expert-parallel axes, a sliced leaf's state
-    is sharded over the parameter's own axes and the data axes (`P(("model", "data"))`, say), shared entries and
-    owned buffers over the data axes. Works for a zero1 transformation and for optax chains that contain one
-    (other state is replicated, `P()`).
+    A sliced leaf's state is sharded over the parameter's own axes and the data axes (`P(("model", "data"))`,
+    say), everything else of a zero1 state over the data axes; state outside zero1 is replicated, `P()`.
 
     Args:
       tx: the transformation (`zero_optax.zero1(...)`, or a chain holding one).
@@ -139,6 +135,9 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
     Returns:
       A tree like the state whose leaves are `PartitionSpec`s.
 
+    Raises:
+      ZeroError: no mesh is found, or `param_specs` does not match the parameters' structure.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
       >>> from jax.sharding import PartitionSpec as P
@@ -148,7 +147,5 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
       >>> jax.tree.leaves(specs)
       [P('data',), P('data',), P('data',)]
     """
-    if param_specs is None:
-        param_specs = P()
-    mesh = _find_mesh(tx, params, mesh)
-    return tree_specs(traced_state(tx, params, param_specs, mesh))
+    mesh = _find_mesh(tx, params) if mesh is None else mesh
+    return tree_specs(traced_state(tx, params, P() if param_specs is None else param_specs, mesh))

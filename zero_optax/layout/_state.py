@@ -1,4 +1,4 @@
-"""The state pytree zero1 returns. Every array leaf is sharded along its leading axis over the ZeRO axes."""
+"""`ZeroState`, the pytree zero1's `init` and `update` return, and helpers that find and normalize it."""
 
 from __future__ import annotations
 
@@ -13,19 +13,12 @@ from zero_optax.layout._layout import Layout
 
 
 class SlicedState(NamedTuple):
-    """How `ZeroState.inner_state` stores the inner optimizer's state of the sliced leaves.
+    """How `ZeroState.inner_state` stores the inner optimizer's state.
 
     Attributes:
-      shared: the inner optimizer's state tree (`zero_optax.layout._inner_state`), so optax's tree utilities find
-        its fields: each field shared across parameters (`Layout.shared_entries`: step counts, injected
-        hyperparameters) a `_inner_state.Shared` holding one `[N, *shape]` array, one identical copy per device
-        (sharding `P(ZeRO axes)`); each per-parameter field a `_inner_state.Sharded` marker without values.
-      histories: per group of sliced leaves (`Layout.groups`), per history of its members (Adam's `mu`, `nu`):
-        one 1-D array of `blocks * group * size` elements. Device `r`'s `size` elements are the concatenation of
-        its `slots` coordinates of every member (padding zeroed), so one array holds that history of many leaves
-        (sharding `P((*leaf axes, *ZeRO axes))`). A group that a device holds whole, one leaf of two or more
-        dimensions (`Group.shape`), keeps it in the leaf's shape: `(blocks * shape[0], *shape[1:])`, the same
-        elements in the same order, sharded along the first dimension.
+      shared: the inner state's tree (`_inner_state.tree`): shared fields stored `[N, *shape]`, one copy per device.
+      histories: per group of sliced leaves (`Layout.groups`), per history (Adam's `mu`, `nu`), one array: each
+        device's row is its `slots` of every member (padding zeroed), 1-D or in the leaf's shape (`Group.shape`).
     """
 
     shared: Any
@@ -36,20 +29,29 @@ class SlicedState(NamedTuple):
                    meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
-    """State of `zero1(...)`, for every partition.
+    """State of `zero1(...)`, a pytree whose arrays are sharded along their leading axis over the mesh.
+
+    It reads as the inner optimizer's state: `optax.tree.get` finds its fields, and a field of the top level reads
+    by attribute (a per-parameter one gathered, as `zo.gather_state` does).
 
     Attributes:
-      inner_state: the inner optimizer's state of the sliced leaves and the shared entries, stored by group of
-        leaves that run one program (`SlicedState`). `zo.gather_state` and checkpoints present it per leaf.
-      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the complete state (and
-        master copies) of the leaves device `r` owns, padded with zeros to the largest device's share. Empty when
-        no leaf is owned. Sharding `P(ZeRO axes)`.
-      master: None without `master_dtype`; otherwise one array per group of sliced leaves holding their master
-        slices, laid out like the group's histories (owned leaves' masters are packed in `buffers`).
+      inner_state: the inner optimizer's state of the sliced leaves and the shared entries, stored by group.
+      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the whole state (and
+        master copies) of the leaves device `r` owns, zero-padded. Empty when no leaf is owned.
+      master: None without `master_dtype`; else per group of sliced leaves their master slices, laid out like the
+        group's histories.
       layout: static description of the partition (see `zero_optax.describe`).
-      local: None unless `accumulate="local"`; then a tree like the parameters holding each device's own float32
-        gradient sums of the current accumulation cycle, `[1, *shape]` per device (global leading axis over the
-        leaf's axes and the ZeRO axes).
+      local: None unless `accumulate="local"`; else a tree like the parameters of each device's float32 gradient
+        sums, `[1, *shape]` per device.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> state = zo.zero1(optax.scale_by_adam(), axis_name="data", mesh=mesh).init({"w": jnp.ones(3)})
+      >>> [x.shape for x in jax.tree.leaves(state)]   # count, mu, nu
+      [(1,), (3,), (3,)]
+      >>> int(state.count), state.mu["w"].shape
+      (0, (3,))
     """
 
     inner_state: Any
@@ -59,9 +61,8 @@ class ZeroState:
     local: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        """A field of the inner state's top level, as plain optax's state has it, for code that reads the state by
-        attribute (`optax.contrib.schedule_free_eval_params` reads `state.b1` and `state.z`): a shared field's
-        value, and a per-parameter field gathered from the devices (`zo.gather_state`, on a global state)."""
+        """A field of the inner state's top level, as plain optax holds it, for code that reads the state by
+        attribute (`optax.contrib.schedule_free_eval_params`)."""
         top = self.inner_state.shared if not name.startswith("_") and "inner_state" in vars(self) else None
         if name not in getattr(top, "_fields", ()):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -73,8 +74,7 @@ class ZeroState:
 
 
 GATHER: list = []
-"""`zero_optax.api._transfer`'s gather of one state, which it registers here when it is imported (it sits
-above this module): `ZeroState.__getattr__` reads per-parameter fields with it."""
+"""The gather of one state, which `zero_optax.api._transfer` (a layer above) registers for `__getattr__`."""
 
 
 def _is_marker(x: Any) -> bool:
@@ -82,18 +82,15 @@ def _is_marker(x: Any) -> bool:
 
 
 ZeroFlatState = ZeroState
-"""Another name of `ZeroState`, kept in the public API only so that code written for zero_optax 0.1 still imports
-(its checkpoints are refused: restore reads format version 2 only). Every partition's state is a `ZeroState`."""
+"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
 
 ZeroLeafState = ZeroState
-"""Another name of `ZeroState`, kept in the public API only so that code written for zero_optax 0.1 still imports
-(its checkpoints are refused: restore reads format version 2 only). Every partition's state is a `ZeroState`."""
+"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
 
 
 def canonical(state: ZeroState, rows: int | None = None, place=None) -> ZeroState:
-    """`state` with every shared field of its inner state stored, one copy per device: a value that
-    `optax.tree.set` put there is broadcast to `rows` copies (the world size by default: a global state) and given
-    to `place`, if given (`_inner_state.arrays`)."""
+    """`state` with a value `optax.tree.set` put in a shared field stored again: `rows` copies (by default the
+    world size) given to `place` (`_inner_state.arrays`)."""
     layout, inner = state.layout, state.inner_state
     old = _inner_state.items(inner.shared)
     new = _inner_state.arrays(layout, inner.shared, layout.world_size if rows is None else rows, place)
@@ -108,6 +105,7 @@ def shared_arrays(state: ZeroState) -> dict[int, Any]:
 
 
 def is_state(x: Any) -> bool:
+    """Whether `x` is a zero1 state."""
     return isinstance(x, ZeroState)
 
 
