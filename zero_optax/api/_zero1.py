@@ -100,93 +100,54 @@ def zero1(
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
 
-    `init` and `update` run inside `jax.shard_map` over `axis_name` (or, with `mesh=`, anywhere: see below).
-    `update` reduces each device's local gradients, updates only the state this device owns, and all-gathers the
-    result, so every device receives the same replicated updates (`P()`) that `inner` would compute on one device
-    from the reduced gradient. On a 1-D mesh every leaf of the state is sharded along its leading axis, so
-    `P(axis_name)` is the spec of the whole state; on any mesh `zero_optax.state_specs` gives the specs.
+    `init` and `update` run inside `jax.shard_map` over `axis_name` (or, with `mesh=`, anywhere). `update` reduces
+    each device's local gradients, updates only the state this device owns and all-gathers the result, so every
+    device receives the replicated updates `inner` would compute on one device from the reduced gradient.
+    `zero_optax.state_specs` gives the state's `PartitionSpec`s (`P(axis_name)` on a 1-D mesh).
 
-    Partitions:
-      * `"flat"`: every device owns `ceil(count / N)` consecutive coordinates of every flattened leaf. Exact
-        for elementwise optimizers (Adam, AdamW, Lion, SGD, RMSProp, Adagrad, AdaBelief, schedules,
-        `inject_hyperparams`, `MultiSteps`); transformations that couple coordinates are refused.
-      * `"leaf"`: every leaf has one owner that keeps its state and updates it as a whole tensor (Muon,
-        Adafactor, LAMB, Shampoo). Per-device state is at least the largest leaf's state.
-      * `"auto"`: per leaf, from the inner transformation itself: leaves it updates elementwise are sliced, the
-        others get one owner (Muon's matrices owned, the embedding and vectors of its AdamW branch sliced).
-
-    Gradients. Inside `shard_map`, zero1 tells per-device gradients (typed varying: differentiate with respect to
-    `zero_optax.as_local(params, axis_name)`) from gradients that are the same on every device (typed
-    invariant), and never guesses what an invariant gradient means (a sum, or already the mean): with a reducing
-    `reduce` it refuses them, with `reduce=False` it takes them as the global mean. `update(grads, state,
-    params=None, *, weight=None, **extra_args)`: without `weight` the reduced gradient is the mean over devices;
-    with `weight` (this device's sample or token count, its gradient being a loss sum) it is
-    `psum(grads) / psum(weight)`, divided in float32. A step whose global weight is zero is skipped: the updates
-    are zero and the state, step counts included, is returned unchanged. Extra arguments (`value=` for
-    `optax.contrib.reduce_on_plateau`) must be the same on every device.
+    Inside `shard_map`, per-device gradients are typed varying (differentiate with respect to
+    `zero_optax.as_local(params, axis_name)`); invariant gradients are refused by a reducing `reduce` and taken as
+    the global mean with `reduce=False`. `update(grads, state, params=None, *, weight=None, **extra_args)`: the
+    reduced gradient is the mean over devices, or with `weight` (this device's sample or token count, its gradient
+    a loss sum) `psum(grads) / psum(weight)` in float32; a step of global weight zero is skipped. Extra arguments
+    (`value=` of `optax.contrib.reduce_on_plateau`) must be the same on every device.
 
     Args:
       inner: the optax transformation to shard.
-      axis_name: the data-parallel mesh axis, or a tuple of axes (`("replica", "data")`) the state is sharded
-        over jointly. Parameters sharded over other mesh axes (tensor or expert parallel) keep those shardings;
-        each device's block is sharded over the data axes.
-      replica_axis: data-parallel mesh axes (a name or a tuple, disjoint from `axis_name`) the state is
-        *replicated* over (multi-slice and multi-node training: `axis_name` inside a slice or node, the fast
-        network; `replica_axis` across them, the slow one). Inside `shard_map` gradients are per-device over
-        both (`zo.as_local(params, ("replica", "data"))`): each step reduce-scatters them over `axis_name`,
-        all-reduces only this device's shard over `replica_axis` (1/N of the bytes), updates the shard (the same
-        on every replica) and all-gathers over `axis_name` only. The mean (or with `weight=` the weighted mean)
-        is over every device of both. Default None: no replicas.
-      partition: `"flat"` (default), `"leaf"` or `"auto"`.
-      owners: leaf partition only: one device index per leaf in tree-flatten order; None balances the
-        optimizer-state bytes (`zero_optax.balanced_owners`).
-      reduce: `True` reduces per-device gradients with the default collective: a reduce-scatter for sliced
-        leaves; for owned leaves a reduce-scatter of owner-packed buffers unless padding to the largest owner's
-        share would move more bytes than an all-reduce. `"psum"` all-reduces, `"psum_scatter"` reduce-scatters;
-        `False` takes gradients that already are the global mean, for example from `zero_optax.reduce_gradients`
-        followed by a global operation.
-      reduce_dtype: sum the gradients in this dtype (for example `jnp.float32` for bf16 gradients); without
-        `master_dtype` the inner optimizer still sees each gradient in its own dtype.
-      master_dtype: keep a sharded master copy of the parameters in this dtype (for example `jnp.float32` for
-        bf16 parameters). Gradients are then reduced in `master_dtype` (unless `reduce_dtype` says otherwise),
-        the inner optimizer runs on the master values, devices all-gather the new parameters in the parameter
-        dtype, and the updates move `params` onto the master copy rounded to their dtype. `update` then needs
-        `params`.
-      mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map`, on
-        global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer` and `TrainState`). There the gradients
-        are the global mean, as `jax.grad` of a global loss gives them. Inside a `shard_map` that binds
-        `axis_name` it behaves like the unbound form.
-      assume_elementwise: skip the proof that the inner update is elementwise (sliced leaves). For custom kernels
-        the analysis cannot see into; a wrong answer is then your responsibility.
-      bucket_bytes: sliced leaves travel in buckets of at least this many bytes (one reduce-scatter and one
-        all-gather per bucket), a leaf of at least this many bytes alone (on the CPU, every leaf of at least
-        64 KiB: `zero_optax.step._wire.ALONE_BYTES`); `0` sends every leaf on its own.
-      accumulate_steps: accumulate gradients over this many `update` calls (one per micro-batch) per optimizer
-        step, like `optax.MultiSteps`: the k-th call of a cycle runs the inner update once on the mean over every
-        (device, micro-batch) pair (with `weight=`: the sum of the loss-sum gradients over the sum of the weights,
-        in float32); the other calls return zero updates. A cycle whose total weight is zero is skipped.
-      accumulate: `"sharded"` (default, ZeRO-2 style): each micro-batch is reduce-scattered into float32
-        accumulators sharded like the state (1/N per device; owned leaves' at their owner), and only the final
-        call runs the inner update and all-gathers. `"local"`: each device sums its own gradients at full size
-        and the final call reduces once, the least wire (2x the parameter bytes per optimizer step) for more
-        memory. Checkpoints of local accumulators restore at another world size only at a cycle boundary.
+      axis_name: the data-parallel mesh axis, or a tuple of axes the state is sharded over jointly. Parameters
+        sharded over other axes (tensor or expert parallel) keep those shardings.
+      replica_axis: data-parallel axes (disjoint from `axis_name`) the state is replicated over (multi-slice or
+        multi-node): gradients are reduce-scattered over `axis_name`, each shard all-reduced over `replica_axis`,
+        the result gathered over `axis_name` only. The mean is over every device of both. Default: none.
+      partition: `"flat"` (default: every device owns `ceil(count / N)` coordinates of every leaf; for elementwise
+        optimizers), `"leaf"` (every leaf has one owner that updates it whole: Muon, Adafactor, LAMB, Shampoo) or
+        `"auto"` (per leaf, from the inner transformation: elementwise leaves sliced, the others owned).
+      owners: `"leaf"` only: one device index per leaf in tree-flatten order; None balances the state bytes.
+      reduce: `True`: the default collective (a reduce-scatter, or for owned leaves an all-reduce where padding
+        would move more bytes); `"psum"` or `"psum_scatter"` to choose; `False`: the gradients already are the
+        global mean (after `zero_optax.reduce_gradients` and a global operation, say).
+      reduce_dtype: sum the gradients in this dtype (for example `jnp.float32` for bf16 gradients).
+      master_dtype: keep a sharded master copy of the parameters in this dtype: the inner optimizer runs on it,
+        devices gather the new parameters in their own dtype, and the updates move `params` onto the rounded
+        master copy. `update` then needs `params`.
+      mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map` on
+        global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer`, `TrainState`); the gradients are then
+        the global mean.
+      assume_elementwise: skip the proof that the inner update is elementwise (`"flat"`), for custom kernels the
+        analysis cannot see into; a wrong answer is then your responsibility.
+      bucket_bytes: sliced leaves travel in buckets of at least this many bytes; `0` sends every leaf alone.
+      accumulate_steps: accumulate gradients over this many `update` calls per optimizer step, like
+        `optax.MultiSteps`: the last call of a cycle runs the inner update once on the (weighted) mean; the others
+        return zero updates.
+      accumulate: `"sharded"` (default, ZeRO-2: float32 accumulators sharded like the state) or `"local"` (each
+        device sums its own gradients at full size; one reduction per optimizer step).
+      offload: keep every stored array in each device's `pinned_host` memory (ZeRO-Offload); `update` streams it
+        through the device in chunks of at most `bucket_bytes`.
+      param_specs: the parameters' `PartitionSpec`s (your `shard_map`'s in_specs), needed only inside your own
+        `shard_map` when an owned leaf is sharded over a tensor-parallel axis.
+      quantize: `zo.Quantize(...)`: send the parameter all-gather (needs `master_dtype`) and the gradient
+        reduce-scatters as int8 blocks (ZeRO++). Default None: every collective exact.
 
-      offload: keep every array the state stores (histories, owned buffers, master copies, accumulators) in
-        each device's `pinned_host` memory (ZeRO-Offload); `init` and restores place it there. `update` streams
-        it through the device: the sliced leaves' state in chunks of at most `bucket_bytes`, each device's owned
-        leaves in buckets of at most `bucket_bytes` of state (or one leaf, if its state is larger), each brought
-        to the device, updated and returned before the next, so the device never holds the whole shard. Refused
-        where the devices have no `pinned_host` memory.
-      param_specs: the parameters' `PartitionSpec`s (a tree like the parameters, or a prefix of it: the in_specs
-        of your `shard_map`). Needed only inside your own `shard_map` where a leaf that gets an owner (`"leaf"`,
-        or a matrix `"auto"` owns) is sharded over a tensor-parallel axis: its owner gathers the blocks and
-        updates the whole tensor, and the spec says which dimension each axis cuts. The mesh-bound form and
-        `zo.state_specs` read them from the parameters themselves.
-      quantize: `zo.Quantize(params="int8", grads="int8", block_size=256, axes=None)` sends the all-gather of
-        new parameters (`params`, requires `master_dtype`) and the gradients' reduce-scatters (`grads`, inside
-        `shard_map` only) as int8 blocks with one float32 scale each, about a quarter of the float32 bytes
-        (ZeRO++); `axes` limits it to some mesh axes (`replica_axis`, say). The state holds no quantized copy, so
-        checkpoints are unchanged. Default None: every collective exact.
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
