@@ -341,41 +341,26 @@ class StoredLayout(StoredViews):
 
 @dataclasses.dataclass(frozen=True)
 class Layout(StoredViews):
-    """Read-only description of a ZeRO optimizer state; `zero_optax.describe(state)` returns it.
+    """Read-only description of a zero1 state; `zero_optax.describe(state)` returns it.
 
     Attributes:
-      partition: `"flat"`, `"leaf"` or `"auto"` (what `zero1` was asked for; each leaf says how it is sharded).
-      axis_name: the mesh axis (or tuple of axes) the state is sharded over, as given to `zero1`.
-      world_size: the number of devices along those axes.
-      replica_sizes: `(name, size)` of the mesh axes the state is replicated over (`zero1(..., replica_axis=)`):
-        every replica holds the same state, and gradients are summed over these axes too (`replica_axes`).
-        Nothing stored depends on them but `accumulate="local"`'s per-device sums: a state restores at any
-        replica count.
-      leaves: the trainable parameter leaves, in tree-flatten order.
-      entries: the inner optimizer's state leaves in flatten order of the full (unsharded) state, then the master
-        copies (if any) in parameter order.
-      treedef: the parameter tree structure.
-      state_tree: the inner optimizer's full state structure (`zero_optax.core._names.tree_signature`).
-      state_treedef: the same structure as a `PyTreeDef`, for rebuilding the full state in memory.
-      master_dtype: the dtype name of the master copies, or None.
+      partition: `"flat"`, `"leaf"` or `"auto"`, as given to `zero1` (each leaf says how it is sharded).
+      axis_name: the mesh axis (or tuple of axes) the state is sharded over; `world_size`: its device count.
+      replica_sizes: `(name, size)` of the axes the state is replicated over (`replica_axis`); a state restores at
+        any replica count.
+      leaves: the trainable parameter leaves (`ParamLeaf`), in tree-flatten order.
+      entries: the inner state's leaves in the full state's flatten order, then the master copies (`StateEntry`).
+      treedef: the parameter tree structure; `state_tree`, `state_treedef`: the inner state's, as text and treedef.
+      master_dtype: the master copies' dtype name, or None.
       axis_sizes: `(name, size)` of every mesh axis named by `axis_name` or by a leaf's `axes`.
-      accumulate: None, or how gradients are accumulated over `accumulate_steps` update calls: `"sharded"`
-        (accumulators are inner-state histories, sharded like the state) or `"local"` (full-size per device).
-      accumulate_steps: update calls (micro-batches) per optimizer step; 1 without accumulation.
-      memory_kind: where the stored arrays live between steps: `"device"`, or `"pinned_host"` with
-        `zero1(..., offload=True)`. Not part of a checkpoint: a state restores into whichever memory its target's
-        arrays are in.
-      groups: the sliced leaves, grouped by the program their inner update runs (`Group`); every sliced leaf is in
-        exactly one group. How they are stored, not what: checkpoints and `gather_state` present the state per
-        leaf.
-      stacks: the owned leaves each device updates together, vectorised (`jax.vmap`) over one view of the first
-        member: same owner, shape, dtype, state entries and program. How they are updated, not stored.
-      joint: whether the sliced leaves' update runs in one view of them all: the inner update reduces their
-        coordinates to scalars (a global norm), computed across the devices, or draws random numbers in their
-        shapes (`optax.add_noise`), which each device draws whole and slices. How they are updated, not stored.
-      replicas: `(entry, leaf)` for each entry of a sliced leaf that is no history of its coordinates (novograd's
-        per-leaf norm) and that every device computes alike in the joint view: it is stored as shared state (its
-        `leaf` None), and present only in views holding `leaf` (`view_shared`).
+      accumulate: None, `"sharded"` or `"local"`; `accumulate_steps`: update calls per optimizer step.
+      memory_kind: `"device"`, or `"pinned_host"` with `offload=True` (not part of a checkpoint).
+      groups: the sliced leaves grouped by the program their update runs (`Group`): how they are stored.
+      stacks: owned leaves each device updates together under `jax.vmap` (one program, shape and owner).
+      joint: whether the sliced leaves' update runs in one view of them all (it reduces coordinates to scalars,
+        computed across the devices, or draws random numbers in their shapes).
+      replicas: `(entry, leaf)` for a sliced leaf's entry that is no history (novograd's per-leaf norm) and that
+        every device computes alike in the joint view: stored as shared state.
     """
 
     partition: str
@@ -453,8 +438,7 @@ class Layout(StoredViews):
 
     @property
     def accumulator_bytes_per_device(self) -> tuple[int, ...]:
-        """Bytes each device needs for gradient accumulators (zero without `accumulate_steps`): sharded, its share
-        of the float32 sums (1/N of sliced leaves, whole owned leaves at their owner); local, full-size sums."""
+        """Bytes each device needs for gradient accumulators: its share of the float32 sums, or full-size local."""
         if self.accumulate == LOCAL:
             total = sum(leaf.size * np.dtype(np.promote_types(leaf.dtype, np.float32)).itemsize
                         for leaf in self.leaves)
