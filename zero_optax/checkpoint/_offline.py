@@ -108,7 +108,7 @@ def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
     return (fit(layout.leaves[e.leaf].slots),)
 
 
-def _regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
     """The chunk-sized regions of an array, in order (leading dimensions one index at a time)."""
     if any(d == 0 for d in shape):
         return
@@ -136,7 +136,7 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                 writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
-            for region in _regions(a.shape, chunks):
+            for region in _chunk_regions(a.shape, chunks):
                 data = remap.region(a, region)
                 writer.write(a.name, region, data)
                 done += data.nbytes
