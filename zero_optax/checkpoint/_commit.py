@@ -20,14 +20,9 @@ COMMIT_FILE = "commit_success.txt"
 """The file Orbax writes last into a finished checkpoint directory (its `COMMIT_SUCCESS_FILE`)."""
 
 
-def needed(path: epath.Path) -> bool:
-    """Whether a finished checkpoint at `path` carries the commit file: on object stores, where Orbax needs it."""
-    return not _paths.is_local(path)
-
-
 def check(path: epath.Path) -> None:
     """Refuses a `gs://` item directory without `commit_success.txt` (local ones are complete by their rename)."""
-    if not needed(path):
+    if _paths.is_local(path):
         return
     with _paths.reading(path):
         committed = (path / COMMIT_FILE).exists()

@@ -14,19 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import (
-    _arrays,
-    _commit,
-    _install,
-    _offline_target,
-    _paths,
-    _record,
-    _regions,
-    _restore,
-    _schema,
-    _shapes,
-    _store,
-)
+from zero_optax.checkpoint import (_arrays, _commit, _install, _offline_target, _paths, _record, _regions, _restore,
+                                   _schema, _shapes, _store)
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._layout import LEAF, StoredLayout
 

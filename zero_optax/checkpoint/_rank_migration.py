@@ -131,14 +131,6 @@ def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -
     return None
 
 
-def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The sources of migration `i`, checked, sorted by rank."""
-    where = f"migrations[{i}] (`{m.param}`)"
-    group = _source_group(where, m, records)
-    _check_sources_agree(where, m, group)
-    return sorted(group, key=lambda rec: rec.rank)
-
-
 def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
     """The records `m.sources` names, checked to hold the parameter and to be one per rank of one group."""
     for s in m.sources:
@@ -184,7 +176,8 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
                              f"records[{s}].")
             if x.shape != (slot_count(size, len(group)),):
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
-                             f"parameter of {size} elements on {len(group)} ranks has ({slot_count(size, len(group))},).")
+                             f"parameter of {size} elements on {len(group)} ranks has "
+                             f"({slot_count(size, len(group))},).")
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
@@ -233,7 +226,10 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
             r0, n0, j = placed[key]
             raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
                          f"of {n}: one target record has one placement.")
-        group = _check_group(i, m, records)
+        where = f"migrations[{i}] (`{m.param}`)"
+        group = _source_group(where, m, records)
+        _check_sources_agree(where, m, group)
+        group.sort(key=lambda rec: rec.rank)
         if key in out and (diff := clock_difference(out[key].clocks, group[0].clocks)):
             raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")
