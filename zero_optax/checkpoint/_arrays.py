@@ -36,14 +36,8 @@ from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 @dataclasses.dataclass(frozen=True)
 class StoredArray:
-    """One global array of a stored zero1 state; exactly one of `entry`, `buffer`, `local` is set.
-
-    Attributes:
-      spec: the mesh axes each dimension is sharded over, one tuple per dimension.
-      entry: the unowned state entry it holds.
-      buffer: the dtype of the packed buffer it is.
-      local: the leaf whose per-device gradient sums it holds (`accumulate="local"`).
-    """
+    """One global array of a stored zero1 state: `spec` names the mesh axes each dimension is sharded over, and it
+    holds an unowned `entry`, the packed `buffer` of a dtype, or the `local` gradient sums of a leaf."""
 
     name: str
     shape: tuple[int, ...]

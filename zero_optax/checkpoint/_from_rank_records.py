@@ -17,12 +17,12 @@ from zero_optax.checkpoint._rank_migration import ParamSlice, RankRecord, clock_
 from zero_optax.checkpoint._store import aligned_empty
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.layout._layout import LOCAL, Layout
+from zero_optax.layout._layout import LOCAL, StoredViews
 
 WHERE = "state_from_rank_records"
 
 
-def _slices(layout: Layout, records: list[RankRecord]) -> dict[tuple[int, int, int], ParamSlice]:
+def _slices(layout: StoredViews, records: list[RankRecord]) -> dict[tuple[int, int, int], ParamSlice]:
     """`(leaf, block, rank)` -> the `ParamSlice` that device holds, checked against the layout."""
     by_rank: dict[tuple[int, int], list[RankRecord]] = {}
     for rec in records:
@@ -56,7 +56,7 @@ def _slices(layout: Layout, records: list[RankRecord]) -> dict[tuple[int, int, i
     return out
 
 
-def _shared(layout: Layout, records: list[RankRecord]) -> dict[int, np.ndarray]:
+def _shared(layout: StoredViews, records: list[RankRecord]) -> dict[int, np.ndarray]:
     """Entry index -> value of every shared entry, from the records' clocks (which must agree)."""
     for rec in records[1:]:
         diff = clock_difference(records[0].clocks, rec.clocks)
@@ -79,7 +79,7 @@ def _shared(layout: Layout, records: list[RankRecord]) -> dict[int, np.ndarray]:
 class _Records(_regions.Regions):
     """Any region of the target's stored arrays, from checked records (the target has no owned leaves)."""
 
-    def __init__(self, layout: Layout, slices: dict, shared: dict[int, np.ndarray]):
+    def __init__(self, layout: StoredViews, slices: dict, shared: dict[int, np.ndarray]):
         super().__init__(layout, shared)
         self.slices = slices
 

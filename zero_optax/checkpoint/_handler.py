@@ -62,13 +62,8 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
       [0.0, 0.0, 0.0]
     """
 
-    def __init__(
-        self,
-        *,
-        save_concurrent_gb: int = 96,
-        restore_concurrent_gb: int = 96,
-        multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions(),
-    ):
+    def __init__(self, *, save_concurrent_gb: int = 96, restore_concurrent_gb: int = 96,
+                 multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions()):
         """Creates the handler.
 
         Args:
@@ -78,24 +73,16 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         self._primary_host = multiprocessing_options.primary_host
         self._impl = ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=save_concurrent_gb,
-            restore_concurrent_gb=restore_concurrent_gb,
-            multiprocessing_options=multiprocessing_options,
-            use_ocdbt=True,
-            use_zarr3=True,
-        )
+            save_concurrent_gb=save_concurrent_gb, restore_concurrent_gb=restore_concurrent_gb,
+            multiprocessing_options=multiprocessing_options, use_ocdbt=True, use_zarr3=True)
 
     @classmethod
     def typestr(cls) -> str:
         """The name Orbax writes for this handler into a checkpoint's metadata, fixed whatever module holds it."""
         return TYPESTR
 
-    async def async_save(
-        self,
-        directory: Any,
-        item: Any = None,
-        args: ZeroSave | None = None,
-    ) -> list[ocp.future.Future] | None:
+    async def async_save(self, directory: Any, item: Any = None,
+                         args: ZeroSave | None = None) -> list[ocp.future.Future] | None:
         """Starts saving: checks the location and the state, hands the arrays to Orbax (which copies this
         process's shards to host memory before returning), and returns the futures that write them and the record.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from zero_optax.checkpoint import _tp_blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import AUTO, Layout, StoredLayout, StoredViews
+from zero_optax.layout._layout import AUTO, StoredLayout, StoredViews
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
@@ -53,7 +53,7 @@ def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> 
     return dict(rec, leaves=leaves, entries=entries)
 
 
-def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshard: bool) -> None:
+def check(saved_layout: StoredLayout, target: StoredViews, k: int, where: str, reshard: bool) -> None:
     """Refuses, naming the first difference, a saved state `k` that cannot be restored into layout `target`."""
     if not reshard:
         if saved_layout.world_size != target.world_size:

@@ -117,16 +117,8 @@ class Regions:
 
 
 class Remap(Regions):
-    """The arrays of a state with layout `target`, region by region, from the saved state `saved`.
-
-    Args:
-      saved: the saved state.
-      target: the target's layout, checked compatible (`_match.check(..., reshard=True)`).
-      read: reads a region of a saved array.
-      shared: the shared entries' values (`shared_values`).
-      where: how error messages name the state.
-      specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
-    """
+    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state
+    `saved`, read by `read`; `specs` (leaf path -> PartitionSpec) settle dimensions the blocks cannot tell."""
 
     def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):

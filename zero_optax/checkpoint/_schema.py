@@ -35,12 +35,8 @@ _ENTRY = {"path", "leaf", "shape", "dtype", "role"}
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """One zero1 state of a checkpoint, as its checked record describes it.
-
-    Attributes:
-      index: its position among the checkpoint's zero1 states.
-      clocks: the recorded values of its shared scalar entries, by entry path.
-    """
+    """One zero1 state of a checkpoint (`index` among them) as its checked record describes it; `clocks` are its
+    shared scalar entries' recorded values, by path."""
 
     index: int
     layout: StoredLayout
@@ -253,7 +249,7 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
             c.fail(f"{f}.dims", "is given for a sliced leaf (it applies to owned leaves only)")
         owner, slots = None, _sliced_slots(c, rec, f, partition, size, blocks, group)
     else:
-        owner, slots = _owned_slots(c, rec, f, partition, size, () if dims else axes, group, n)
+        owner, slots = _owned_slots(c, rec, f, partition, size, bool(axes and not dims) or group != n, n)
     return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group, dims)
 
 
@@ -280,13 +276,14 @@ def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blo
     return slots
 
 
-def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, axes: tuple[str, ...], group: int,
-                 n: int) -> tuple[int, int]:
-    """The `owner` and `slots` of an owned leaf: one device, in a partition with owners, holding the whole leaf."""
+def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, sharded: bool, n: int
+                 ) -> tuple[int, int]:
+    """The `owner` and `slots` of an owned leaf: one device, in a partition with owners, holding the whole leaf
+    (not `sharded` over other mesh axes than its tensor-parallel `dims`)."""
     owner = c.int(rec["owner"], f"{f}.owner", 0, n - 1)
     if partition == FLAT:
         c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
-    if axes or group != n:
+    if sharded:
         c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
     slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
     if slots != size:

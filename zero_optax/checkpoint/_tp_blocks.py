@@ -30,12 +30,8 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """How a leaf is cut into blocks on one mesh.
-
-    Attributes:
-      shape: one block's shape.
-      axes: `(axis, size)` of every mesh axis of size > 1 the blocks differ along, in block-numbering order.
-    """
+    """How a leaf is cut into blocks on one mesh: one block's `shape`, and the `(axis, size)` of every mesh axis of
+    size > 1 the blocks differ along, in block-numbering order."""
 
     shape: tuple[int, ...]
     axes: tuple[tuple[str, int], ...]
@@ -57,13 +53,8 @@ class Blocks:
 
 @dataclasses.dataclass(frozen=True)
 class Recut:
-    """One leaf's saved blocks cut again into the target's.
-
-    Attributes:
-      saved: the saved blocks.
-      target: the target's blocks.
-      dims: `(axis, dimension)` of every axis whose size differs, and the dimension it cuts.
-    """
+    """One leaf's saved blocks cut again into the target's; `dims` pairs each resized axis with the dimension it
+    cuts."""
 
     saved: Blocks
     target: Blocks

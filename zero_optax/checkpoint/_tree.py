@@ -18,12 +18,8 @@ from zero_optax.layout._state import ZeroState, is_state
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """A pytree taken apart at its zero1 states.
-
-    Attributes:
-      states: `(path, state)` of every zero1 state, in tree order (`<root>` for a state that is the tree).
-      signature: the tree's structure with each zero1 state shown as `*` (`_names.tree_signature`).
-    """
+    """A pytree taken apart at its zero1 states: `(path, state)` of each in tree order (`<root>` for the tree
+    itself), and the tree's `_names.tree_signature` with each shown as `*`."""
 
     states: list[tuple[str, ZeroState]]
     signature: str
