@@ -1,23 +1,18 @@
-"""Command line: convert a zero1 checkpoint item directory to another mesh.
+"""Command line: convert a zero1 checkpoint item directory to another mesh (`zo.reshard`).
 
     python -m zero_optax.reshard SRC DST --world-size 4 [--owners auto|FILE.json] [--force]
     python -m zero_optax.reshard SRC DST --axis-sizes data=2,model=4 [--param-specs SPECS.json] [...]
 
-`--axis-sizes` gives every axis of the target mesh (the ZeRO axes included; an axis left out is not in it);
-`--world-size` alone keeps the saved mesh's other axes. `SPECS.json` maps leaf paths to the parameters'
-PartitionSpecs (`{"['w']": [null, "model"]}`), for leaves whose blocks alone do not tell which dimension a
-resized axis cuts. The owners `FILE.json` holds the new owners of the leaf partition: one list of device indices (one per leaf, in tree-flatten
-order) for a checkpoint with one leaf-partition state, or one item (a list or null) per zero1 state. Bad input
-exits with status 1 (2 for bad usage) and one line on stderr, and writes nothing.
-
-Importing this module keeps `zero_optax.reshard(...)` callable: the module object forwards calls to
-`zero_optax.checkpoint._offline.reshard`, because importing a submodule replaces the package attribute of the same
-name.
+`SPECS.json` maps leaf paths to PartitionSpecs (`{"['w']": [null, "model"]}`); the owners `FILE.json` holds one
+list of device indices per leaf-partition state (or one list for the only one). Bad input exits with status 1 (2
+for bad usage) and one line on stderr, and writes nothing. Importing this module keeps `zero_optax.reshard(...)`
+callable (the module forwards calls), since importing a submodule replaces the package attribute of its name.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -26,14 +21,7 @@ import types
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from zero_optax.checkpoint._offline import reshard as _reshard_fn
 from zero_optax.checkpoint._offline_target import parse_axis_sizes
@@ -49,8 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Progress:
-    """Progress on stderr: a `rich` bar (bytes, speed, time left) on a terminal; in a log, one line per 10% for
-    checkpoints of at least `LARGE_BYTES`; nothing otherwise."""
+    """Progress on stderr: a `rich` bar on a terminal; in a log, a line per 10% of a checkpoint of `LARGE_BYTES`."""
 
     def __init__(self, stream=None):
         self.console = Console(file=stream if stream is not None else sys.stderr, stderr=stream is None)
@@ -80,27 +67,19 @@ class _Progress:
 
 
 def _fixed_mmap_threshold() -> None:
-    """Lets freed chunk buffers return to the OS (glibc only; this process is ours alone).
-
-    glibc raises its mmap threshold after a large block is freed, so TensorStore's 16 MiB chunk buffers then land
-    in per-thread arenas and stay there; a fixed 1 MiB threshold keeps the peak near a few chunks.
-    """
-    try:
+    """Lets freed chunk buffers return to the OS: glibc's sliding mmap threshold would keep TensorStore's 16 MiB
+    buffers in per-thread arenas (glibc only; this process is ours alone)."""
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _json_file(arg: str, flag: str):
+    """The JSON file a flag names, or a ValueError naming it."""
     try:
         with open(arg) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {flag} file {arg}: {e}") from None
-
-
-def _owners(arg: str):
-    return None if arg == "auto" else _json_file(arg, "--owners")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,18 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _reshard_fn(args.src, args.dst, args.world_size,
                     axis_sizes=None if args.axis_sizes is None else parse_axis_sizes(args.axis_sizes),
                     param_specs=None if args.param_specs is None else _json_file(args.param_specs, "--param-specs"),
-                    owners=_owners(args.owners), force=args.force, progress=bar)
+                    owners=None if args.owners == "auto" else _json_file(args.owners, "--owners"),
+                    force=args.force, progress=bar)
+        status, message = 0, None
     except (ValueError, OSError) as e:  # ZeroError and StoreError are ValueErrors
-        bar.close()
-        message = " ".join(str(e).split())
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 1
+        status, message = 1, "error: " + " ".join(str(e).split())
     except KeyboardInterrupt:
-        bar.close()
-        print(f"{PROG}: interrupted; {_interrupted(args.dst)}", file=sys.stderr)
-        return 130
+        status, message = 130, f"interrupted; {_interrupted(args.dst)}"
     bar.close()
-    return 0
+    if message is not None:
+        print(f"{PROG}: {message}", file=sys.stderr)
+    return status
 
 
 def _interrupted(dst: str) -> str:

@@ -1,24 +1,27 @@
-"""Checkpoints of zero1 states: saving, restoring, and moving them between meshes. The top layer.
+"""Checkpoints of zero1 states: written, read, checked, and re-cut for another mesh. The top layer.
 
+Written:
 * `_handler`: the Orbax `ZeroCheckpointHandler` and its `ZeroSave` / `ZeroRestore` arguments.
+* `_save`: what a save writes: the state's arrays and its record.
+* `_record`: the versioned JSON record beside the arrays, built, written and read.
+* `_arrays`: which arrays a state stores (names, shapes, dtypes, shardings), and a state rebuilt from them.
 * `_tree`: the zero1 states inside a saved pytree: found, named, put back.
-* `_save`: what a save writes: the arrays and the record.
+
+Read and checked:
 * `_restore`: restoring into a target, everything checked before any array is read.
-* `_arrays`: which arrays a state stores: names, shapes, dtypes, shardings.
-* `_record`: the versioned JSON record beside the arrays.
-* `_schema`: the record checked field by field, into `SavedState`s, each described by a `StoredLayout`
-  (`zero_optax.layout._layout`: what a checkpoint records of a layout, no run-time plan).
+* `_schema`: the record checked field by field into `StoredLayout`s.
 * `_match`: whether a saved state fits a target, and the first difference if not.
-* `_remap`: any region of a state on a new mesh, from the arrays saved on the old one (and how far into an
-  accumulation cycle a state was saved, `micro_step`).
-* `_blocks`: a sliced leaf's tensor-parallel or expert blocks on one mesh, cut again for another.
+* `_shapes`: a copy of the record's shapes kept in the arrays' own metadata, checked against the record.
 * `_store`: stored arrays read and written with TensorStore.
 * `_paths`: checkpoint locations (local or `gs://`) as paths and TensorStore kvstores.
-* `_install`: putting a finished directory in place atomically (local file systems).
-* `_commit`: finished checkpoints on object stores: Orbax's commit file, written last, required by every reader.
-* `_shapes`: a copy of every leaf and entry shape kept with the arrays' own metadata, checked against the record.
-* `_reshard`: offline resharding of an item directory (`zero_optax.reshard`).
-* `_target`: the offline tool's target: a saved `StoredLayout` on a mesh given by its axis sizes.
-* `_migrate`: explicit per-parameter migration of rank-local records (`reshard_explicit`).
-* `_records`: rank-local records into a zero1 state (`state_from_rank_records`), to train on or save.
+* `_commit`: Orbax's commit file on object stores, written last and required by every reader.
+* `_install`: a finished directory put in place atomically (local file systems).
+
+Re-cut for another mesh:
+* `_regions`: any region of a state's arrays on a new mesh, from the arrays saved on the old one.
+* `_tp_blocks`: a sliced leaf's tensor-parallel or expert blocks on one mesh, cut again for another.
+* `_offline`: `zo.reshard`, converting an item directory offline.
+* `_offline_target`: `zo.reshard`'s target layout, from the mesh's axis sizes.
+* `_rank_migration`: rank-local records and their explicit migration (`load_rank_records`, `reshard_explicit`).
+* `_from_rank_records`: rank-local records into a zero1 state (`state_from_rank_records`).
 """

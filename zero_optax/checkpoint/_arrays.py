@@ -1,16 +1,11 @@
-"""Which arrays a zero1 state stores in a checkpoint: their names, global shapes, dtypes and shardings.
+"""Which arrays a zero1 state stores in a checkpoint: names, global shapes, dtypes and shardings.
 
-A `ZeroState` holds three kinds of arrays (see `zero_optax.layout._state`), and a checkpoint stores each as
-one global array under a name from `zero_optax.core._names`:
+* `<k>.entry<j>`: an unowned entry; a shared one as `[N, *shape]` (a copy per device), a sliced leaf's history
+  as 1-D `blocks * group * slots` elements, block `b` at `[b * group * slots, (b + 1) * group * slots)`;
+* `<k>.buffer_<dtype>`: a packed buffer of owned entries, `[N, size]`;
+* `<k>.local<i>`: `accumulate="local"`'s per-device gradient sums of leaf `i`.
 
-* `<k>.entry<j>` for every entry `j` that is not owned: a shared entry as `[N, *shape]` (one identical copy per
-  device, sharding `P(ZeRO axes)`), a sliced leaf's history or master slice as a 1-D array of
-  `blocks * group * slots` elements (sharding `P((*leaf axes, *ZeRO axes))`), in which block `b`'s padded
-  coordinates are the contiguous range `[b * group * slots, (b + 1) * group * slots)`;
-* `<k>.buffer_<dtype>` for every packed buffer of owned entries, `[N, size]` (sharding `P(ZeRO axes)`).
-
-The order of `stored_arrays` is the order of `state_values` (inner state, then master copies, then buffers), so
-a state can be taken apart for saving and rebuilt from restored arrays without naming its fields twice.
+`stored_arrays`, `state_values`, `target_structs` and `rebuild` share one order.
 
 Examples:
   >>> import jax.numpy as jnp, optax, jax, zero_optax as zo
@@ -32,26 +27,17 @@ import jax
 import numpy as np
 
 from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.api import _per_entry
 from zero_optax.step import _offload
-from zero_optax.layout._layout import LOCAL, MASTER, Layout, Packing, StoredLayout
+from zero_optax.layout._layout import LOCAL, MASTER, Packing, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredArray:
-    """One global array of a stored zero1 state.
-
-    Attributes:
-      name: its name in the checkpoint (`zero_optax.core._names`).
-      shape: its global shape.
-      dtype: its dtype name.
-      spec: the mesh axes each dimension is sharded over (the array's `PartitionSpec`, one tuple per dimension).
-      entry: the state entry it holds (shared or sliced), or None for a packed buffer.
-      buffer: the dtype of the packed buffer it is, or None for an entry.
-      local: `accumulate="local"`: the parameter leaf whose per-device gradient sums it holds, `[devices, *shape]`
-        (every device of the replica and history axes, `Layout.local_axes`).
-    """
+    """One global array of a stored zero1 state: `spec` names the mesh axes each dimension is sharded over, and it
+    holds an unowned `entry`, the packed `buffer` of a dtype, or the `local` gradient sums of a leaf."""
 
     name: str
     shape: tuple[int, ...]
@@ -62,16 +48,15 @@ class StoredArray:
     local: int | None = None
 
 
-def unowned_entries(layout: StoredLayout | Layout) -> list[int]:
-    """The entries stored as arrays of their own, in `stored_arrays` order: the inner state's shared and sliced
-    entries (the leaves of `state.inner_state`), then the master slices of sliced leaves (of `state.master`)."""
+def unowned_entries(layout: StoredViews) -> list[int]:
+    """The entries stored as arrays of their own: the inner state's unpacked entries, then sliced master slices."""
     inner = list(layout.unpacked_entries)
     masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced"]
     return inner + masters
 
 
-def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = None) -> list[StoredArray]:
-    """The arrays zero1 state number `k` of a checkpoint stores, in `state_values` order."""
+def stored_arrays(layout: StoredViews, k: int, pack: Packing | None = None) -> list[StoredArray]:
+    """The arrays zero1 state number `k` of a checkpoint stores."""
     zero = tuple(layout.axes)
     out = []
     for j in unowned_entries(layout):
@@ -96,9 +81,15 @@ def stored_arrays(layout: StoredLayout | Layout, k: int, pack: Packing | None = 
     return out
 
 
+def check_value(what: str, spec: StoredArray, value: Any) -> None:
+    """Refuses `value` (an array or struct, named `what`) whose shape or dtype is not `spec`'s."""
+    if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
+        raise ZeroCheckpointError(f"{what} is {list(value.shape)} {np.dtype(value.dtype).name} but its layout says "
+                                  f"{list(spec.shape)} {spec.dtype}.")
+
+
 def state_values(state: ZeroState) -> list[Any]:
-    """The arrays of `state`, in `stored_arrays` order: per entry, as the record describes them (a group's
-    stored arrays are cut into its members' histories, `zero_optax.api._per_entry`)."""
+    """The arrays of `state`, in `stored_arrays` order (a group's arrays cut into its members' histories)."""
     per_entry = _per_entry.unowned(state)
     values = [per_entry[j] for j in unowned_entries(state.layout)]
     values += [state.buffers[d] for d in sorted(state.buffers)]
@@ -107,25 +98,26 @@ def state_values(state: ZeroState) -> list[Any]:
 
 def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
     """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (concrete or
-    abstract), without reading or cutting its arrays."""
+    abstract)."""
+    def struct(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     layout = state.layout
     shardings = _per_entry.sliced_shardings(state)
     shared = shared_arrays(canonical(state))
     out = []
     for j in unowned_entries(layout):
         if j in shared:
-            x = shared[j]
-            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
+            out.append(struct(shared[j]))
         else:
             e, leaf = layout.entries[j], layout.leaves[layout.entries[j].leaf]
             out.append(jax.ShapeDtypeStruct((leaf.blocks * leaf.group * leaf.slots,), e.dtype, sharding=shardings[j]))
     rest = [state.buffers[d] for d in sorted(state.buffers)] + jax.tree.leaves(state.local)
-    return out + [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in rest]
+    return out + [struct(x) for x in rest]
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
-    """A state with the structure and layout of `template` holding `values` (in `stored_arrays` order), each array
-    in the memory kind of `template`'s (`values` read into device memory move to host memory once, joined)."""
+    """A state like `template` holding `values` (in `stored_arrays` order), each in the memory kind of
+    `template`'s."""
     layout = template.layout
     unowned = unowned_entries(layout)
     inner, master = _per_entry.stored(template, dict(zip(unowned, values)))

@@ -1,24 +1,9 @@
 """Finished checkpoints on object stores: Orbax's commit file, written last and required by every reader.
 
-Object stores (`gs://`) have no atomic rename, so Orbax does not write a checkpoint into a temporary directory
-there: it writes into the final location and, once everything else is in place, writes `commit_success.txt`
-into it (`orbax.checkpoint._src.path.atomicity.CommitFileTemporaryPath`, chosen for `gs://` paths by
-`atomicity_defaults`). Orbax's readers (`ocp.Checkpointer.restore`, `ocp.CheckpointManager`) treat a `gs://`
-directory without that file as incomplete ("Found incomplete checkpoint"), and `ocp.CheckpointManager` does not
-list such a step. Orbax writes the file into every item directory and into the step directory.
-
-zero_optax keeps the same rule on both sides:
-
-* `check`: `ZeroRestore`, `zo.reshard` and `zo.load_rank_records` refuse a `gs://` item directory without the
-  commit file, as Orbax's readers do, so a checkpoint that is still being written, or whose writer was killed,
-  is absent for every reader (local directories are complete by their atomic rename and are not checked);
-* `mark`: the offline `zo.reshard` writes the commit file after the record, which it writes after every array,
-  so an interrupted run leaves a directory that no reader takes for a checkpoint;
-* `retract`: replacing an existing `gs://` destination (`force`) first deletes its commit file (after which no
-  reader takes it for a checkpoint), then its record, then everything else, and only then writes the new one.
-
-This module names the file itself rather than importing Orbax's private constant; the tests check that the two
-agree.
+Object stores (`gs://`) cannot rename, so Orbax writes there in place and marks a finished item directory with
+`commit_success.txt`; its readers refuse a `gs://` directory without it. zero_optax keeps the same rule: `check`
+refuses such a directory, `mark` writes the file last, `retract` deletes it first. The file is named here, not
+imported from Orbax's private constant; the tests check that the two agree.
 """
 
 from __future__ import annotations
@@ -35,23 +20,12 @@ COMMIT_FILE = "commit_success.txt"
 """The file Orbax writes last into a finished checkpoint directory (its `COMMIT_SUCCESS_FILE`)."""
 
 
-def needed(path: epath.Path) -> bool:
-    """Whether a finished checkpoint at `path` carries the commit file: on object stores, where Orbax needs it."""
-    return not _paths.is_local(path)
-
-
 def check(path: epath.Path) -> None:
-    """Refuses an item directory on an object store that was not marked finished.
-
-    Raises:
-      ZeroCheckpointError: `path` is a `gs://` directory without `commit_success.txt`.
-    """
-    if not needed(path):
+    """Refuses a `gs://` item directory without `commit_success.txt` (local ones are complete by their rename)."""
+    if _paths.is_local(path):
         return
-    try:
+    with _paths.reading(path):
         committed = (path / COMMIT_FILE).exists()
-    except OSError as e:
-        raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
     if not committed:
         raise ZeroCheckpointError(
             f"{path} is not a finished checkpoint: {COMMIT_FILE} is missing. On object stores Orbax (and "
@@ -66,8 +40,7 @@ def mark(path: epath.Path) -> None:
 
 
 def retract(path: epath.Path) -> None:
-    """Deletes the checkpoint at `path`, first making it unreadable for every reader: its commit file (Orbax's
-    readers and ours), then its record (readers of local copies), then everything else."""
+    """Deletes the checkpoint at `path`, its commit file and then its record first, so no reader takes it for one."""
     for name in (COMMIT_FILE, _names.RECORD_FILE):
         target = path / name
         if target.exists():

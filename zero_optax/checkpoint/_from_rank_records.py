@@ -1,13 +1,8 @@
-"""Rank-local records into a zero1 state: where `zo.reshard_explicit` leads.
+"""Rank-local records into a zero1 state (`zo.state_from_rank_records`): where `zo.reshard_explicit` leads.
 
-`state_from_rank_records(target, records)` builds a state with the structure, layout and shardings of `target`
-(a zero1 state from `tx.init` on the new mesh, concrete or abstract) from `RankRecord`s: the output of
-`zo.reshard_explicit`, or of `zo.load_rank_records`. Device `r` of block `b` of a sliced leaf takes its
-coordinates from the record of rank `r` in a group of the leaf's group size whose `params` hold the leaf's block
-key (`zero_optax.core._names.block_key`); shared entries (step counts) come from the records' clocks, which must
-agree. The state can be trained on at once, or saved with `zo.ZeroSave` as a checkpoint that `zo.ZeroRestore`
-reads. Every record is checked before any array is built; each device's block is built on its own
-(`zero_optax.checkpoint._restore.build`).
+Device `r` of block `b` of a sliced leaf reads the record of rank `r` in a group of the leaf's size that holds the
+block's key (`_names.block_key`); shared entries come from the records' clocks. Every record is checked before any
+array is built.
 """
 
 from __future__ import annotations
@@ -17,24 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import (
-    _arrays,
-    _regions,
-    _restore,
-    _tree,
-)
+from zero_optax.checkpoint import _arrays, _regions, _restore, _tree
 from zero_optax.checkpoint._rank_migration import ParamSlice, RankRecord, clock_difference
-from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
+from zero_optax.checkpoint._store import aligned_empty
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.layout._layout import LOCAL, Layout
+from zero_optax.layout._layout import LOCAL, StoredViews
 
 WHERE = "state_from_rank_records"
 
 
-def _slices(layout: Layout, records: list[RankRecord]) -> dict[tuple[int, int, int], ParamSlice]:
-    """`(leaf, block, rank)` -> the `ParamSlice` that device holds, for every sliced leaf, checked against the
-    layout (shape, one buffer per history of the leaf, each of its dtype and `slots` long)."""
+def _slices(layout: StoredViews, records: list[RankRecord]) -> dict[tuple[int, int, int], ParamSlice]:
+    """`(leaf, block, rank)` -> the `ParamSlice` that device holds, checked against the layout."""
     by_rank: dict[tuple[int, int], list[RankRecord]] = {}
     for rec in records:
         by_rank.setdefault((rec.world_size, rec.rank), []).append(rec)
@@ -67,7 +56,7 @@ def _slices(layout: Layout, records: list[RankRecord]) -> dict[tuple[int, int, i
     return out
 
 
-def _shared(layout: Layout, records: list[RankRecord]) -> dict[int, np.ndarray]:
+def _shared(layout: StoredViews, records: list[RankRecord]) -> dict[int, np.ndarray]:
     """Entry index -> value of every shared entry, from the records' clocks (which must agree)."""
     for rec in records[1:]:
         diff = clock_difference(records[0].clocks, rec.clocks)
@@ -87,23 +76,18 @@ def _shared(layout: Layout, records: list[RankRecord]) -> dict[int, np.ndarray]:
     return out
 
 
-class _Regions:
-    """Any region of the target's stored arrays, from checked records."""
+class _Records(_regions.Regions):
+    """Any region of the target's stored arrays, from checked records (the target has no owned leaves)."""
 
-    def __init__(self, layout: Layout, slices: dict, shared: dict[int, np.ndarray]):
-        self.layout, self.slices, self.shared = layout, slices, shared
+    def __init__(self, layout: StoredViews, slices: dict, shared: dict[int, np.ndarray]):
+        super().__init__(layout, shared)
+        self.slices = slices
 
-    def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
-        if array.local is not None:  # local accumulators at a cycle boundary (checked) are zero
-            return aligned_zeros(tuple(hi - lo for lo, hi in region), array.dtype)
-        e = self.layout.entries[array.entry]
-        if e.leaf is None:
-            out = aligned_empty(tuple(hi - lo for lo, hi in region), e.dtype)
-            out[...] = self.shared[array.entry][tuple(slice(lo, hi) for lo, hi in region[1:])]
-            return out
-        leaf = self.layout.leaves[e.leaf]
-        (lo, hi), = region
-        out = aligned_empty(hi - lo, e.dtype)
+    def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        e = self.target.entries[j]
+        leaf = self.target.leaves[e.leaf]
+        lo, hi = span
+        out = aligned_empty(hi - lo, dtype)
         at = lo
         while at < hi:
             (b, r), c = divmod(at // leaf.slots, leaf.group), at % leaf.slots
@@ -114,10 +98,8 @@ class _Regions:
 
 
 def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Sequence[RankRecord]) -> Any:
-    """A zero1 state in the structure, layout and shardings of `target`, holding the histories and clocks of
-    rank-local `records`: what `zo.reshard_explicit` (or `zo.load_rank_records`) returns, on the new mesh.
-
-    Train on it, or save it with `zo.ZeroSave` as a checkpoint that `zo.ZeroRestore(target)` reads.
+    """A zero1 state like `target` holding the histories and clocks of rank-local `records` (what
+    `zo.reshard_explicit` or `zo.load_rank_records` return), to train on or save with `zo.ZeroSave`.
 
     Args:
       target: a state holding one zero1 state, from `tx.init` on the new mesh (concrete, or abstract from
@@ -163,7 +145,7 @@ def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Seq
     if layout.accumulate == LOCAL and _regions.micro_step(layout, shared):
         raise _Error(f"{WHERE}: the records were taken mid-cycle of accumulate=\"local\", whose per-device sums "
                      "they do not hold; take them at a cycle boundary.")
-    regions = _Regions(layout, slices, shared)
+    regions = _Records(layout, slices, shared)
     specs = _arrays.stored_arrays(layout, 0)
     arrays = [_restore.build(a, _restore.concrete_sharding(s.sharding, f"{WHERE}: the target's array {a.name}"),
                              regions.region)

@@ -1,20 +1,10 @@
 """Orbax checkpointing of zero1 states: `ZeroCheckpointHandler`, `ZeroSave`, `ZeroRestore`.
 
-The handler wraps Orbax's `PyTreeCheckpointHandler` the way `ocp.StandardCheckpointHandler` does: the state's arrays
-are saved by Orbax's own serialization as one flat dict `{name: jax.Array}` (zarr3 arrays in OCDBT databases, a few
-files per process, merged by `finalize`), each host writing only the shards it holds, on any path Orbax accepts
-(local or `gs://`). Beside them, the primary host writes the versioned record (`zero_record.json`, see
-`zero_optax.checkpoint._record`) that says what every array is. Orbax writes the item into a temporary directory
-that it renames once every host has finished, so a checkpoint is complete or absent.
-
-Restoring checks the record field by field and against the target before reading any array, then loads into the
-target's layouts and shardings (`zero_optax.checkpoint._restore`); with `reshard=True` the target may have another
-world size or tensor-parallel and expert axis sizes, and each host reads only the regions its devices need.
+Like `ocp.StandardCheckpointHandler`, the handler wraps Orbax's `PyTreeCheckpointHandler`, which saves the state's
+arrays as one flat dict (each host writing its own shards); beside them the primary host writes the record
+(`_record`). Restoring checks everything against the target before reading any array (`_restore`).
 
 Example::
-
-    import orbax.checkpoint as ocp
-    import zero_optax as zo
 
     with ocp.CheckpointManager(path) as mngr:
       mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
@@ -53,12 +43,10 @@ def _run_sync(coro) -> Any:
 class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
     """An Orbax handler that saves and restores pytrees of zero1 states, validated, without pickling.
 
-    Use it through `ocp.args.Composite(..., opt_state=zo.ZeroSave(state))` in an `ocp.CheckpointManager`, or on
-    its own with `ocp.Checkpointer(zo.ZeroCheckpointHandler())` / `ocp.AsyncCheckpointer(...)`. Every process
-    calls `save`; Orbax writes each process's shards and the primary host writes the record. A restore loads
-    into the layouts and shardings of a target state from `tx.init` on the restoring mesh (concrete, or abstract
-    from `jax.eval_shape`), after checking that the checkpoint matches it; `zo.ZeroRestore(target,
-    reshard=True)` also restores a checkpoint saved on another mesh.
+    Use it through `zo.ZeroSave` / `zo.ZeroRestore` in an `ocp.CheckpointManager` (`ocp.args.Composite`), or with
+    `ocp.Checkpointer(zo.ZeroCheckpointHandler())`. Every process calls `save`. A restore loads into the layouts
+    and shardings of a target state from `tx.init` on the restoring mesh (concrete or abstract), after checking
+    that the checkpoint matches it.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, tempfile, orbax.checkpoint as ocp, zero_optax as zo
@@ -74,52 +62,32 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
       [0.0, 0.0, 0.0]
     """
 
-    def __init__(
-        self,
-        *,
-        save_concurrent_gb: int = 96,
-        restore_concurrent_gb: int = 96,
-        multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions(),
-    ):
+    def __init__(self, *, save_concurrent_gb: int = 96, restore_concurrent_gb: int = 96,
+                 multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions()):
         """Creates the handler.
 
         Args:
-          save_concurrent_gb: passed to Orbax's `PyTreeCheckpointHandler`: how many GB may be in flight while
-            saving.
-          restore_concurrent_gb: the same for a restore that Orbax reads.
+          save_concurrent_gb: how many GB Orbax's `PyTreeCheckpointHandler` may have in flight while saving.
+          restore_concurrent_gb: the same while restoring.
           multiprocessing_options: see `orbax.checkpoint.options`; `primary_host` writes the record.
         """
         self._primary_host = multiprocessing_options.primary_host
         self._impl = ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=save_concurrent_gb,
-            restore_concurrent_gb=restore_concurrent_gb,
-            multiprocessing_options=multiprocessing_options,
-            use_ocdbt=True,
-            use_zarr3=True,
-        )
+            save_concurrent_gb=save_concurrent_gb, restore_concurrent_gb=restore_concurrent_gb,
+            multiprocessing_options=multiprocessing_options, use_ocdbt=True, use_zarr3=True)
 
     @classmethod
     def typestr(cls) -> str:
-        """The name Orbax writes for this handler into a checkpoint's metadata (`item_handlers`).
-
-        Fixed at the handler's 0.2.0 home, `zero_optax._checkpoint`, so checkpoints keep their metadata when the
-        module moves (Orbax's default is the class's current module path).
-        """
+        """The name Orbax writes for this handler into a checkpoint's metadata, fixed whatever module holds it."""
         return TYPESTR
 
-    async def async_save(
-        self,
-        directory: Any,
-        item: Any = None,
-        args: ZeroSave | None = None,
-    ) -> list[ocp.future.Future] | None:
+    async def async_save(self, directory: Any, item: Any = None,
+                         args: ZeroSave | None = None) -> list[ocp.future.Future] | None:
         """Starts saving: checks the location and the state, hands the arrays to Orbax (which copies this
-        process's shards to host memory before returning) and returns the futures that write them and the
-        record.
+        process's shards to host memory before returning), and returns the futures that write them and the record.
 
         Args:
-          directory: the item directory (Orbax's temporary directory, which may be created in the background;
-            the futures wait for it).
+          directory: the item directory.
           item: deprecated; use `args`.
           args: `ZeroSave`.
 
@@ -127,8 +95,8 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
           Commit futures; when they are done this process's part of the checkpoint is written.
 
         Raises:
-          ZeroCheckpointError: at once, for a location that cannot hold a checkpoint (an unsupported scheme, a
-            parent that is a file) or a state that cannot be saved.
+          ZeroCheckpointError: at once, for a location that cannot hold a checkpoint or a state that cannot be
+            saved.
         """
         if isinstance(item, ocp.args.CheckpointArgs):
             raise ValueError("Make sure to specify kwarg name `args=` when providing `ZeroSave`.")
@@ -178,10 +146,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._impl.restore(directory, args=ocp.args.PyTreeRestore(item=structs, restore_args=restore_args))
 
     def metadata(self, directory: Any) -> dict[str, Any]:
-        """The checkpoint's record (a dict, see `zero_optax.checkpoint._record`), after checking every field.
-
-        The arrays' own Orbax metadata is `ocp.PyTreeCheckpointHandler().metadata(directory)`.
-        """
+        """The checkpoint's record (a dict, see `zero_optax.checkpoint._record`), after checking every field."""
         record = _record.read(directory)
         _schema.parse(record, str(_paths.as_path(directory)))
         return record
@@ -201,9 +166,11 @@ class ZeroSave(ocp.args.CheckpointArgs):
     """Saves an optax state that contains zero1 states, with `ZeroCheckpointHandler`.
 
     Attributes:
-      item: the optimizer state, e.g. `opt_state` from `tx.init`/`tx.update` where `tx` is or contains
-        `zero_optax.zero1` (or Flax's `nnx.Optimizer(...).opt_state`). Every array leaf must belong to a zero1
-        state; save other arrays with `ocp.args.StandardSave`.
+      item: the optimizer state from a `tx` that is or contains `zo.zero1` (or `nnx.Optimizer(...).opt_state`).
+        Every array leaf must belong to a zero1 state; save other arrays with `ocp.args.StandardSave`.
+
+    Example:
+      `mngr.save(step, args=ocp.args.Composite(opt_state=zo.ZeroSave(opt_state)))`; see `ZeroCheckpointHandler`.
     """
 
     item: Any
@@ -219,12 +186,13 @@ class ZeroRestore(ocp.args.CheckpointArgs):
 
     Attributes:
       target: a state of the same optimizer from `tx.init` on the restoring mesh, concrete or abstract
-        (`jax.eval_shape`, or `jax.ShapeDtypeStruct`s with `sharding`), possibly inside Flax Variables. The
-        restored state has its structure, layouts and shardings. Required; it defaults to None only so that
-        Orbax's restore without arguments reaches the handler and gets an explanation.
-      reshard: allow a target on another mesh (data, tensor-parallel and expert axis sizes; or with other
-        owners) than the checkpoint's: each host then reads only the coordinates and owned leaves its devices
-        hold, exactly as `zero_optax.reshard` followed by a restore would give them.
+        (`jax.eval_shape`), possibly inside Flax Variables; the result has its structure, layouts and shardings.
+        Required: the default None only lets Orbax's restore without arguments reach an explanation.
+      reshard: allow a target on another mesh (data, tensor-parallel and expert axis sizes, owners): each host
+        reads only what its devices hold, exactly as `zo.reshard` and a restore would give.
+
+    Example:
+      `mngr.restore(step, args=ocp.args.Composite(opt_state=zo.ZeroRestore(target, reshard=True)))`.
     """
 
     target: Any = None

@@ -1,12 +1,8 @@
-"""Putting a finished directory in place atomically, on a local file system (the offline `zero_optax.reshard`).
+"""Putting a finished directory in place atomically on a local file system (for the offline `zo.reshard`).
 
-The new directory is written as a hidden sibling of the destination, flushed to stable storage (every file and
-directory, children first), then renamed into place and the parent flushed, so a power loss never exposes a
-destination with missing or incomplete files. Replacing an existing destination swaps the two directories in
-one step with Linux's `renameat2(RENAME_EXCHANGE)` and deletes the old one afterwards; where that call is
-unavailable it falls back to moving the old destination aside first (a crash between the two renames then leaves
-no destination, never a partial one). This is the only module that calls `os` on checkpoint paths: atomic
-directory replacement has no `epath` or TensorStore equivalent, and it is only used on local paths.
+The new directory is written as a hidden sibling, flushed to stable storage, and renamed into place, so a power
+loss never exposes a partial destination; an existing one is swapped in one step (`renameat2(RENAME_EXCHANGE)`)
+where Linux offers it. The only module that calls `os` on checkpoint paths: `epath` has no atomic replacement.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import ctypes.util
 import errno
 import os
 import shutil
+from typing import Any
 
 from zero_optax.core._errors import ZeroCheckpointError
 
@@ -76,17 +73,23 @@ def temporary_sibling(dst: str, what: str) -> str:
 
 
 def remove(path: str) -> None:
+    """Removes a directory tree, a file or a link, if there is one."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
 
 
+def already_exists(dst: Any) -> ZeroCheckpointError:
+    """The error for an existing destination replaced without `force`."""
+    return ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+
+
 def install(tmp: str, dst: str, force: bool) -> None:
     """Renames the finished directory `tmp` to `dst`; an existing `dst` is replaced only with `force`.
 
-    Raises:
-      ZeroCheckpointError: `dst` exists and `force` is False.
+    Without `renameat2` the old destination is moved aside first: a crash between the two renames then leaves no
+    destination, never a partial one.
     """
     fsync_tree(tmp)
     parent = os.path.dirname(dst)
@@ -96,7 +99,7 @@ def install(tmp: str, dst: str, force: bool) -> None:
         fsync_path(parent)
         return
     if not force:
-        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+        raise already_exists(dst)
     if renameat2(tmp, dst, _RENAME_EXCHANGE):  # tmp now holds the old destination
         fsync_path(parent)
         remove(tmp)

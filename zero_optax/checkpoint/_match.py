@@ -1,11 +1,8 @@
 """Whether a saved zero1 state can be restored into a target state, and the first difference if not.
 
-A plain restore (`reshard=False`) needs the target's layout to be the saved one: the same world size, owners,
-slots and packing. A restore onto another mesh (`reshard=True`) needs only what resharding keeps: the same
-partition, parameter leaves (paths, dtypes, which are sliced or owned, and each leaf's logical shape: a sliced
-leaf's blocks may be cut anew over tensor-parallel or expert axes of other sizes, `zero_optax.checkpoint._tp_blocks`),
-inner-state tree and entries (paths, leaves, dtypes, roles, and shapes where they do not depend on the mesh) and
-master dtype. The world size, the other mesh axes, owners and slots may change.
+A plain restore needs the saved layout itself (world size, owners, slots, packing). A restore onto another mesh
+(`reshard=True`) needs only what resharding keeps: the partition, the leaves' paths, dtypes, kinds and logical
+shapes, the inner-state tree, the entries and the master dtype.
 
 Examples:
   >>> from zero_optax.checkpoint import _match
@@ -20,13 +17,13 @@ from typing import Any
 
 from zero_optax.checkpoint import _tp_blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import AUTO, Layout, StoredLayout
+from zero_optax.layout._layout import AUTO, StoredLayout, StoredViews
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
-"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`zero_optax.checkpoint._tp_blocks`)."""
+"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_tp_blocks`)."""
 _BLOCKS = ("shape", "axes", "blocks", "dims")
 
 
@@ -48,19 +45,16 @@ def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, 
 
 
 def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> dict[str, Any]:
-    """The parts of a state record that resharding keeps, `sliced` saying which leaves are sliced on either side,
-    `blocked` which are sliced or cut into blocks of a whole owned tensor (`ParamLeaf.dims`) on either side: their
-    blocks may change, their entries' whole shapes may not (`partition_difference` checks the rest)."""
+    """The parts of a state record that resharding keeps. Leaves `blocked` (sliced, or owned in tensor-parallel
+    blocks, on either side) may change blocks; entries of leaves `sliced` on either side may change shape."""
     leaves = [{k: v for k, v in x.items() if k not in _PER_MESH + (_BLOCKS if s else ())}
               for x, s in zip(rec["leaves"], blocked)]
     entries = [dict(e, shape=None) if e["leaf"] is not None and sliced[e["leaf"]] else e for e in rec["entries"]]
     return dict(rec, leaves=leaves, entries=entries)
 
 
-def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshard: bool) -> None:
-    """Raises `ZeroCheckpointError` naming the first way zero1 state `k` of a checkpoint cannot be restored into
-    a state with layout `target`."""
-    a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
+def check(saved_layout: StoredLayout, target: StoredViews, k: int, where: str, reshard: bool) -> None:
+    """Refuses, naming the first difference, a saved state `k` that cannot be restored into layout `target`."""
     if not reshard:
         if saved_layout.world_size != target.world_size:
             m = target.world_size
@@ -69,12 +63,14 @@ def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshar
                 f"Restore it with zo.ZeroRestore(target, reshard=True), or convert the checkpoint first with "
                 f"zo.reshard(src, dst, world_size={m}) (`python -m zero_optax.reshard SRC DST --world-size {m}`; "
                 f"zero_optax.reshard).")
-        difference = partition_difference(saved_layout, target, where) or first_difference(a, b, where, PLAIN_KEYS)
+        difference = (partition_difference(saved_layout, target, where)
+                      or plain_difference(saved_layout, target, k, where))
     else:
         difference = partition_difference(saved_layout, target, where, reshard=True)
         if difference is None:
             sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
             blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
+            a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
             difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
                                           RESHARD_KEYS)
     if difference is not None:
@@ -83,13 +79,15 @@ def check(saved_layout: StoredLayout, target: Layout, k: int, where: str, reshar
         _tp_blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
-def partition_difference(saved: StoredLayout, target: StoredLayout | Layout, where: str, reshard: bool = False) -> str | None:
-    """A sentence naming how the partition differs between a checkpoint and a target (the partition itself, or
-    a leaf sliced in one and owned in the other), and what to do; None if it does not.
+def plain_difference(saved: StoredViews, target: StoredViews, k: int, where: str) -> str | None:
+    """The first difference between the records of two layouts of state `k` that a plain restore cannot bridge."""
+    return first_difference(_record.state_record(saved, k), _record.state_record(target, k), where, PLAIN_KEYS)
 
-    With `reshard`, a leaf that `partition="auto"` slices on one mesh and owns on the other (a vector split over a
-    tensor-parallel axis there, small enough to own here) is no difference: its state is a history per
-    coordinate in both, whole on its owner or cut in slices."""
+
+def partition_difference(saved: StoredViews, target: StoredViews, where: str, reshard: bool = False) -> str | None:
+    """A sentence naming how the partition differs (itself, or a leaf sliced in one and owned in the other) and
+    what to do; None if it does not. With `reshard`, a leaf `"auto"` slices on one mesh and owns on the other is no
+    difference when its state is a history per coordinate in both."""
     fix = ("Resharding moves a state between meshes, not between partitions: build the target with the "
            "checkpoint's zero1 settings, or move the state through plain optax (restore it on its own mesh, "
            "`zo.gather_state`, then `zo.scatter_state` with the new zero1).")

@@ -1,20 +1,9 @@
-"""Offline resharding of a zero1 checkpoint onto another mesh, exactly, with TensorStore and numpy only.
+"""Offline resharding of a zero1 checkpoint item directory onto another mesh (`zo.reshard`), exactly.
 
-Sliced leaves are re-cut coordinate by coordinate (each block's padded history is contiguous, so a new device's
-coordinates are one read of the old block where the leaf's blocks stay; where a tensor-parallel or expert axis
-changes size, the new blocks are cut out of the old ones, `zero_optax.checkpoint._tp_blocks`; new padding is zero);
-owned leaves move their complete state from the
-old owner's row to the new owner's; shared entries (step counts) are copied after checking that every old row
-agrees. Nothing is replayed or summed, so a run restored from the result continues exactly.
-
-The output is the same arrays under the same names as a checkpoint Orbax writes, zarr3 in an OCDBT database, but
-written by TensorStore alone (`"storage": "tensorstore"` in the record): Orbax's own metadata files can only be
-written by Orbax's handlers from whole `jax.Array`s, not streamed chunk by chunk. `ZeroRestore` reads both forms.
-Arrays are written one chunk (at most `CHUNK_ELEMENTS`) at a time and committed in bounded transactions, so memory
-does not grow with the checkpoint. On a local file system the output is written into a hidden sibling of the
-destination and renamed into place (`zero_optax.checkpoint._install`). On object stores (`gs://`), which cannot rename, it
-is finished the way Orbax finishes checkpoints there (`zero_optax.checkpoint._commit`): arrays, then the record, then
-Orbax's commit file, which every reader requires, so an interrupted run leaves no readable checkpoint.
+Every array of the new layout is written chunk by chunk from `_regions.Remap`, so memory does not grow with the
+checkpoint. The output is zarr3 over OCDBT written by TensorStore alone (`"storage": "tensorstore"`): Orbax's own
+metadata can only come from whole `jax.Array`s. It appears atomically: on a local file system by a rename
+(`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
 """
 
 from __future__ import annotations
@@ -25,18 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import (
-    _arrays,
-    _commit,
-    _install,
-    _paths,
-    _record,
-    _regions,
-    _schema,
-    _shapes,
-    _store,
-    _offline_target,
-)
+from zero_optax.checkpoint import (_arrays, _commit, _install, _offline_target, _paths, _record, _regions, _restore,
+                                   _schema, _shapes, _store)
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._layout import LEAF, StoredLayout
 
@@ -47,14 +26,10 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
-    """The checked record of `src`, its arrays (every one checked present and complete) and the shared entries'
-    values (checked to agree on every row)."""
+    """The checked record of `src`, its checked arrays and each state's shared entries' values."""
     path = _paths.as_path(src)
-    saved = _schema.parse(_record.read(path), str(path))
-    store = _store.ItemArrays(path)
-    _shapes.check(path, saved, store)
-    store.check([a for s in saved.states for a in s.arrays])
-    return saved, store, [_regions.shared_values(s, store.read, str(path)) for s in saved.states]
+    saved = _schema.load(path)
+    return saved, *_restore.checked_arrays(path, saved)
 
 
 def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
@@ -85,7 +60,7 @@ def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence
 
 def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
             specs: _offline_target.Specs, owners: Sequence[int] | None, where: str) -> StoredLayout:
-    """The layout saved state `saved` has on the target mesh."""
+    """The layout of saved state `saved` on the target mesh."""
     where = f"{where}: state {saved.index}"
     n, sizes = _offline_target.target_sizes(saved.layout, world_size, axis_sizes, where)
     return _offline_target.new_layout(saved.layout, n, sizes, owners, specs, where)
@@ -109,7 +84,7 @@ def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
 
 
 def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
-    """The chunk-sized regions of an array, in order (leading dimensions one index at a time)."""
+    """The chunk-sized regions of an array, in order."""
     if any(d == 0 for d in shape):
         return
     if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
@@ -124,6 +99,7 @@ def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
 
 def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
            layouts: list[StoredLayout], specs: list[_offline_target.Specs], progress: Progress | None) -> None:
+    """Writes every array of `layouts` into `dst`, then the record, then the commit file."""
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
     done = 0
@@ -154,38 +130,23 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     """Converts a zero1 checkpoint item directory to another mesh (data-parallel size, tensor-parallel and expert
     axis sizes), exactly.
 
-    Sliced leaves (the flat partition, and `"auto"`'s sliced leaves): every block's coordinate histories are cut
-    again into `ceil(size / group)` slots per device (zero padding); where an axis a leaf is sharded over changes
-    size (or appears, or goes), the leaf's logical array is cut into the new blocks first. Owned leaves (the leaf
-    partition): each leaf's complete state moves to its new owner (`owners`, else balanced by state bytes the way
-    `zero1` balances them) and the buffers are packed anew. Shared entries (step counts) are copied after
-    checking that every old row agrees. Dtypes (f32, bf16, f16 ...) and absent histories are kept.
-
-    The target mesh is `axis_sizes` (every axis of it, the ZeRO axes included; an axis left out is not in the
-    target mesh), or, with `world_size` alone, the saved mesh with the ZeRO axes at `world_size` devices. A
-    sliced leaf stays sharded over those of its axes the target mesh has, and an axis that changes size cuts the
-    only dimension of its block that it divides. Where several would do (a square block, say), or a leaf is to
-    be sharded over an axis it was not, `param_specs` says which: the parameters' `PartitionSpec`s, the same on
-    both meshes (a pytree shaped like the parameters, or a mapping of leaf paths such as `"['w']"`). A restore
-    with `zo.ZeroRestore(target, reshard=True)` needs neither: it reads the blocks from the target.
-
-    Every source field and array is checked before anything is written. The output (zarr3 over OCDBT, written
-    by TensorStore) is written into a temporary sibling of `dst_dir` and renamed into place, so `dst_dir`
-    appears complete or not at all, and `force` swaps it for an existing one in one step. On `gs://` the output
-    is written in place and marked finished last with Orbax's `commit_success.txt`, without which neither Orbax
-    nor `ZeroRestore` reads it; `force` there first deletes the existing destination (its commit file first),
-    so an interrupted replacement leaves no checkpoint, neither the old nor the new. Arrays are copied one
-    chunk at a time, so peak memory does not grow with the checkpoint. `ZeroRestore` reads the result at the
-    new mesh (and, with `reshard=True`, on any other).
+    Sliced leaves' histories are cut again into `ceil(size / group)` slots per device (zero padded), through the
+    leaf's logical array where an axis it is sharded over changes size. Owned leaves move whole to their new
+    owners. Shared entries (step counts) are copied after checking that every old row agrees. Every source field
+    and array is checked before anything is written; the result appears complete or not at all (on `gs://`,
+    `force` deletes the old destination first), and memory does not grow with the checkpoint.
 
     Args:
       src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.
       dst_dir: where to write the converted item directory.
       world_size: the new number of devices along each state's ZeRO axes (the other axes keep their sizes).
-      axis_sizes: the target mesh, axis name -> size (e.g. `{"data": 2, "model": 4}`), instead of `world_size`.
-      param_specs: where the blocks cannot tell, the parameters' `PartitionSpec`s (see above).
+      axis_sizes: the target mesh, every axis (the ZeRO axes included), e.g. `{"data": 2, "model": 4}`, instead
+        of `world_size`; an axis left out is not in the target mesh.
+      param_specs: the parameters' `PartitionSpec`s (a pytree like the parameters, or a mapping of leaf paths
+        such as `"['w']"`), where a leaf's blocks cannot tell which dimension a resized axis cuts (a square
+        block) or a leaf is to be sharded over a new axis. `ZeroRestore(target, reshard=True)` needs none.
       owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
-        (a list or None) per zero1 state. None balances.
+        (a list or None) per zero1 state. None balances them the way `zero1` does.
       force: replace an existing `dst_dir`.
       progress: optional `progress(done_bytes, total_bytes)` callback.
 
@@ -207,7 +168,7 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     if axis_sizes is not None:
         axis_sizes = _offline_target.check_axis_sizes(axis_sizes)
     if dst.exists() and not force:
-        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.")
+        raise _install.already_exists(dst)
     if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
         raise ZeroCheckpointError(
             f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
@@ -229,6 +190,6 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
         _write(tmp, saved, store, shared, layouts, specs, progress)
         _install.install(tmp, str(dst), force)
     except FileExistsError:
-        raise ZeroCheckpointError(f"{dst} already exists; pass force=True (--force) to replace it.") from None
+        raise _install.already_exists(dst) from None
     finally:
         _install.remove(tmp)

@@ -1,9 +1,4 @@
-"""The offline tool's target: a saved state's layout on a mesh given by its axis sizes, without devices.
-
-`zero_optax.reshard` is told the target mesh (`world_size=`, or `axis_sizes={"data": 2, "model": 4}`) and,
-where the blocks alone cannot tell it, the parameters' `PartitionSpec`s (`param_specs=`). From those and the
-saved `StoredLayout` it builds the one a `zero1` state on that mesh records: sliced leaves with their new axes,
-block shapes, groups and slots; owned leaves with their new owners.
+"""The offline `zo.reshard`'s target: a saved `StoredLayout` on a mesh given by its axis sizes, without devices.
 
 Examples:
   >>> from zero_optax.checkpoint import _offline_target
@@ -33,6 +28,7 @@ Specs = dict[str, Sequence[Any]]
 
 
 def check_world_size(world_size: Any) -> int:
+    """`world_size` (or an axis size) checked: a positive int up to `_schema.MAX_WORLD_SIZE`."""
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ZeroCheckpointError(f"`world_size` must be a positive int, got {world_size!r}.")
     if world_size > _schema.MAX_WORLD_SIZE:
@@ -52,6 +48,7 @@ def parse_axis_sizes(text: str) -> dict[str, int]:
 
 
 def check_axis_sizes(axis_sizes: Any) -> dict[str, int]:
+    """`axis_sizes` checked: a non-empty mapping of axis names to sizes."""
     if not isinstance(axis_sizes, Mapping) or not axis_sizes:
         raise ZeroCheckpointError(f"`axis_sizes` must be a non-empty mapping of mesh axis names to sizes, such "
                                   f"as {{'data': 2, 'model': 4}}; got {axis_sizes!r}.")
@@ -83,13 +80,10 @@ def specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
 
 def target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None, where: str
                  ) -> tuple[int, dict[str, int]]:
-    """The target's world size and axis sizes: `axis_sizes` as given (every ZeRO axis named; a mesh axis left out
-    is absent), or the saved mesh axes with the ZeRO axes at `world_size`."""
+    """The target's world size and axis sizes: `axis_sizes` as given (every ZeRO axis named), or else the saved
+    mesh axes with the ZeRO axes at `world_size` (`zo.reshard` has checked that one of the two is given)."""
     zero = old.axes
     if axis_sizes is None:
-        if world_size is None:
-            raise ZeroCheckpointError("Give the target mesh: `world_size=` (the data-parallel size) or "
-                                      "`axis_sizes=` (every axis, e.g. {'data': 2, 'model': 4}).")
         experts = [x.path for x in old.leaves if set(x.axes) & set(zero)]
         if experts and len(zero) > 1:
             raise ZeroCheckpointError(
@@ -110,9 +104,8 @@ def target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str
 
 def new_layout(old: StoredLayout, n: int, sizes: dict[str, int], owners: Sequence[int] | None, specs: Specs,
                where: str) -> StoredLayout:
-    """`old` on a mesh of `n` devices along its ZeRO axes and axis sizes `sizes`: sliced leaves cut anew (their
-    blocks over the target's axes, `zero_optax.checkpoint._tp_blocks.target_blocks`), owned leaves given `owners`
-    (default: balanced the way `zero1` balances them at `init`) and their blocks on the target (`_owned_leaf`)."""
+    """`old` on a mesh of `n` devices along its ZeRO axes and axis sizes `sizes`: sliced leaves cut anew
+    (`_tp_blocks.target_blocks`), owned leaves given `owners` (default: balanced as `zero1` does)."""
     owned = [not x.sliced for x in old.leaves]
     if owners is None:
         owners = _owners.owners_for_entries(old.entries, owned, n)
@@ -140,12 +133,11 @@ def new_layout(old: StoredLayout, n: int, sizes: dict[str, int], owners: Sequenc
 
 def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
                 ) -> ParamLeaf:
-    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`. Its state is the whole tensor on any mesh; its
-    blocks (`ParamLeaf.dims`) are cut over the tensor-parallel axes that cut it, by `spec` where given, else as
-    saved, that the target has (an axis of size 1 only where it was saved)."""
+    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`: its state is the whole tensor; its blocks (`dims`)
+    are cut over the target's axes that cut it by `spec`, else as saved (an axis of size 1 only where saved)."""
     whole = old.whole_shape(x)
     if spec is not None:
-        cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        cut = _tp_blocks.spec_entries(spec)
         cut += [()] * (len(whole) - len(cut))
     else:
         cut = list(x.dims) or [()] * len(whole)

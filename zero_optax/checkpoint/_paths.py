@@ -1,8 +1,7 @@
 """Checkpoint locations: the paths Orbax accepts, as `etils.epath` paths and as TensorStore kvstores.
 
-Orbax stores arrays on a local file system (absolute paths, TensorStore's `file` driver) or on Google Cloud
-Storage (`gs://bucket/...`, the `gcs` driver); zero_optax accepts exactly those. Files are reached through
-`epath` (the record) or TensorStore (the arrays), never through `os`/`open`, so every location works alike.
+Local paths (TensorStore's `file` driver) and `gs://bucket/...` (the `gcs` driver), exactly what Orbax stores arrays
+at. Files are reached through `epath` or TensorStore, never `os`/`open`, so every location works alike.
 
 Examples:
   >>> from zero_optax.checkpoint import _paths
@@ -14,8 +13,10 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from etils import epath
@@ -27,11 +28,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]$")
 
 
 def as_path(directory: Any) -> epath.Path:
-    """`directory` (a str, `os.PathLike` or `epath.Path`) as an absolute `epath.Path`.
-
-    Raises:
-      ZeroCheckpointError: for a scheme Orbax cannot store arrays at (anything but local paths and `gs://`).
-    """
+    """`directory` (a str, `os.PathLike` or `epath.Path`) as an absolute `epath.Path`; refuses other schemes."""
     if not isinstance(directory, (str, os.PathLike)):
         raise ZeroCheckpointError(f"A checkpoint path must be a str or a path, got {type(directory).__name__}.")
     text = os.fspath(directory)
@@ -52,12 +49,17 @@ def is_local(path: epath.Path) -> bool:
     return not str(path).startswith("gs://")
 
 
-def check_writable(path: epath.Path) -> None:
-    """Refuses, before anything is written in the background, a location where a directory cannot be created.
+@contextlib.contextmanager
+def reading(path: Any) -> Iterator[None]:
+    """Turns an `OSError` raised while reading `path` into a `ZeroCheckpointError` naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
 
-    Local paths: `path` must not be a file, and its nearest existing ancestor must be a directory. Cloud paths
-    are checked for syntax only (`as_path`); access is checked by the first write.
-    """
+
+def check_writable(path: epath.Path) -> None:
+    """Refuses a local path that is a file or lies under one (`gs://` paths: syntax only, checked by `as_path`)."""
     if not is_local(path):
         return
     if path.exists() and not path.is_dir():

@@ -1,12 +1,8 @@
-"""Rank-local records: migrating parameters whose data-parallel groups differ, exactly, with numpy only.
+"""Rank-local records of zero1 states: read from a checkpoint, and migrated between data-parallel groups.
 
-A `RankRecord` is what one device of one data-parallel group holds of one zero1 state: a `ParamSlice` of
-coordinate histories per parameter plus the shared clocks. `reshard_explicit` re-slices each parameter from its
-own group of source records (one per old rank) to a target rank of a new group, as `Migration`s name them, so
-tensor-parallel or expert parameters whose groups differ can be moved together. `load_rank_records` reads such
-records from a zero1 checkpoint item directory (one per device of each data-parallel group);
-`zo.state_from_rank_records` (`zero_optax.checkpoint._from_rank_records`) builds migrated records into a state on the new
-mesh, to train on or save; `zero_optax.checkpoint._offline.reshard` converts whole directories.
+A `RankRecord` is what one device of one data-parallel group holds of one zero1 state. `reshard_explicit` moves
+each parameter from its own group of records to a new one, exactly, with numpy only, so that parameters whose
+groups differ (tensor-parallel, expert) move together.
 """
 
 from __future__ import annotations
@@ -29,10 +25,9 @@ class ParamSlice:
     """One parameter's coordinate histories on one device of its data-parallel group.
 
     Attributes:
-      shape: the parameter's shape (of a zero1 state on a mesh with model-parallel axes: its block's shape).
-      buffers: history name (for zero1 states, the inner-state entry path such as `"[0].mu['w']"`) -> 1-D numpy
-        array of this rank's `ceil(size / world_size)` coordinates, zero-padded at the tail, in its own dtype.
-        Empty for a parameter without history (frozen or never updated).
+      shape: the parameter's shape (on a mesh with model-parallel axes: its block's shape).
+      buffers: history name (for zero1 states, the entry path such as `"[0].mu['w']"`) -> 1-D numpy array of this
+        rank's `ceil(size / world_size)` coordinates, zero-padded at the tail. Empty for a parameter without one.
     """
 
     shape: tuple[int, ...]
@@ -66,9 +61,8 @@ class Migration:
       target_rank: the rank in the new data-parallel group whose coordinates this migration produces.
       target_world_size: the size of the new group.
       sources: indices into `records` of the whole old group: one record per old rank, in any order.
-      target: the output record this slice is placed into; defaults to `target_rank`, which is enough when all
-        migrated parameters share one data-parallel group. Give distinct labels (e.g. `("tp1", 0)`) when
-        tensor-parallel or expert groups reuse rank numbers.
+      target: the output record this slice goes into; defaults to `target_rank`. Give distinct labels (e.g.
+        `("tp1", 0)`) when tensor-parallel or expert groups reuse rank numbers.
     """
 
     param: str
@@ -82,15 +76,17 @@ def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[Rank
     """The rank-local records of zero1 state `state` of an item directory: one per device of each
     data-parallel group its sliced leaves are split over.
 
-    A sliced leaf is split into `blocks` blocks (one per model-parallel shard; 1 on a 1-D mesh) and each block
-    over a group of `group` devices (the world size, or fewer for expert leaves sharded over a ZeRO axis). Rank
-    `r` of a group of size `g` gets `RankRecord(rank=r, world_size=g)`, whose `params` hold, for every sliced
-    leaf split over `g` devices and every block `b` of it, the key `zero_optax.core._names.block_key(path, b,
-    blocks)`: the leaf path (`"['w']"`) when it has one block, else `"['w']#block<b>"`; each `ParamSlice` holds
-    the block's shape and one `slots`-long history per state entry (keyed by entry path, master copies
-    included). Records come ordered by group size, largest first, then rank. Clocks are the shared entries,
-    keyed by path. Owned leaves (the leaf partition) are not rank-local slices and are left out: move them with
-    `reshard(..., owners=)`. Loads the whole state into memory; `reshard` streams instead.
+    Rank `r` of a group of `g` devices gets `RankRecord(r, g)`, whose `params` hold, for every block `b` of every
+    sliced leaf split over `g` devices, the key `"['w']"` (one block) or `"['w']#block<b>"`, with one history per
+    state entry (master copies included). Records come by group size, largest first, then rank. Owned leaves are
+    left out (move them with `zo.reshard(..., owners=)`). Loads the whole state into memory; `zo.reshard` streams.
+
+    Args:
+      directory: an item directory written by `zo.ZeroSave` or `zo.reshard`, local or `gs://`.
+      state: which zero1 state of it, in tree order.
+
+    Returns:
+      The records, to migrate with `zo.reshard_explicit`.
 
     Raises:
       ZeroCheckpointError: the directory is not a valid zero1 checkpoint, `state` is out of range, or the state
@@ -125,6 +121,7 @@ def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[Rank
 
 
 def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> str | None:
+    """How two records' clocks differ, for an error message; None where they agree bit for bit."""
     if set(a) != set(b):
         return f"clocks {sorted(a)} vs {sorted(b)}"
     for name in sorted(a):
@@ -134,17 +131,8 @@ def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -
     return None
 
 
-def _check_group(i: int, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The sources of migration `i` sorted by rank, after every check that concerns them."""
-    where = f"migrations[{i}] (`{m.param}`)"
-    group = _source_group(where, m, records)
-    _check_sources_agree(where, m, group)
-    return sorted(group, key=lambda rec: rec.rank)
-
-
 def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The records `m.sources` names, after checking that they hold the parameter and are one record per rank of
-    one group (as many records as the world size they were saved with, each rank once)."""
+    """The records `m.sources` names, checked to hold the parameter and to be one per rank of one group."""
     for s in m.sources:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
             raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
@@ -167,8 +155,7 @@ def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> li
 
 
 def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> None:
-    """Refuses sources of one parameter that differ in their clocks, in which optional buffers they hold, in the
-    parameter's shape, or in a buffer's dtype or shape (`ceil(size / len(group))` coordinates each)."""
+    """Refuses sources of one parameter that differ in clocks, buffer names, shape, or a buffer's dtype or size."""
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
@@ -189,15 +176,15 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
                              f"records[{s}].")
             if x.shape != (slot_count(size, len(group)),):
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
-                             f"parameter of {size} elements on {len(group)} ranks has ({slot_count(size, len(group))},).")
+                             f"parameter of {size} elements on {len(group)} ranks has "
+                             f"({slot_count(size, len(group))},).")
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
     """Migrates parameters whose data-parallel groups differ, each from its own group of rank-local records.
 
-    For every migration the source records (one per old rank) are concatenated in rank order, the padding is
-    dropped and the target rank's `ceil(size / target_world_size)` coordinates are cut out (zero padded).
-    Clocks are copied and must agree between all sources of a target; nothing is replayed or summed.
+    Per migration, the sources' histories are joined in rank order and the target rank's `ceil(size /
+    target_world_size)` coordinates cut out (zero padded). Clocks are copied and must agree; nothing is summed.
 
     Args:
       records: the rank-local source records, e.g. `load_rank_records(dir)` of several checkpoints joined.
@@ -239,7 +226,10 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
             r0, n0, j = placed[key]
             raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
                          f"of {n}: one target record has one placement.")
-        group = _check_group(i, m, records)
+        where = f"migrations[{i}] (`{m.param}`)"
+        group = _source_group(where, m, records)
+        _check_sources_agree(where, m, group)
+        group.sort(key=lambda rec: rec.rank)
         if key in out and (diff := clock_difference(out[key].clocks, group[0].clocks)):
             raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")

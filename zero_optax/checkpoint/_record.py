@@ -1,14 +1,7 @@
-"""The record of a zero1 checkpoint: a versioned JSON document that describes every array the checkpoint holds.
+"""The record of a zero1 checkpoint: a versioned JSON document, `<item>/zero_record.json`, beside the arrays.
 
-An item directory written by `ZeroCheckpointHandler` (or by `zero_optax.reshard`) holds the record, written once
-by the primary host, beside the arrays::
-
-    <item>/zero_record.json     this record
-    <item>/...                  the arrays, zarr3 over OCDBT: Orbax's own files (`"storage": "orbax"`), or
-                                TensorStore's alone (`"storage": "tensorstore"`, written offline by
-                                `zero_optax.reshard`); the array names are the same in both
-
-The record (format version 2)::
+The arrays are zarr3 over OCDBT, written by Orbax (`"storage": "orbax"`) or by TensorStore alone (`"tensorstore"`,
+the offline `zo.reshard`), under the same names. The record (format version 2)::
 
     {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.4.0",
      "storage": "orbax" | "tensorstore",
@@ -18,6 +11,7 @@ The record (format version 2)::
         "mesh_axes": [["model", 2]],  # the other mesh axes parameters are sharded over, with their sizes
         "replica_axes": [["replica", 2]],  # optional: the mesh axes the state is replicated over (stored once)
         "master_dtype": null | "float32",
+        "accumulate": {"mode": "local", "steps": 4},  # optional: accumulate="local"'s per-device sums are stored
         "owners": null | [int or null per leaf],
         "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"[, "dims"]}],
                      # dims: an owned leaf sharded over tensor-parallel axes, the axes cutting each dimension;
@@ -25,12 +19,11 @@ The record (format version 2)::
         "state_tree": "<tree_signature of the inner optimizer's state>",
         "entries": [{"path", "leaf", "shape", "dtype", "role"[, "key_impl"]}],   # key_impl: a typed key's data
         "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
-        "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"}],   # zero_optax.checkpoint._arrays
+        "arrays":  [{"name", "shape", "dtype", "spec", "entry", "buffer"[, "local"]}],   # see `_arrays`
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
 
-Shapes are local blocks (`zero_optax.layout._layout`); `spec` lists, per array dimension, the mesh axes it is
-sharded over. Nothing is pickled and no name is taken from the record: `zero_optax.checkpoint._schema` checks every
-field before anything is read, and array names are formatted by `zero_optax.core._names` from checked values.
+Shapes are local blocks. Nothing is pickled, and `_schema` checks every field before anything is read. Optional
+fields are written only where used, so records without them stay byte-identical to format 2's.
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.layout._layout import LOCAL, Layout, StoredLayout
+from zero_optax.layout._layout import LOCAL, StoredViews
 from zero_optax.layout._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"
@@ -59,18 +52,15 @@ MAX_DEPTH = 16
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
-# ------------------------------------------------------------------------------------------------ building
-
-
 def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
     out = {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "spec": [list(axes) for axes in a.spec],
            "entry": a.entry, "buffer": a.buffer}
-    if a.local is not None:  # only local accumulators: format-2 records without them stay byte-identical
+    if a.local is not None:
         out["local"] = a.local
     return out
 
 
-def packing_json(layout: StoredLayout | Layout, pack=None) -> dict[str, Any] | None:
+def packing_json(layout: StoredViews, pack=None) -> dict[str, Any] | None:
     pack = layout.state_packing if pack is None else pack
     if not pack.sizes:
         return None
@@ -78,7 +68,7 @@ def packing_json(layout: StoredLayout | Layout, pack=None) -> dict[str, Any] | N
             "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]}
 
 
-def state_record(layout: StoredLayout | Layout, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
+def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
     pack = layout.state_packing
@@ -98,14 +88,13 @@ def state_record(layout: StoredLayout | Layout, k: int, clocks: dict[str, Any] |
     }
     if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
-    if layout.replica_sizes:  # (records of states without replicas stay byte-identical to format 2's)
+    if layout.replica_sizes:
         out["replica_axes"] = [[a, s] for a, s in layout.replica_sizes]
     return out
 
 
 def leaf_json(x) -> dict[str, Any]:
-    """One `ParamLeaf` as the record shows it; `dims` only for an owned leaf its owner gathers over tensor-parallel
-    axes (records without such leaves stay byte-identical to format 2's)."""
+    """One `ParamLeaf` as the record shows it; `dims` only for an owned leaf in tensor-parallel blocks."""
     out = {"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
            "axes": list(x.axes), "blocks": x.blocks, "group": x.group}
     if x.dims:
@@ -126,7 +115,7 @@ def entry_json(e) -> dict:
     return out
 
 
-def clock_entries(layout: StoredLayout | Layout) -> list[int]:
+def clock_entries(layout: StoredViews) -> list[int]:
     """The entries the record shows as clocks: shared real scalars (step counts, injected hyperparameters)."""
     return [j for j, e in enumerate(layout.entries)
             if e.leaf is None and e.size == 1 and np.dtype(e.dtype).kind in "biuf"]
@@ -143,9 +132,6 @@ def read_clocks(state) -> dict[str, Any]:
     return clocks
 
 
-# ------------------------------------------------------------------------------------------------ files
-
-
 def encode(record: dict[str, Any]) -> bytes:
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
@@ -153,6 +139,12 @@ def encode(record: dict[str, Any]) -> bytes:
 def write(directory: Any, record: dict[str, Any]) -> None:
     """Writes the record into the item directory `directory` (any path Orbax accepts)."""
     (_paths.as_path(directory) / _names.RECORD_FILE).write_bytes(encode(record))
+
+
+def _too_large(where: str, size: int) -> ZeroCheckpointError:
+    """The error for a record of `size` bytes, over `MAX_RECORD_BYTES`."""
+    return ZeroCheckpointError(f"{where} is {size} bytes, more than a zero_optax record may hold "
+                               f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
 
 
 def _depth(data: bytes) -> int:
@@ -165,8 +157,7 @@ def _depth(data: bytes) -> int:
 def decode(data: bytes, where: str) -> dict[str, Any]:
     """The record in `data` after checking its size, nesting, JSON syntax, format and version."""
     if len(data) > MAX_RECORD_BYTES:
-        raise ZeroCheckpointError(f"{where} is {len(data)} bytes, more than a zero_optax record may hold "
-                                  f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+        raise _too_large(where, len(data))
     if _depth(data) > MAX_DEPTH:
         raise ZeroCheckpointError(f"{where} nests JSON deeper than a zero_optax record does ({MAX_DEPTH} levels); "
                                   "the checkpoint is damaged.")
@@ -192,11 +183,10 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 
 def read(directory: Any) -> dict[str, Any]:
-    """The record of an item directory, after checking its size, syntax, format and version (not its fields:
-    `zero_optax.checkpoint._schema.parse` does that); on object stores also that the directory was marked finished
-    (`zero_optax.checkpoint._commit`)."""
+    """The record of an item directory, its size, syntax, format and version checked (its fields: `_schema`);
+    on object stores also that the directory was marked finished (`_commit`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
-    try:
+    with _paths.reading(path):
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
         _commit.check(path.parent)
@@ -205,11 +195,8 @@ def read(directory: Any) -> dict[str, Any]:
                                       "missing.")
         size = path.stat().length
         if size > MAX_RECORD_BYTES:
-            raise ZeroCheckpointError(f"{path} is {size} bytes, more than a zero_optax record may hold "
-                                      f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+            raise _too_large(str(path), size)
         data = path.read_bytes()
-    except OSError as e:
-        raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
     return decode(data, str(path))
 
 

@@ -1,19 +1,10 @@
-"""Any region of a state's arrays on a new mesh, computed from the arrays saved on the old one, exactly.
+"""Any region of a state's arrays on a new mesh, computed exactly from the arrays saved on the old one.
 
-The target and the saved state have the same leaves and entries (`zero_optax.checkpoint._match`); the mesh (the
-world size, the size of every tensor-parallel or expert axis), the slots and the owners may differ. Each target
-array is filled from the saved arrays without replaying or summing:
-
-* a sliced leaf's history (or master slice): block `b`'s coordinate `c` sits at `b * group * slots + c`. Where
-  the leaf's blocks are the same on both meshes, a target range inside one block is one contiguous read of the
-  saved block, cut at the leaf's size (the new padding is zero); where they differ (an axis it is sharded over
-  changed size), the target block's rows that the range covers are cut out of the saved blocks they overlap
-  (`zero_optax.checkpoint._tp_blocks`), one read of whole rows per saved block;
-* a packed buffer: each owned entry of the new owner's row is read from the old owner's row;
-* a shared entry (step counts): every row is the value all saved rows agree on (checked by `shared_values`).
-
-`Remap.region` serves both the restore onto a new mesh (one region per target device) and the offline
-`zero_optax.reshard` (one region per stored chunk).
+The saved state and the target have the same leaves and entries (`_match`); the mesh, slots and owners may differ.
+Nothing is replayed or summed: a sliced history is cut again coordinate by coordinate (through `_tp_blocks` where
+its blocks changed), an owned entry is read from its old owner's row, a shared entry is the value every saved row
+holds. `Remap.region` serves a restore onto a new mesh (a region per device) and the offline `zo.reshard` (a region
+per stored chunk).
 
 Examples:
   >>> import numpy as np
@@ -36,7 +27,7 @@ from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import LOCAL, MICRO_STEP_PATH, Layout, StoredLayout
+from zero_optax.layout._layout import LOCAL, MICRO_STEP_PATH, StoredViews
 
 Read = Callable[[str, Region], np.ndarray]
 """`read(name, region)`: a region of a saved array."""
@@ -57,8 +48,7 @@ def _is_nan(x: Any) -> bool:
 
 
 def shared_values(saved: SavedState, read: Read, where: str) -> dict[int, np.ndarray]:
-    """Entry index -> value of every shared entry, after checking that every saved row holds the same value and
-    that the recorded clocks agree with it."""
+    """Entry index -> value of every shared entry, checked to be the same on every saved row and in the record."""
     out = {}
     for a in saved.arrays:
         if a.entry is None or saved.layout.entries[a.entry].leaf is not None:
@@ -80,9 +70,8 @@ def shared_values(saved: SavedState, read: Read, where: str) -> dict[int, np.nda
     return out
 
 
-def micro_step(layout: StoredLayout | Layout, shared: dict[int, np.ndarray]) -> int:
-    """How far into an accumulation cycle a state was taken: the value of its `MICRO_STEP_PATH` entry among the
-    shared entries' values `shared` (entry index -> value); 0 at a cycle boundary and without accumulation."""
+def micro_step(layout: StoredViews, shared: dict[int, np.ndarray]) -> int:
+    """How far into an accumulation cycle a state was taken (its `MICRO_STEP_PATH` entry's value; else 0)."""
     for j, v in shared.items():
         if layout.entries[j].path == MICRO_STEP_PATH and np.any(v != 0):
             return int(np.max(v))
@@ -91,8 +80,8 @@ def micro_step(layout: StoredLayout | Layout, shared: dict[int, np.ndarray]) -> 
 
 def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: int,
           dtype: Any = np.float64) -> np.ndarray:
-    """Elements `[start, stop)` of one block's zero-padded history of `size` coordinates, from a reader of that
-    block's saved coordinates (`read(lo, hi)` with `0 <= lo < hi <= size`): coordinates past `size` are zero."""
+    """Elements `[start, stop)` of a zero-padded history of `size` coordinates, from `read(lo, hi)` of its
+    coordinates."""
     hi = min(stop, size)
     if start >= hi:
         return aligned_zeros(stop - start, dtype)
@@ -104,32 +93,12 @@ def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: i
     return out
 
 
-class Remap:
-    """The arrays of a state with layout `target`, region by region, from the saved state `saved`.
+class Regions:
+    """Any region of a target's stored arrays; a subclass says where histories (`_history`) and packed buffers
+    (`_buffer`) come from."""
 
-    Args:
-      saved: the saved state (its layout and array names).
-      target: the target's layout, or the offline tool's `StoredLayout` for it (checked compatible, `zero_optax.checkpoint._match.check(..., reshard=True)`).
-      read: reads a region of a saved array.
-      shared: the shared entries' values (`shared_values`).
-      where: how error messages name the state.
-      specs: leaf path -> PartitionSpec, where the blocks cannot tell which dimension an axis cuts.
-    """
-
-    def __init__(self, saved: SavedState, target: StoredLayout | Layout, read: Read, shared: dict[int, np.ndarray],
-                 where: str = "the checkpoint", specs: dict[str, Any] | None = None):
-        self.saved, self.target, self.read, self.shared = saved, target, read, shared
-        self.cuts = _tp_blocks.recuts(saved.layout, target, where, specs)
-        self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
-        self.old_pack = saved.layout.state_packing
-        self.new_pack = target.state_packing
-        if target.accumulate == LOCAL and (step := micro_step(saved.layout, shared)):
-            raise ZeroCheckpointError(
-                f"This checkpoint was taken {step} micro-batches into an accumulation cycle of "
-                "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
-                f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
-                "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
-                "accumulate=\"sharded\", whose accumulators reshard.")
+    def __init__(self, target: StoredViews, shared: dict[int, np.ndarray]):
+        self.target, self.shared = target, shared
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""
@@ -145,6 +114,27 @@ class Remap:
             out[...] = value
             return out
         return self._history(array.entry, region[0], np.dtype(e.dtype))
+
+
+class Remap(Regions):
+    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state
+    `saved`, read by `read`; `specs` (leaf path -> PartitionSpec) settle dimensions the blocks cannot tell."""
+
+    def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
+                 where: str = "the checkpoint", specs: dict[str, Any] | None = None):
+        super().__init__(target, shared)
+        self.saved, self.read = saved, read
+        self.cuts = _tp_blocks.recuts(saved.layout, target, where, specs)
+        self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
+        self.old_pack = saved.layout.state_packing
+        self.new_pack = target.state_packing
+        if target.accumulate == LOCAL and (step := micro_step(saved.layout, shared)):
+            raise ZeroCheckpointError(
+                f"This checkpoint was taken {step} micro-batches into an accumulation cycle of "
+                "zero1(accumulate=\"local\"), whose per-device gradient sums cannot be re-cut for another "
+                f"layout (world size {saved.layout.world_size} -> {target.world_size}). Restore it on its own "
+                "mesh, or checkpoint at a cycle boundary (after the k-th update call of a cycle), or use "
+                "accumulate=\"sharded\", whose accumulators reshard.")
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         new = self.target.leaves[self.target.entries[j].leaf]
@@ -170,8 +160,7 @@ class Remap:
         return out
 
     def _saved(self, j: int) -> Callable[[int, int, int], np.ndarray]:
-        """`read(block, lo, hi)`: coordinates `[lo, hi)` of a saved block of entry `j`'s history (a sliced leaf's
-        block, or an owned leaf's whole tensor in its owner's row)."""
+        """`read(block, lo, hi)` of entry `j`'s saved history: a sliced leaf's block, or an owned leaf's tensor."""
         old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
         if old.sliced:
             name, width = self.names[(j, None)], old.group * old.slots
@@ -181,9 +170,8 @@ class Remap:
         return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     def _block(self, name: str, base: int, old_block: int, size: int, lo: int, hi: int, dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of one block's new padded history. A range that reaches the block's last
-        coordinate also reads the saved padding (in the same contiguous read) and checks that it is zero, so a
-        record whose leaf shape disagrees with the arrays is refused rather than cutting coordinates off."""
+        """Elements `[lo, hi)` of one block's new padded history. A range reaching the block's end also reads the
+        saved padding and refuses it if not zero: the record's leaf shape then misdescribes the history."""
         if hi < size or lo >= size:
             return recut(lambda a, c: self.read(name, ((base + a, base + c),)), size, lo, hi, dtype)
         got = self.read(name, ((base + lo, base + old_block),))
@@ -198,8 +186,8 @@ class Remap:
 
     def _recut(self, read: Callable[[int, int, int], np.ndarray], cut: _tp_blocks.Recut, b: int, lo: int, hi: int,
                dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of target block `b`'s padded history from the saved blocks (`read`, `_saved`): the
-        target rows the range covers, cut out of the saved blocks they overlap (whole saved rows read at once)."""
+        """Elements `[lo, hi)` of target block `b`'s padded history: the rows they cover, cut out of the saved
+        blocks they overlap (whole saved rows read at once)."""
         out = aligned_zeros(hi - lo, dtype)
         shape, saved = cut.target.shape, cut.saved.shape
         top = min(hi, math.prod(shape))
@@ -239,4 +227,3 @@ class Remap:
                 src = self.names[(None, d)]
                 out[t - r0, lo - c0:hi - c0] = self.read(src, ((owner, owner + 1), (at + lo - off, at + hi - off)))[0]
         return out
-

@@ -1,17 +1,9 @@
 """Restoring zero1 states into a target: everything checked first, then each host reads its devices' regions.
 
-Order of work, so that a refusal reads no array data:
-
-1. the record (size, syntax, version, every field: `zero_optax.checkpoint._schema`);
-2. the target against the record (`zero_optax.checkpoint._match`): world size and owners too unless `reshard=True`,
-   and the pytree around the zero1 states;
-3. the stored arrays' metadata and chunk lists (`zero_optax.checkpoint._store.ItemArrays.check`);
-4. the shared entries: every saved row must hold the same value (and the recorded clocks);
-5. the arrays. A checkpoint Orbax wrote, restored at its own layouts, is read by Orbax itself into the target's
-   shardings. Otherwise each target array is built device by device: every addressable device's region is computed
-   from the saved arrays (`zero_optax.checkpoint._regions`: one contiguous read per block per device for sliced
-   histories, the old owner's row for owned entries), placed on its device, and released before the next, so host
-   memory peaks near the restored state plus one device block (`jax.make_array_from_single_device_arrays`).
+The order makes a refusal read no array data: the record (`_schema`), the target against it (`_match`), the
+stored arrays' metadata and chunk lists (`_store`), the shared entries, then the arrays. A checkpoint Orbax wrote,
+restored at its own layouts, is read by Orbax; otherwise each device's region is read or re-cut (`_regions`),
+placed on its device and released before the next, so host memory peaks near one device block.
 """
 
 from __future__ import annotations
@@ -22,18 +14,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from etils import epath
 
-from zero_optax.checkpoint import (
-    _arrays,
-    _match,
-    _paths,
-    _record,
-    _regions,
-    _schema,
-    _shapes,
-    _store,
-    _tree,
-)
+from zero_optax.checkpoint import _arrays, _match, _paths, _record, _regions, _schema, _shapes, _store, _tree
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.step import _offload
 
@@ -42,8 +25,7 @@ OrbaxRead = Callable[[Any, dict[str, jax.ShapeDtypeStruct]], dict[str, jax.Array
 
 
 def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
-    """The sharding to load into; a NamedSharding over an AbstractMesh (what `jax.eval_shape` gives) is made
-    concrete with the mesh set by `jax.set_mesh`."""
+    """The sharding to load into; one over an `AbstractMesh` is made concrete with the mesh of `jax.set_mesh`."""
     if not isinstance(sharding, jax.sharding.Sharding):
         raise ZeroCheckpointError(
             f"{what} has no sharding; use the state from `tx.init` on the restoring mesh, or abstract leaves "
@@ -61,9 +43,8 @@ def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
 
 def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
           region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
-    """The global array `array` laid out by `sharding` in device memory (`_arrays.rebuild` places it where the
-    target keeps it), each addressable device's block computed by `region` and kept in host memory only until it
-    is on its device (devices sharing a block share one read)."""
+    """The global array `array` in device memory, laid out by `sharding`, each addressable device's block
+    computed by `region` (once per distinct block) and held in host memory only until it is on its device."""
     index_map = sharding.addressable_devices_indices_map(array.shape)
     regions = {device: tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))
                for device, index in index_map.items()}
@@ -85,8 +66,17 @@ def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return _offload.with_memory_kind(sharding, _offload.DEVICE if getattr(sharding, "memory_kind", None) else None)
 
 
+def checked_arrays(path: epath.Path, saved: _schema.Saved) -> tuple[_store.ItemArrays, list[dict[int, np.ndarray]]]:
+    """The arrays of the item at `path`, checked present and complete, and each state's shared entries' values
+    (`_regions.shared_values`)."""
+    store = _store.ItemArrays(path)
+    _shapes.check(path, saved, store)
+    store.check([a for s in saved.states for a in s.arrays])
+    return store, [_regions.shared_values(s, store.read, str(path)) for s in saved.states]
+
+
 class _Target(NamedTuple):
-    """One zero1 state of the target, checked against the saved one: what to load and where to put it."""
+    """One zero1 state of the target, checked against the saved one."""
 
     state: Any                                  # the target state (its layout, and structure to rebuild)
     specs: list[_arrays.StoredArray]            # the arrays it stores
@@ -104,7 +94,7 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
     path = _paths.as_path(directory)
     where_dir = str(path)
     parts = _tree.split(target, "The restore target")
-    saved = _schema.parse(_record.read(path), where_dir)
+    saved = _schema.load(path)
     if len(saved.states) != len(parts.states):
         raise ZeroCheckpointError(
             f"{where_dir} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
@@ -115,11 +105,7 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
         raise ZeroCheckpointError(
             f"{where_dir}: the saved pytree is {_record.short(saved.tree)} but the target is "
             f"{_record.short(parts.signature)} (zero1 states shown as *).")
-
-    store = _store.ItemArrays(path)
-    _shapes.check(path, saved, store)
-    store.check([a for s in saved.states for a in s.arrays])
-    shared = [_regions.shared_values(old, store.read, where_dir) for old in saved.states]
+    store, shared = checked_arrays(path, saved)
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
@@ -131,32 +117,22 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | 
 
 
 def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, reshard: bool) -> _Target:
-    """Target state `k` checked against saved state `old` (`zero_optax.checkpoint._match`), and its arrays against
-    its own layout; with the shardings to load into."""
+    """Target state `k` checked against saved state `old` and its arrays against its own layout."""
     where = _tree.where(k, state_path)
     _match.check(old.layout, state.layout, k, where, reshard)
     specs = _arrays.stored_arrays(state.layout, k)
-    values = _arrays.target_structs(state)
     shardings = []
-    for spec, value in zip(specs, values, strict=True):
-        if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
-            raise ZeroCheckpointError(
-                f"{where}: the target's array {spec.name} is {list(value.shape)} {np.dtype(value.dtype).name} but "
-                f"its layout says {list(spec.shape)} {spec.dtype}.")
-        shardings.append(concrete_sharding(getattr(value, "sharding", None),
-                                           f"{where}: the target's array {spec.name}"))
-    same = (old.layout.world_size == state.layout.world_size and
-            _match.first_difference(_record.state_record(old.layout, k), _record.state_record(state.layout, k),
-                                    where, _match.PLAIN_KEYS) is None)
+    for spec, value in zip(specs, _arrays.target_structs(state), strict=True):
+        what = f"{where}: the target's array {spec.name}"
+        _arrays.check_value(what, spec, value)
+        shardings.append(concrete_sharding(getattr(value, "sharding", None), what))
+    same = (old.layout.world_size == state.layout.world_size
+            and _match.plain_difference(old.layout, state.layout, k, where) is None)
     return _Target(state, specs, shardings, same)
 
 
 def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shared) -> Any:
-    """One target state built from the stored arrays, device by device: each device's region read as it is saved
-    (`plan.same`) or computed from the saved arrays on the target's mesh (`zero_optax.checkpoint._regions`)."""
-    if plan.same:
-        arrays = [build(a, s, lambda a, r: store.read(a.name, r)) for a, s in zip(plan.specs, plan.shardings)]
-    else:
-        remap = _regions.Remap(old, plan.state.layout, store.read, shared)
-        arrays = [build(a, s, remap.region) for a, s in zip(plan.specs, plan.shardings)]
-    return _arrays.rebuild(plan.state, arrays)
+    """One target state, each device's region read as saved (`plan.same`) or re-cut from the saved arrays."""
+    region = ((lambda a, r: store.read(a.name, r)) if plan.same
+              else _regions.Remap(old, plan.state.layout, store.read, shared).region)
+    return _arrays.rebuild(plan.state, [build(a, s, region) for a, s in zip(plan.specs, plan.shardings)])

@@ -1,8 +1,4 @@
-"""What a save writes: the state's arrays as one flat `{name: jax.Array}` dict for Orbax, and the record.
-
-The arrays keep their global shapes and shardings; Orbax's array serialization copies each host's shards to host
-memory and writes them, so every host writes only the shards it holds.
-"""
+"""What a save writes: the state's arrays as one flat `{name: jax.Array}` dict for Orbax, and the record."""
 
 from __future__ import annotations
 
@@ -10,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from zero_optax.checkpoint import _arrays, _record, _schema, _tree
 from zero_optax.core._errors import ZeroCheckpointError
@@ -18,24 +13,15 @@ from zero_optax.core._errors import ZeroCheckpointError
 
 @dataclasses.dataclass(frozen=True)
 class SavePlan:
-    """Everything a save writes.
-
-    Attributes:
-      arrays: array name -> the state's global array (`zero_optax.checkpoint._arrays` names).
-      record: the JSON record (`zero_optax.checkpoint._record`).
-    """
+    """Everything a save writes: array name -> the state's global array, and the JSON record."""
 
     arrays: dict[str, jax.Array]
     record: dict[str, Any]
 
 
 def plan(tree: Any) -> SavePlan:
-    """Checks the zero1 states of `tree` and lists what saving it writes.
-
-    Raises:
-      ZeroCheckpointError: `tree` holds no zero1 state or arrays outside one, or an array is not a live
-        `jax.Array` of the shape and dtype its layout describes.
-    """
+    """What saving `tree` writes; refuses a tree whose arrays are not live `jax.Array`s of zero1 states as their
+    layouts describe them."""
     parts = _tree.split(tree, "The saved state")
     arrays, states = {}, []
     for k, (path, state) in enumerate(parts.states):
@@ -57,10 +43,7 @@ def plan(tree: Any) -> SavePlan:
         if len(values) != len(specs):
             raise ZeroCheckpointError(f"{where} has {len(values)} arrays but its layout describes {len(specs)}.")
         for spec, value in zip(specs, values):
-            if tuple(value.shape) != spec.shape or np.dtype(value.dtype).name != spec.dtype:
-                raise ZeroCheckpointError(f"{where}: array {spec.name} is {list(value.shape)} "
-                                          f"{np.dtype(value.dtype).name} but its layout says {list(spec.shape)} "
-                                          f"{spec.dtype}.")
+            _arrays.check_value(f"{where}: array {spec.name}", spec, value)
             arrays[spec.name] = value
         states.append(_record.state_record(layout, k, _record.read_clocks(state)))
     return SavePlan(arrays, _record.new_record(parts.signature, states, _record.STORAGE_ORBAX))

@@ -1,13 +1,8 @@
-"""Checking a decoded record field by field, before any of it is used: types, ranges and consistency.
+"""A decoded record checked field by field, before any of it is used, into `SavedState`s.
 
-`parse` turns a record (`zero_optax.checkpoint._record.decode`) into one `SavedState` per zero1 state: its
-`StoredLayout` (what the record describes, no run-time plan) built from checked values, the arrays it stores and
-its clocks. Every problem is a `ZeroCheckpointError` naming
-the field (`states[0].leaves[2].slots`), never a `TypeError`, `KeyError` or `IndexError` later on: a negative leaf
-index, a slot count that does not match `ceil(size / group)`, an owner outside the world size, a dtype outside the
-allow-list, a duplicate path, a list of arrays or a packing other than the layout implies, or an unknown field all
-stop here. Array names are never read from the record; they are formatted from the checked layout and the record's
-list must equal them.
+Every problem is a `ZeroCheckpointError` naming the field (`states[0].leaves[2].slots`), never a `TypeError` or
+`IndexError` later on. Array names are never read from the record: they are formatted from the checked layout,
+and the record's list must equal them.
 """
 
 from __future__ import annotations
@@ -16,22 +11,10 @@ import dataclasses
 import math
 from typing import Any
 
-from zero_optax.checkpoint import _arrays, _record
+from zero_optax.checkpoint import _arrays, _paths, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import (
-    AUTO,
-    FLAT,
-    LEAF,
-    LOCAL,
-    MASTER,
-    MASTER_PREFIX,
-    STATE,
-    ParamLeaf,
-    StateEntry,
-    StoredLayout,
-    slot_count,
-    whole_shape,
-)
+from zero_optax.layout._layout import (AUTO, FLAT, LEAF, LOCAL, MASTER, MASTER_PREFIX, STATE, ParamLeaf, StateEntry,
+                                       StoredLayout, slot_count, whole_shape)
 
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                     "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
@@ -52,14 +35,8 @@ _ENTRY = {"path", "leaf", "shape", "dtype", "role"}
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """One zero1 state of a checkpoint, as its record describes it (all fields checked).
-
-    Attributes:
-      index: its position among the checkpoint's zero1 states.
-      layout: what the record says of it (`StoredLayout`: leaves, entries, mesh, partition).
-      arrays: the arrays it stores (`zero_optax.checkpoint._arrays.stored_arrays`).
-      clocks: the recorded values of its shared scalar entries, by entry path.
-    """
+    """One zero1 state of a checkpoint (`index` among them) as its checked record describes it; `clocks` are its
+    shared scalar entries' recorded values, by path."""
 
     index: int
     layout: StoredLayout
@@ -77,6 +54,8 @@ class Saved:
 
 
 class _Checker:
+    """Checks one value of a record each; `fail` names the field."""
+
     def __init__(self, where: str):
         self.where = where
 
@@ -132,6 +111,12 @@ class _Checker:
         if len(set(names)) != len(names):
             self.fail(field, f"repeats an axis name: {_record.short(list(names))}")
         return names
+
+
+def load(directory: Any) -> Saved:
+    """The checked record of the item directory `directory`."""
+    path = _paths.as_path(directory)
+    return parse(_record.read(path), str(path))
 
 
 def parse(record: dict[str, Any], where: str) -> Saved:
@@ -193,8 +178,7 @@ def _axis_name(c: _Checker, rec: Any, f: str) -> tuple[str | tuple[str, ...], tu
 
 
 def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str = "mesh_axes") -> dict[str, int]:
-    """A state's `mesh_axes` (or `replica_axes`): `[name, size]` pairs of axes other than the ZeRO axes, none
-    repeated."""
+    """A state's `mesh_axes` (or `replica_axes`): `[name, size]` pairs of non-ZeRO axes, none repeated."""
     mesh = {}
     for i, pair in enumerate(c.list(rec, f"{f}.{field}", 64)):
         pair = c.list(pair, f"{f}.{field}[{i}]", 2)
@@ -217,8 +201,7 @@ def _replica_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], mesh: di
 
 
 def _implied(c: _Checker, rec: dict, f: str, layout: StoredLayout, k: int) -> tuple[_arrays.StoredArray, ...]:
-    """The arrays state `k` stores, after checking that its `owners`, `packing` and `arrays` are what its checked
-    leaves and entries imply."""
+    """The arrays state `k` stores, its `owners`, `packing` and `arrays` checked to be what its leaves imply."""
     owners = None if all(x.sliced for x in layout.leaves) else [x.owner for x in layout.leaves]
     if rec["owners"] != owners:
         c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
@@ -266,7 +249,7 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
             c.fail(f"{f}.dims", "is given for a sliced leaf (it applies to owned leaves only)")
         owner, slots = None, _sliced_slots(c, rec, f, partition, size, blocks, group)
     else:
-        owner, slots = _owned_slots(c, rec, f, partition, size, () if dims else axes, group, n)
+        owner, slots = _owned_slots(c, rec, f, partition, size, bool(axes and not dims) or group != n, n)
     return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group, dims)
 
 
@@ -281,7 +264,7 @@ def _dims(c: _Checker, rec: dict, f: str, shape: tuple[int, ...], axes: tuple[st
 
 
 def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blocks: int, group: int) -> int:
-    """The `slots` of a sliced leaf (`owner` null): `ceil(size / group)`, in a partition that slices leaves."""
+    """The `slots` of a sliced leaf: `ceil(size / group)`, in a partition that slices leaves."""
     if partition == LEAF:
         c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
     slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
@@ -293,14 +276,14 @@ def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blo
     return slots
 
 
-def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, axes: tuple[str, ...], group: int,
-                 n: int) -> tuple[int, int]:
-    """The `owner` and `slots` of an owned leaf: a device of the world, in a partition with owners, holding the
-    whole (unsharded) leaf."""
+def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, sharded: bool, n: int
+                 ) -> tuple[int, int]:
+    """The `owner` and `slots` of an owned leaf: one device, in a partition with owners, holding the whole leaf
+    (not `sharded` over other mesh axes than its tensor-parallel `dims`)."""
     owner = c.int(rec["owner"], f"{f}.owner", 0, n - 1)
     if partition == FLAT:
         c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
-    if axes or group != n:
+    if sharded:
         c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
     slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
     if slots != size:

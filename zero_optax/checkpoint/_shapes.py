@@ -1,19 +1,9 @@
-"""A second copy of the record's leaf and entry shapes, kept in the stored arrays' own metadata, and the check
-that the record agrees with it.
+"""A second copy of the record's leaf and entry shapes, kept in the stored arrays' own metadata, checked against it.
 
-Most shape, size and count fields of a record are pinned by others or by the stored arrays (slots by the leaf
-sizes, packing by the entries, array shapes by TensorStore's metadata). Two are not: a leaf's shape where only
-its size reaches the arrays (a scalar leaf and a `[1]` leaf store the same history; so do `[5, 3]` and `[15]`),
-and the shape of an owned entry that ends its device's packed buffer on a device whose share is not the largest
-(the buffer's size, the largest share, does not move). A record edited there would be accepted by the offline
-tool and written on. So every checkpoint also stores, per zero1 state, the shape of every leaf and of every
-entry with its arrays' metadata, where editing the record alone does not reach:
-
-* checkpoints Orbax writes: Orbax's `_METADATA` (its `custom_metadata`, from `PyTreeSaveArgs`);
-* checkpoints `zero_optax.reshard` writes: the zarr3 `attributes` of each state's first array.
-
-`check` compares the record with that copy before any array data is read and refuses a difference with
-`ZeroCheckpointError`. Checkpoints written by zero_optax 0.2.0 (format 2 without the copy) are checked as before.
+Two record fields reach no array: a leaf's shape where only its size matters (`[5, 3]` and `[15]` store the same
+history), and an owned entry's shape that ends a packed buffer short of its size. So every checkpoint also keeps
+all leaf and entry shapes where editing the record alone does not reach: Orbax's `_METADATA` (`custom_metadata`),
+or for `zo.reshard`'s output the zarr3 `attributes` of each state's first array. Checkpoints of 0.2.0 lack the copy.
 
 Examples:
   >>> from zero_optax.checkpoint import _shapes
@@ -29,7 +19,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _record, _store
+from zero_optax.checkpoint import _paths, _record, _store
 from zero_optax.core._errors import ZeroCheckpointError
 
 KEY = "zero_optax_shapes"
@@ -50,7 +40,7 @@ def describe(layout) -> dict[str, list]:
 
 
 def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTreeSave:
-    """Orbax's save arguments for the arrays of `record`, the copy in `custom_metadata` (where Orbax offers it)."""
+    """Orbax's save arguments for the arrays of `record`, with the copy in `custom_metadata` where Orbax has it."""
     if "custom_metadata" not in {f.name for f in dataclasses.fields(ocp.args.PyTreeSave)}:
         return ocp.args.PyTreeSave(arrays)
     return ocp.args.PyTreeSave(arrays, custom_metadata={KEY: table(record)})
@@ -76,10 +66,8 @@ def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
     """The copy of every state's shapes kept with the arrays (None for a state, or all, where there is none)."""
     if saved.storage == _record.STORAGE_ORBAX:
         path = directory / ORBAX_METADATA
-        try:
+        with _paths.reading(path):
             data = path.read_bytes() if path.exists() else None
-        except OSError as e:
-            raise ZeroCheckpointError(f"cannot read {path}: {e}") from None
         if data is None:
             raise ZeroCheckpointError(f"{directory} is incomplete or damaged: Orbax's {ORBAX_METADATA} is missing. "
                                       "Nothing was loaded.")
@@ -106,11 +94,7 @@ def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
 
 
 def check(directory, saved, store: _store.ItemArrays) -> None:
-    """Refuses a record whose leaf or entry shapes differ from the copy kept with the arrays.
-
-    Raises:
-      ZeroCheckpointError: naming the first field that differs.
-    """
+    """Refuses, naming the first field that differs, a record whose shapes differ from the copy."""
     for s, copy in zip(saved.states, stored(directory, saved, store)):
         if copy is None:
             continue

@@ -1,13 +1,8 @@
 """The arrays of an item directory, read and written with TensorStore: zarr3 arrays in one OCDBT database.
 
-Orbax's `PyTreeCheckpointHandler` (with `use_zarr3=True`, OCDBT on by default) stores each array of a flat dict as
-a zarr3 array under its name inside an OCDBT database at the item directory: a handful of files per process,
-merged into one database when the checkpoint is finalized. TensorStore reads those arrays alone, without
-devices, region by region (`ItemArrays`); `ItemWriter` writes arrays of the same form offline (what
-`zero_optax.reshard` produces), one bounded transaction at a time.
-
-Reads never hold much more than the region asked for: a region larger than `PIECE_BYTES` is read in pieces
-aligned to the stored chunks, one after another, so TensorStore decodes a few chunks at a time.
+That is how Orbax's `PyTreeCheckpointHandler` stores a flat dict of arrays (`use_zarr3=True`). `ItemArrays` reads
+them region by region without devices, in pieces of at most `PIECE_BYTES`; `ItemWriter` writes arrays of the same
+form offline (`zo.reshard`), one bounded transaction at a time.
 
 Examples:
   >>> import numpy as np, tempfile
@@ -24,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
@@ -52,8 +47,7 @@ def _spec(directory: epath.Path, name: str) -> dict[str, Any]:
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary: `jax.device_put` then places it on a CPU
-    device without copying, so a block read for a device is never held twice."""
+    """An uninitialised array aligned to 64 bytes, which `jax.device_put` places on a CPU device without a copy."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -63,6 +57,7 @@ def aligned_empty(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
 
 
 def aligned_zeros(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
+    """`aligned_empty`, filled with zeros."""
     out = aligned_empty(shape, dtype)
     out.fill(0)
     return out
@@ -77,12 +72,7 @@ def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[st
 
 
 class ItemArrays:
-    """The arrays of one item directory, opened once each, read region by region.
-
-    Args:
-      directory: the item directory.
-      context: a TensorStore context to share (one is created by default).
-    """
+    """The arrays of one item directory, opened once each, read region by region."""
 
     def __init__(self, directory: Any, context: ts.Context | None = None):
         self.directory = _paths.as_path(directory)
@@ -93,6 +83,7 @@ class ItemArrays:
         return StoreError(f"{self.directory} is incomplete or damaged: array {name}: {problem}. Nothing was loaded.")
 
     def open(self, name: str) -> ts.TensorStore:
+        """Array `name`, opened for reading (no missing chunk is read as fill)."""
         if name not in self._open:
             spec = dict(_spec(self.directory, name), fill_missing_data_reads=False)
             try:
@@ -101,30 +92,24 @@ class ItemArrays:
                 raise self._fail(name, f"cannot open it ({_first_line(e)})") from None
         return self._open[name]
 
-    def stored_keys(self) -> set[str]:
-        """Every key of the item's OCDBT database (array metadata and chunks)."""
+    def _database(self, operation: Callable[[ts.KvStore], Any]) -> Any:
+        """What `operation` returns for the item's OCDBT database."""
         try:
-            kv = ts.KvStore.open(_kvstore(self.directory), context=self.context).result()
-            return {k.decode() for k in kv.list().result()}
+            return operation(ts.KvStore.open(_kvstore(self.directory), context=self.context).result())
         except ValueError as e:
             raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
+
+    def stored_keys(self) -> set[str]:
+        """Every key of the item's OCDBT database (array metadata and chunks)."""
+        return self._database(lambda kv: {k.decode() for k in kv.list().result()})
 
     def read_key(self, key: str) -> bytes | None:
         """The value of one key of the item's OCDBT database (`name/zarr.json`: an array's metadata), or None."""
-        try:
-            kv = ts.KvStore.open(_kvstore(self.directory), context=self.context).result()
-            result = kv.read(key).result()
-        except ValueError as e:
-            raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
+        result = self._database(lambda kv: kv.read(key).result())
         return result.value if result.state == "value" else None
 
     def check(self, arrays: Sequence[Any]) -> None:
-        """Checks that every array of `arrays` (`StoredArray`s) is stored with its shape, its dtype and all of its
-        chunks, reading metadata only.
-
-        Raises:
-          StoreError: naming the first missing, mismatching or incomplete array.
-        """
+        """Refuses the first of `arrays` (`StoredArray`s) not stored whole with its shape and dtype (metadata only)."""
         keys = self.stored_keys()
         for a in arrays:
             store = self.open(a.name)
@@ -161,11 +146,7 @@ class ItemArrays:
 
 class ItemWriter:
     """Writes zarr3 arrays into an OCDBT database at an item directory: their metadata in one transaction, then
-    their data in transactions of about `batch_bytes` (one new data file each).
-
-    Use as a context manager: `create` every array first, then `write` regions; what is staged is committed
-    when the context exits without an error.
-    """
+    their data in transactions of about `batch_bytes`. A context manager: `create` every array, then `write`."""
 
     def __init__(self, directory: Any, batch_bytes: int = BATCH_BYTES):
         self.directory = _paths.as_path(directory)
@@ -188,9 +169,8 @@ class ItemWriter:
 
     def create(self, name: str, shape: Sequence[int], dtype: str, chunks: Sequence[int],
                attributes: dict[str, Any] | None = None) -> None:
-        """Declares array `name` of `shape` and `dtype`, stored in chunks of `chunks` (zstd-compressed), with
-        optional zarr3 `attributes`; the metadata of every declared array is written together, before the
-        first `write`."""
+        """Declares array `name`, stored zstd-compressed in chunks of `chunks`; every declared array's metadata is
+        written together before the first `write`."""
         self._pending[name] = ({"attributes": attributes} if attributes else {}) | {
             "shape": list(shape), "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunks]}},
@@ -239,5 +219,6 @@ class ItemWriter:
 
 
 def _first_line(e: Exception) -> str:
+    """A TensorStore error's message, without the spec it appends."""
     text = str(e).split(" [tensorstore_spec=")[0]
     return text.splitlines()[0] if text else type(e).__name__

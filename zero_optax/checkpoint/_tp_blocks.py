@@ -1,14 +1,10 @@
 """A sliced leaf's blocks on one mesh, cut again for another: tensor-parallel and expert axes of any size.
 
-Inside `shard_map` a parameter sharded over mesh axes (`ParamLeaf.axes`) is a local block, and zero1 keeps its
-state per block, the blocks numbered row-major over those axes. zero1 reads which axes a block varies over from
-its type, not which dimension each axis cuts, so a record holds a block's shape and the axes' sizes only. Between
-two meshes the dimension an axis cuts is read off the two block shapes: an axis whose size changes from `k1` to
-`k2` (1 where the mesh has no such axis, or the leaf is not sharded over it) cuts the dimension `d` where
-`saved[d] * k1 == target[d] * k2`, and every dimension no such axis cuts keeps its size. The logical shape is then
-unchanged, and each target block is cut out of the saved blocks it overlaps. Axes whose size does not change keep
-their blocks' coordinates: exact wherever each resized axis cuts a dimension of its own (or is the inner axis of a
-dimension it shares), which is every tensor-parallel and expert layout of Megatron, MaxText and torchtitan.
+A record holds a block's shape and its axes' sizes, not which dimension each axis cuts (zero1 reads only which axes
+a block varies over). An axis whose size changes from `k1` to `k2` cuts the dimension `d` where
+`saved[d] * k1 == target[d] * k2`, every other dimension keeping its size; each target block is then cut out of
+the saved blocks it overlaps. Exact wherever each resized axis cuts a dimension of its own (or is the inner axis of
+one it shares): every tensor-parallel and expert layout of Megatron, MaxText and torchtitan.
 
 Examples:
   >>> from zero_optax.checkpoint import _tp_blocks
@@ -26,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import Layout, ParamLeaf
+from zero_optax.layout._layout import ParamLeaf, StoredViews
 
 Box = tuple[tuple[int, int], ...]
 """A box of an array: `(start, stop)` per dimension."""
@@ -34,12 +30,8 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """How a leaf is cut into blocks on one mesh.
-
-    Attributes:
-      shape: one block's shape.
-      axes: `(axis, size)` of every mesh axis of size > 1 the blocks differ along, in block-numbering order.
-    """
+    """How a leaf is cut into blocks on one mesh: one block's `shape`, and the `(axis, size)` of every mesh axis of
+    size > 1 the blocks differ along, in block-numbering order."""
 
     shape: tuple[int, ...]
     axes: tuple[tuple[str, int], ...]
@@ -61,13 +53,8 @@ class Blocks:
 
 @dataclasses.dataclass(frozen=True)
 class Recut:
-    """One leaf's saved blocks cut again into the target's.
-
-    Attributes:
-      saved: the saved blocks.
-      target: the target's blocks.
-      dims: `(axis, dimension)` of every axis whose size differs, and the dimension it cuts.
-    """
+    """One leaf's saved blocks cut again into the target's; `dims` pairs each resized axis with the dimension it
+    cuts."""
 
     saved: Blocks
     target: Blocks
@@ -79,8 +66,7 @@ class Recut:
         return self.saved == self.target
 
     def sources(self, b: int, box: Box) -> list[tuple[int, Box, Box]]:
-        """`(saved block, box in it, box in target block b)` for every saved block that overlaps `box` of target
-        block `b`."""
+        """`(saved block, box in it, box in target block b)` for every saved block overlapping `box` of block `b`."""
         index = self.target.index(b)
         s, t = self.saved.shape, self.target.shape
         shift = [0] * len(t)
@@ -101,10 +87,10 @@ class Recut:
         return out
 
 
-def leaf_blocks(layout: Layout, leaf: ParamLeaf, where: str) -> Blocks:
-    """The blocks of `leaf` in `layout`. A record lists the sizes of mesh axes other than the ZeRO axes; the size
-    of a ZeRO axis a leaf is sharded over (an expert axis) is what its block count leaves over."""
-    if leaf.tp_owned:  # (an owned leaf's state is its whole tensor, whatever blocks its parameter has)
+def leaf_blocks(layout: StoredViews, leaf: ParamLeaf, where: str) -> Blocks:
+    """The blocks of `leaf` in `layout`; a ZeRO axis it is sharded over (an expert axis) has the size its block
+    count leaves over (a record lists the sizes of non-ZeRO axes only)."""
+    if leaf.tp_owned:  # an owned leaf's state is its whole tensor, whatever blocks its parameter has
         return Blocks(layout.whole_shape(leaf), ())
     sizes = dict(layout.axis_sizes)
     unknown = [a for a in leaf.axes if a not in sizes]
@@ -118,26 +104,24 @@ def leaf_blocks(layout: Layout, leaf: ParamLeaf, where: str) -> Blocks:
 
 
 def _logical(blocks: Blocks) -> str:
+    """How error messages show a leaf's blocks."""
     over = ", ".join(f"{a}={k}" for a, k in blocks.axes)
     return f"{list(blocks.shape)}" + (f" per block over {over}" if over else " (whole)")
 
 
+def spec_entries(spec: Sequence[Any]) -> list[tuple[str, ...]]:
+    """The axes cutting each dimension, from a `PartitionSpec` (or any sequence of None, axis, tuple of axes)."""
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
 def spec_dims(spec: Sequence[Any] | None) -> dict[str, int]:
-    """Axis -> the dimension it cuts, from a `PartitionSpec` (or any sequence of None, axis, tuple of axes)."""
-    out = {}
-    for d, entry in enumerate(() if spec is None else spec):
-        for a in (() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)):
-            out[a] = d
-    return out
+    """Axis -> the dimension it cuts, from a `PartitionSpec`."""
+    return {a: d for d, axes in enumerate(spec_entries(() if spec is None else spec)) for a in axes}
 
 
 def recut(saved: Blocks, target: Blocks, where: str, spec: Sequence[Any] | None = None) -> Recut:
-    """The recut of one leaf from `saved` to `target` blocks, its resized axes' dimensions read off the shapes
-    (and off `spec`, the leaf's `PartitionSpec`, where given).
-
-    Raises:
-      ZeroCheckpointError: no dimension fits (the leaf's logical shape changed), or two do.
-    """
+    """The recut of one leaf from `saved` to `target` blocks, its resized axes' dimensions read off the shapes and
+    `spec` (the leaf's `PartitionSpec`, where given); refuses a leaf that no dimension fits, or several do."""
     k1, k2 = dict(saved.axes), dict(target.axes)
     changed = [a for a in dict.fromkeys([*k1, *k2]) if k1.get(a, 1) != k2.get(a, 1)]
     s, t = saved.shape, target.shape
@@ -165,11 +149,10 @@ def _logical_pair(saved: Blocks, target: Blocks) -> str:
     return f"is {_logical(saved)} in the checkpoint but {_logical(target)} in the target"
 
 
-def recuts(saved: Layout, target: Layout, where: str, specs: Mapping[str, Sequence[Any]] | None = None
+def recuts(saved: StoredViews, target: StoredViews, where: str, specs: Mapping[str, Sequence[Any]] | None = None
            ) -> list[Recut | None]:
-    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both, whole on every mesh; an owned
-    leaf's blocks are its whole tensor); `specs` (leaf path -> PartitionSpec) settles which dimension an axis cuts
-    where the shapes do not."""
+    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both); `specs` (leaf path ->
+    PartitionSpec) settles which dimension an axis cuts where the shapes do not."""
     out: list[Recut | None] = []
     for old, new in zip(saved.leaves, target.leaves):
         if not old.sliced and not new.sliced:
@@ -183,15 +166,11 @@ def recuts(saved: Layout, target: Layout, where: str, specs: Mapping[str, Sequen
 
 def target_blocks(saved: Blocks, sizes: Mapping[str, int], spec: Sequence[Any] | None, path: str,
                   where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """A sliced leaf's axes and block shape on a mesh of axis sizes `sizes` (the offline tool's target), from its
-    saved blocks and, where given, its `PartitionSpec` `spec`.
+    """A sliced leaf's axes and block shape on a mesh of axis sizes `sizes` (the offline tool's target).
 
-    Without `spec` the leaf keeps its saved axes that the target mesh has; an axis whose size changes cuts the
-    only dimension it divides. With `spec` it is sharded over the spec's axes that the target mesh has.
-
-    Raises:
-      ZeroCheckpointError: the spec disagrees with the saved blocks, or a resized axis could cut several
-        dimensions (then pass the spec) or none.
+    Without `spec` (its `PartitionSpec`) the leaf keeps the saved axes the target has, and a resized axis cuts the
+    only dimension it divides; with `spec`, the spec's axes the target has. Refuses a spec that disagrees with the
+    saved blocks, and a resized axis that could cut several dimensions (without a spec) or none.
     """
     k1 = dict(saved.axes)
     if spec is None:

@@ -1,8 +1,7 @@
 """The zero1 states inside an optimizer state: found, named, and put back.
 
-`ZeroSave` and `ZeroRestore` accept a zero1 state on its own, nested in a larger optax state (a chain), or held
-in Flax `nnx.Variable`s the way `nnx.Optimizer(model, tx, wrt=nnx.Param).opt_state` holds it. The Variables are
-stripped first (`zero_optax.core._compat.pure`); every remaining leaf must belong to a zero1 state.
+A zero1 state may stand alone, nest in a larger optax state, or sit in Flax `nnx.Variable`s (stripped first); every
+other leaf is refused.
 """
 
 from __future__ import annotations
@@ -19,13 +18,8 @@ from zero_optax.layout._state import ZeroState, is_state
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """A pytree taken apart at its zero1 states.
-
-    Attributes:
-      states: `(path, state)` of every zero1 state, in tree order (`<root>` for a state that is the tree).
-      signature: the tree's structure with each zero1 state shown as `*` (`zero_optax.core._names.tree_signature`).
-      treedef: the same structure, to put restored states back.
-    """
+    """A pytree taken apart at its zero1 states: `(path, state)` of each in tree order (`<root>` for the tree
+    itself), and the tree's `_names.tree_signature` with each shown as `*`."""
 
     states: list[tuple[str, ZeroState]]
     signature: str
@@ -33,11 +27,7 @@ class Split:
 
 
 def split(tree: Any, what: str) -> Split:
-    """Finds the zero1 states of `tree` (Flax Variables stripped).
-
-    Raises:
-      ZeroCheckpointError: `tree` holds no zero1 state, or has array leaves outside zero1 states.
-    """
+    """The zero1 states of `tree` (Flax Variables stripped); refuses a tree without one or with other leaves."""
     tree = _compat.pure(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)
     for path, leaf in flat:

@@ -1,11 +1,6 @@
 """Every difference between the JAX releases zero_optax supports (0.10.2 to 0.12), each behind one function.
 
-Public APIs only: the oldest supported release has every primitive used here under its public name. A
-difference that a release makes is handled here and nowhere else, and is tested on the oldest and the newest
-release (`.ci/run`).
-
-Importing it sets the environment variable NPROC where jaxlib's CPU client can deadlock an unblocked training loop
-(`widen_cpu_client_pool`, issue 29).
+Public JAX APIs only. Importing it sets NPROC where jaxlib's CPU client can deadlock (`widen_cpu_client_pool`).
 """
 
 from __future__ import annotations
@@ -73,9 +68,7 @@ def axis_sizes(axes: Axes, what: str = "zero1") -> tuple[tuple[str, int], ...]:
 def axis_index(axes: Axes) -> jax.Array:
     """This device's linear index along `axes` (row-major over a tuple); 0 for an empty tuple."""
     axes = as_tuple(axes)
-    if not axes:
-        return jnp.int32(0)
-    return lax.axis_index(axes if len(axes) > 1 else axes[0])
+    return lax.axis_index(_axis_arg(axes)) if axes else jnp.int32(0)
 
 
 def manual_axes() -> dict[str, int]:
@@ -87,19 +80,15 @@ def manual_axes() -> dict[str, int]:
     return {a: int(mesh.shape[a]) for a in mesh.axis_names if a in manual}
 
 
-def _varying_axes(x) -> frozenset:
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
-    return frozenset(manual.varying) if manual is not None else frozenset()
-
-
 def vma_enabled(axes: Axes) -> bool:
     """Whether values carry varying-manual-axes types (shard_map's `check_vma=True`, the default)."""
-    return all(a in _varying_axes(lax.axis_index(a)) for a in as_tuple(axes))
+    return all(a in varying_axes(lax.axis_index(a)) for a in as_tuple(axes))
 
 
 def varying_axes(x) -> frozenset:
     """The mesh axes `x` is typed as varying across (empty when `check_vma=False`)."""
-    return _varying_axes(x)
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def pvary(x, axes: Axes):
@@ -109,7 +98,7 @@ def pvary(x, axes: Axes):
         return x
 
     def one(v):
-        missing = tuple(a for a in axes if a not in _varying_axes(v))
+        missing = tuple(a for a in axes if a not in varying_axes(v))
         return lax.pcast(v, missing, to="varying") if missing else v
     return jax.tree.map(one, x)
 
@@ -124,13 +113,10 @@ def psum_scatter(x: jax.Array, axes: Axes) -> jax.Array:
 
 
 def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> jax.Array:
-    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant
-    across `axes`.
+    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant.
 
-    A plain `lax.all_gather` types its output as varying, which an `out_specs=P()` result rejects;
-    `to="invarying"` (public since JAX 0.10; zero_optax supports JAX >= 0.10.2) compiles to the same single
-    all-gather. There is deliberately no masked-psum fallback: it would move one and a half times the bytes
-    (`tests/test_hlo.py` and `tests/test_buckets.py` count the collectives on every tested version).
+    A plain `lax.all_gather` is typed varying, which `out_specs=P()` rejects; `to="invarying"` compiles to the same
+    single all-gather (a masked psum instead would move 1.5x the bytes).
     """
     axes = as_tuple(axes)
     if not vma_enabled(axes):
@@ -138,25 +124,16 @@ def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> ja
     return lax.all_gather(pvary(x, axes), _axis_arg(axes), tiled=tiled, to="invarying")
 
 
-def _spec_axes(spec: jax.sharding.PartitionSpec) -> set[str]:
-    names = set()
-    for entry in spec:
-        names.update((entry,) if isinstance(entry, str) else (entry or ()))
-    return names
-
-
 def _explicit_only(sharding) -> bool:
     """Whether every mesh axis `sharding`'s spec names is `Explicit` (what `jax.reshard` accepts)."""
     types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-    return all(types[a] == jax.sharding.AxisType.Explicit for a in _spec_axes(sharding.spec))
+    named = [a for entry in sharding.spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))]
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in named)
 
 
 def reshard(x, sharding):
-    """`x` moved to `sharding`, inside or outside `jax.jit`, on meshes with `Explicit` axes, `Auto` axes or both.
-
-    `jax.reshard` moves values whose type carries their sharding (`Explicit` axes) and refuses `Auto` axes; those are
-    placed with a sharding constraint under a trace and with `jax.device_put` outside one.
-    """
+    """`x` moved to `sharding`, inside or outside `jax.jit`, on meshes with `Explicit` axes, `Auto` axes or both
+    (`jax.reshard` refuses `Auto` axes)."""
     if _explicit_only(sharding):
         return jax.reshard(x, sharding)
     if isinstance(x, jax.core.Tracer):
@@ -168,8 +145,7 @@ _PLACEHOLDER = getattr(importlib.import_module("optax.tree_utils._state_utils"),
 
 
 def is_params_placeholder(params) -> bool:
-    """Whether `params` is the stand-in `optax.tree_map_params` passes to `init` (a private optax class; no
-    optax release we support lacks it, and without it nothing is one)."""
+    """Whether `params` is the stand-in `optax.tree_map_params` passes to `init` (a private optax class)."""
     return bool(_PLACEHOLDER) and isinstance(params, _PLACEHOLDER)
 
 
@@ -186,11 +162,11 @@ def pure(tree):
 
 
 def replicate(x: jax.Array) -> jax.Array:
-    """`x` replicated over its mesh, so that it can be sliced and reshaped freely (explicit-sharding meshes refuse
-    indexing that would need collectives); unchanged if it carries no mesh sharding."""
+    """`x` replicated over its mesh, so that it can be sliced freely (explicit-sharding meshes refuse indexing that
+    needs collectives); unchanged without a mesh sharding."""
     try:
         sharding = jax.typeof(x).sharding
-    except Exception:  # noqa: BLE001  (older releases: no sharding in types)
+    except (TypeError, AttributeError):  # not a JAX value, or an abstract value without a sharding
         sharding = None
     if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(sharding.mesh, "empty", False):
         sharding = getattr(x, "sharding", None)
@@ -200,8 +176,7 @@ def replicate(x: jax.Array) -> jax.Array:
 
 
 def scan_counts(eqn) -> tuple[int, int]:
-    """How many of a `scan` equation's operands are constants and carries: JAX 0.10 names both counts in the
-    equation's params; JAX >= 0.11 groups the operands into a flat tree (`ft_in`) of (consts, carry, xs)."""
+    """How many of a `scan` equation's operands are constants and carries (JAX >= 0.11 keeps them in `ft_in`)."""
     params = eqn.params
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
@@ -212,13 +187,11 @@ def scan_counts(eqn) -> tuple[int, int]:
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
-"""Primitives that call one program on their operands, by the parameter that holds it (named differently across
-JAX releases: `pjit` / `jit`, `custom_vjp_call` / `custom_vjp_call_jaxpr`)."""
+"""Primitives that call one program on their operands, by the parameter that holds it (names vary by release)."""
 
 
 def jaxpr_parts(program) -> tuple:
-    """A program's jaxpr and constants: a ClosedJaxpr's (JAX 0.10, 0.11), JAX 0.12's Jaxpr that holds its own, or
-    an open jaxpr's (none)."""
+    """A program's jaxpr and constants (a ClosedJaxpr's, JAX 0.12's self-contained Jaxpr's, or none)."""
     return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
 
 
@@ -229,15 +202,11 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 
 def cpu_client_can_deadlock() -> bool:
-    """Whether this jaxlib's CPU client can deadlock a program with a collective that is dispatched far ahead.
+    """Whether this jaxlib's CPU client can deadlock a loop of collectives dispatched far ahead (jaxlib < 0.12).
 
-    jaxlib 0.10 (seen on 0.10.2; fixed by 0.12, 0.11 untested) runs each device's launch and each device's
-    execution on one pool of max(cores, devices) threads, and a launch that finds 32 executions in flight on its
-    device waits for one of them to finish, holding its pool thread. When N - 1 executions wait in a collective
-    for the N-th and launches hold the other threads, the N-th execution never runs: XLA aborts the process after 40 s
-    ("Termination timeout for all gather ... Expected 8 threads to join the rendezvous"). Any collective does it
-    (a shard_map `all_gather` or `psum`, a GSPMD reshard), in a loop that does not block within 32 steps, on a
-    machine with fewer than 2N cores for N simulated CPU devices (issue 29).
+    Launches and executions share one pool of max(cores, devices) threads, and a launch with 32 executions in
+    flight holds its thread while it waits: with fewer than 2N cores for N CPU devices the last execution of a
+    collective may never run.
     """
     return _jaxlib_version() < (0, 12)
 
@@ -260,14 +229,11 @@ def _schedulable_cpus() -> int:
 
 
 def widen_cpu_client_pool() -> int | None:
-    """Where `cpu_client_can_deadlock`, sets NPROC=2N for a backend of N CPU devices on fewer than 2N cores, so
-    that its pool holds N waiting launches and N executions (returns the value set; None where nothing is set).
+    """Where `cpu_client_can_deadlock`, sets NPROC=2N for N CPU devices on fewer than 2N cores (returns the value
+    set, else None).
 
-    XLA reads NPROC (its core count override) when the CPU backend starts, so this works only when zero_optax is
-    imported before the first JAX computation, after the device count is set (XLA_FLAGS, JAX_NUM_CPU_DEVICES or
-    `jax.config.update("jax_num_cpu_devices", N)`). It leaves NPROC and PORTABLE_NPROC alone when either is set:
-    set NPROC yourself to opt out. No program-level change avoids the deadlock: it needs only one collective per
-    step and an unblocked loop. Blocking every 30 steps or fewer (`jax.block_until_ready`) avoids it too.
+    XLA reads NPROC when the CPU backend starts, so this works only if zero_optax is imported before the first
+    computation; a user's own NPROC or PORTABLE_NPROC is left alone (the opt-out).
     """
     if not cpu_client_can_deadlock() or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
         return None

@@ -1,10 +1,7 @@
-"""How zero_optax names things, in its own version-independent terms: leaf paths and tree signatures.
+"""How zero_optax names leaf paths, tree structures and stored arrays, whatever the JAX release.
 
-Records and error messages must not depend on how a JAX release prints a `PyTreeDef` or a key path, so that a
-checkpoint written today still validates after an upgrade. `key_path` spells a path the way
-`jax.tree_util.keystr` does today (`.mu['w']`, `[0]`), but from the key objects themselves; `tree_signature`
-describes a tree's nodes by type name and keys, which tells apart optimizer states whose leaf paths coincide
-(Adam's and AdaBelief's, say).
+Records and error messages must not depend on how a JAX release prints a `PyTreeDef` or key path, so that a
+checkpoint written today still validates after an upgrade.
 """
 
 from __future__ import annotations
@@ -37,11 +34,9 @@ def leaf_paths(tree: Any, is_leaf=None) -> list[str]:
 
 
 def tree_signature(tree: Any, is_leaf=None) -> str:
-    """A description of `tree`'s structure that does not depend on the JAX release.
+    """`tree`'s structure by node type and key, leaves as `*`; it tells apart states whose leaf paths coincide.
 
-    Leaves are `*`; every inner node is its type's name followed by its children, each with its key, for example
-    `tuple([0]=ScaleByAdamState(.count=*,.mu=dict(['w']=*),.nu=dict(['w']=*)),[1]=EmptyState())`. `None` and
-    other empty nodes show as their type with no children.
+    E.g. `tuple([0]=ScaleByAdamState(.count=*,.mu=dict(['w']=*),.nu=dict(['w']=*)),[1]=EmptyState())`.
     """
     def walk(node: Any) -> str:
         if is_leaf is not None and is_leaf(node):
@@ -55,10 +50,8 @@ def tree_signature(tree: Any, is_leaf=None) -> str:
     return walk(tree)
 
 
-# ------------------------------------------------------------------------------------------------ checkpoint names
-#
-# Every name a checkpoint stores is formatted here, from validated values only: a record never supplies a name
-# that is then used to read or write, so no record can point outside its item directory.
+# Every name a checkpoint stores is formatted here from validated values, never taken from a record, so no record
+# can point outside its item directory.
 
 RECORD_FILE = "zero_record.json"
 """The file, in an item directory, that holds the record (`zero_optax.checkpoint._record`)."""
@@ -73,24 +66,22 @@ def _checked(name: str) -> str:
 
 
 def entry_array(state: int, entry: int) -> str:
-    """The name of the array holding state entry `entry` of zero1 state `state` (its shared copies, or a sliced
-    leaf's 1-D history or master slice), e.g. `0.entry0003`."""
+    """The array of unowned entry `entry` of zero1 state `state`, e.g. `0.entry0003`."""
     return _checked(f"{int(state)}.entry{int(entry):04d}")
 
 
 def buffer_array(state: int, dtype: str) -> str:
-    """The name of the packed `[N, size]` buffer of dtype `dtype` of zero1 state `state`, e.g.
-    `0.buffer_float32` (`dtype` comes from the record's allow-list)."""
+    """The packed `[N, size]` buffer of dtype `dtype` of zero1 state `state`, e.g. `0.buffer_float32`."""
     return _checked(f"{int(state)}.buffer_{dtype}")
 
 
 def local_array(state: int, leaf: int) -> str:
-    """The name of the local gradient accumulator of parameter leaf `leaf` of zero1 state `state`
-    (`accumulate="local"`; one block per device along the leading axis), e.g. `0.local0002`."""
+    """The local gradient accumulator (`accumulate="local"`) of leaf `leaf` of zero1 state `state`, e.g.
+    `0.local0002`."""
     return _checked(f"{int(state)}.local{int(leaf):04d}")
 
 
 def block_key(path: str, block: int, blocks: int) -> str:
-    """The key of one block of a parameter in `zero_optax.RankRecord.params`: its path when the parameter has
-    one block, else `path#block<b>` (block `b` in `[0, blocks)`, row-major over the parameter's mesh axes)."""
+    """A parameter block's key in `RankRecord.params`: `path` for one block, else `path#block<b>` (row-major over
+    the parameter's mesh axes)."""
     return path if blocks == 1 else f"{path}#block{int(block)}"

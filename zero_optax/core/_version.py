@@ -1,7 +1,6 @@
-"""The release number: `zero_optax.__version__`, and what a checkpoint record's `zero_optax_version` says.
+"""The release number: `zero_optax.__version__` and a checkpoint record's `zero_optax_version`.
 
-It lives in the bottom layer so that the checkpoint code can write it without importing the package's top.
-The one place the version is set: pyproject.toml reads it from here (`[tool.setuptools.dynamic]`).
+The one place it is set: pyproject.toml reads it from here.
 """
 
 __version__ = "0.4.0"
