@@ -14,7 +14,7 @@ import optax
 from zero_optax.core._errors import ZeroError
 from zero_optax.layout import _keys
 from zero_optax.layout._config import Config
-from zero_optax.layout._layout import LEAF, PARTITIONS
+from zero_optax.layout._stored import LEAF, PARTITIONS
 from zero_optax.step import _accumulate, _offload, _quantize
 
 _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")

@@ -13,7 +13,8 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.api import _per_entry, _bound
 from zero_optax.layout import _keys, _specs
 from zero_optax.step import _offload
-from zero_optax.layout._layout import MASTER, Layout
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import MASTER
 from zero_optax.layout._state import GATHER, ZeroState, find_states, is_state
 from zero_optax.api._zero1 import zero1_of
 

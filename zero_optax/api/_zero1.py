@@ -15,7 +15,8 @@ from zero_optax.step import _engine, _quantize, _wire
 from zero_optax.layout import _handle
 from zero_optax.layout._config import Config
 from zero_optax.api import _arguments, _bound
-from zero_optax.layout._layout import SHARDED, Layout
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import SHARDED
 from zero_optax.layout._state import ZeroState, canonical, find_states
 
 class _NoParameterTrees:

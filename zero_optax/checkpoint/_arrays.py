@@ -30,7 +30,7 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.api import _per_entry
 from zero_optax.step import _offload
-from zero_optax.layout._layout import LOCAL, MASTER, Packing, StoredViews
+from zero_optax.layout._stored import LOCAL, MASTER, Packing, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 

@@ -17,7 +17,7 @@ from zero_optax.checkpoint._rank_migration import ParamSlice, RankRecord, clock_
 from zero_optax.checkpoint._store import aligned_empty
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.layout._layout import LOCAL, StoredViews
+from zero_optax.layout._stored import LOCAL, StoredViews
 
 WHERE = "state_from_rank_records"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from zero_optax.checkpoint import _tp_blocks, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import AUTO, StoredLayout, StoredViews
+from zero_optax.layout._stored import AUTO, StoredLayout, StoredViews
 
 PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_dtype", "mesh_axes", "arrays",
               "packing")

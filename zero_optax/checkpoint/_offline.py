@@ -17,7 +17,7 @@ import numpy as np
 from zero_optax.checkpoint import (_arrays, _commit, _install, _offline_target, _paths, _record, _regions, _restore,
                                    _schema, _shapes, _store)
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import LEAF, StoredLayout
+from zero_optax.layout._stored import LEAF, StoredLayout
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""

@@ -21,7 +21,7 @@ from zero_optax.checkpoint import _tp_blocks, _schema
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout import _owners
-from zero_optax.layout._layout import ParamLeaf, StoredLayout, slot_count
+from zero_optax.layout._stored import ParamLeaf, StoredLayout, slot_count
 
 Specs = dict[str, Sequence[Any]]
 """Leaf path -> its PartitionSpec (a sequence with one entry per dimension: None, an axis or a tuple of axes)."""

@@ -17,7 +17,7 @@ import numpy as np
 from zero_optax.checkpoint import _regions, _offline
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.layout._layout import slot_count
+from zero_optax.layout._stored import slot_count
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from zero_optax.checkpoint import _arrays, _commit, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.layout._layout import LOCAL, StoredViews
+from zero_optax.layout._stored import LOCAL, StoredViews
 from zero_optax.layout._state import canonical, shared_arrays
 
 FORMAT = "zero_optax.record"

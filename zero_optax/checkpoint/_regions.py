@@ -27,7 +27,7 @@ from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import LOCAL, MICRO_STEP_PATH, StoredViews
+from zero_optax.layout._stored import LOCAL, MICRO_STEP_PATH, StoredViews
 
 Read = Callable[[str, Region], np.ndarray]
 """`read(name, region)`: a region of a saved array."""

@@ -13,8 +13,20 @@ from typing import Any
 
 from zero_optax.checkpoint import _arrays, _paths, _record
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import (AUTO, FLAT, LEAF, LOCAL, MASTER, MASTER_PREFIX, STATE, ParamLeaf, StateEntry,
-                                       StoredLayout, slot_count, whole_shape)
+from zero_optax.layout._stored import (
+    AUTO,
+    FLAT,
+    LEAF,
+    LOCAL,
+    MASTER,
+    MASTER_PREFIX,
+    STATE,
+    ParamLeaf,
+    StateEntry,
+    StoredLayout,
+    slot_count,
+    whole_shape,
+)
 
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                     "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._layout import ParamLeaf, StoredViews
+from zero_optax.layout._stored import ParamLeaf, StoredViews
 
 Box = tuple[tuple[int, int], ...]
 """A box of an array: `(start, stop)` per dimension."""

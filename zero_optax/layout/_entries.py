@@ -12,7 +12,8 @@ import optax
 
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCouplingError
-from zero_optax.layout._layout import StateEntry, masked_view
+from zero_optax.layout._layout import masked_view
+from zero_optax.layout._stored import StateEntry
 
 _MARKER = 1_000_000_007
 """Sliced leaves are traced with the distinct, implausible lengths `_MARKER + i`, so their histories name them."""

@@ -15,7 +15,8 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCouplingError, ZeroError, ZeroStructureError
 from zero_optax.layout import _entries, _layout
 from zero_optax.layout._config import Config
-from zero_optax.layout._layout import MASTER, Group, Layout, ParamLeaf, StateEntry
+from zero_optax.layout._layout import Group, Layout
+from zero_optax.layout._stored import MASTER, ParamLeaf, StateEntry
 
 SHAPE_HELP = """\
 The inner transformation does something different on the 1-D coordinate slices that zero1 gives it than on the

@@ -25,25 +25,10 @@ from zero_optax.core._errors import (
     ZeroCouplingError,
     ZeroStructureError,
 )
-from zero_optax.layout import (
-    _entries,
-    _grouping,
-    _keys,
-    _layout,
-    _owners,
-    _specs,
-)
+from zero_optax.layout import _entries, _grouping, _keys, _owners, _specs, _stored
 from zero_optax.layout._config import Config
-from zero_optax.layout._layout import (
-    AUTO,
-    FLAT,
-    LEAF,
-    MASTER,
-    MASTER_PREFIX,
-    Layout,
-    ParamLeaf,
-    StateEntry,
-)
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import AUTO, FLAT, LEAF, MASTER, MASTER_PREFIX, ParamLeaf, StateEntry
 
 FLAT_HELP = """\
 Flat slices are exact only for transformations that act coordinate by coordinate. Either
@@ -353,9 +338,9 @@ def build_layout(cfg: Config, params) -> Layout:
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
     dims = _tp_dims(cfg, params, _Owned(owned, tuple(placement), tuple(paths)), real)
-    slots = [math.prod(x.shape) if owned[i] else _layout.slot_count(math.prod(np.shape(x)), placement[i][2])
+    slots = [math.prod(x.shape) if owned[i] else _stored.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
-    mixed = [jax.ShapeDtypeStruct(_layout.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
+    mixed = [jax.ShapeDtypeStruct(_stored.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
              else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
     entries = real_entries if all(owned) and not any(dims) else \
         _entries_on_slices(cfg, treedef, mixed, real_state, owned)
@@ -467,7 +452,7 @@ def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str,
     if cfg.master_dtype is None:
         return ()
     return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else
-                            _layout.whole_shape(leaf.shape, leaf.dims, sizes), np.dtype(cfg.master_dtype).name,
+                            _stored.whole_shape(leaf.shape, leaf.dims, sizes), np.dtype(cfg.master_dtype).name,
                             MASTER) for i, leaf in enumerate(leaves))
 
 

@@ -18,7 +18,7 @@ from jax import lax
 
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.layout import _layout, _planner, _inner_state
+from zero_optax.layout import _inner_state, _planner, _stored
 from zero_optax.step import (
     _reduce,
     _slots,
@@ -59,7 +59,7 @@ def order(layout: Layout) -> list[int]:
 
 def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
     pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
-              for k, lo, hi in _layout.runs(positions)]
+              for k, lo, hi in _stored.runs(positions)]
     return _slots.concat(pieces)
 
 

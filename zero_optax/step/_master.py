@@ -16,7 +16,8 @@ import numpy as np
 import optax
 
 from zero_optax.core._errors import ZeroStructureError
-from zero_optax.layout._layout import MASTER, Layout
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import MASTER
 from zero_optax.step import _groups, _owned, _reduce
 
 

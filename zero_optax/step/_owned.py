@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zero_optax.layout import _layout
-from zero_optax.layout._layout import Layout, Packing
+from zero_optax.layout import _stored
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import Packing
 from zero_optax.step._slots import concat
 
 Key = int | tuple[int, ...]
@@ -122,7 +123,7 @@ def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
     """Where each owned leaf's gradient or update (in `dtypes[leaf]`) sits in its owner's row of a collective: in
     tree order, except that a stack's members follow its first, side by side."""
     first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
-    return _layout.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
+    return _stored.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
                                for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
                                if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
 
@@ -198,7 +199,7 @@ def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Sp
       ...       {0: 4, 1: 3, 2: 2, 3: 0})
       [('float32', 0, 7), ('float32', 10, 12)]
     """
-    return _layout.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
+    return _stored.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
 
 
 def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:

@@ -18,7 +18,8 @@ import numpy as np
 from zero_optax.analysis import _coupling
 from zero_optax.core import _compat
 from zero_optax.layout import _layout
-from zero_optax.layout._layout import MASTER, Layout
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import MASTER
 from zero_optax.step import (
     _groups,
     _master,

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zero_optax.layout._layout import Layout, ParamLeaf
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import ParamLeaf
 
 
 def padded(x: jax.Array, leaf: ParamLeaf) -> jax.Array:

@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from zero_optax.layout import _inner_state
-from zero_optax.layout._layout import MASTER, Group
+from zero_optax.layout._layout import Group
+from zero_optax.layout._stored import MASTER
 from zero_optax.layout._state import SlicedState
 from zero_optax.step import _groups, _offload, _owned, _reduce
 

@@ -15,7 +15,8 @@ from jax import lax
 
 from zero_optax.core import _compat
 from zero_optax.step import _owned
-from zero_optax.layout._layout import Layout, Packing, ParamLeaf
+from zero_optax.layout._layout import Layout
+from zero_optax.layout._stored import Packing, ParamLeaf
 from zero_optax.step._wire import Wire
 
 
