@@ -1,7 +1,6 @@
-"""What a partition may do: proofs, from the inner transformation's jaxpr, that an update does not couple the
-values one device would update apart. Above `zero_optax.core`; it knows nothing of zero1's state.
+"""What zero1 learns about the inner transformation; above `zero_optax.core`, it knows nothing of zero1's state.
 
-* `_coupling`: the dependency ("taint") analysis behind the flat, leaf and auto partitions' refusals, and the
-  program signatures (`leaf_programs`) by which the plan groups sliced leaves, stacks owned ones and refuses an
-  update that runs something else on slices than on the parameters.
+* `_inner`: the transformation read as Python objects (required extra arguments, closed-over values), its update
+  traced once. `_primitives`: what each JAX primitive does. `_programs`: what a program runs on each leaf
+  (`leaf_programs`), and the one interpreter of programs. `_coupling`: the proof of what a partition may do.
 """

@@ -1,27 +1,38 @@
-"""The Python objects reachable from a value: through containers, functions' closures and defaults, partials, bound
-methods and objects' attributes. What a transformation closes over (its hyperparameters, the functions it calls)
-is read this way, without running it."""
+"""The inner transformation read as Python objects, and its update traced once for every analysis.
+
+optax exposes neither the keyword-only arguments an update requires (`GradientTransformationExtraArgs` forwards
+`**extra_args`) nor the arrays a transformation closes over before it is traced, so both are found here by a walk
+over the objects reachable from it (closures, defaults, partials, bound methods, attributes). Every walk stops
+after `LIMIT` objects; nothing else in the package reads closures or bound methods.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from zero_optax.analysis import _programs
+from zero_optax.core import _names
+from zero_optax.core._errors import ZeroCouplingError, ZeroStructureError
+
+LIMIT = 20_000
+"""How many objects a walk visits at most."""
+
 OPAQUE = (str, bytes, int, float, complex, type(None), np.ndarray, np.generic, type, types.ModuleType,
           types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
-"""Objects `reachable` does not look into (nor yields): they hold no arrays or functions of their own, or
-(classes, modules) only shared ones."""
+"""Objects `reachable` neither looks into nor yields: they hold no arrays or functions of their own, or (classes,
+modules) only shared ones."""
 
 
 def reachable(root: Any) -> Iterator[Any]:
-    """Every object reachable from `root`, each once (by identity), `root` first; `OPAQUE` ones left out. JAX arrays
-    are yielded but not looked into. A caller that needs a bound stops iterating."""
+    """Every object reachable from `root`, each once, `root` first; `OPAQUE` ones left out, JAX arrays not looked
+    into. A caller that needs a bound stops iterating."""
     stack, seen = [root], set()
     while stack:
         x = stack.pop()
@@ -49,3 +60,53 @@ def reachable(root: Any) -> Iterator[Any]:
         for cls in type(x).__mro__:
             slots = cls.__dict__.get("__slots__", ())
             stack.extend(getattr(x, name, None) for name in ((slots,) if isinstance(slots, str) else slots))
+
+
+def may_reach(root: Any, predicate: Callable[[Any], bool], limit: int = LIMIT) -> bool:
+    """Whether an object for which `predicate` holds may be reachable from `root`: True also when the walk stops
+    after `limit` objects."""
+    for count, x in enumerate(reachable(root), 1):
+        if count > limit or predicate(x):
+            return True
+    return False
+
+
+def required_keywords(update: Callable, limit: int = LIMIT) -> tuple[str, ...]:
+    """The keyword-only arguments without a default of the functions reachable from `update` (a chain's members),
+    in the order found: the extra arguments it may require (`value=` of `optax.contrib.reduce_on_plateau`)."""
+    found: dict[str, None] = {}
+    for count, x in enumerate(reachable(update), 1):
+        if count > limit:
+            break
+        if isinstance(x, types.FunctionType):
+            found.update((p.name, None) for p in inspect.signature(x).parameters.values()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty)
+    return tuple(found)
+
+
+def update_fn(inner) -> Callable:
+    """`inner.update` taking its extra arguments as one dict: `(g, s, p, extra)`."""
+    return lambda g, s, p, e: inner.update(g, s, p, **e)
+
+
+def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[str, jax.ShapeDtypeStruct]]:
+    """The inner update traced once on the real shapes (`update_fn`), with scalar stand-ins for the keyword
+    arguments it requires (`required_keywords`), and those stand-ins. A name no update requires goes to updates
+    taking `**extra_args`, which ignore it. Refuses results structured unlike the inputs."""
+    extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
+    try:
+        traced = _programs.trace(update_fn(inner), grads, state, params, extra)
+    except TypeError as err:
+        raise ZeroCouplingError(
+            f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
+            f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
+            f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
+            f"are keyword-only arguments of its update.") from err
+    updates, new_state = traced.out_shape
+    for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            raise ZeroStructureError(
+                f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
+                f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
+                "inputs.")
+    return traced, extra

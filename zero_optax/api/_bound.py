@@ -1,40 +1,31 @@
 """zero1 bound to a mesh: `init` and `update` on global arrays, eagerly or under `jax.jit` (and so in Flax).
 
-Outside `shard_map`, a mesh-bound zero1 runs its own `shard_map` over the mesh. Parameters keep their
-`NamedSharding`s (replicated over the data axes; any other axis is tensor or expert parallelism), the state comes
-back sharded over the data axes (`zero_optax.state_specs`), and updates come back with the parameters' shardings.
-Gradients are the global mean, as `jax.grad` of a global loss under `jax.jit` gives them: XLA reduces them before
-zero1 sees them.
-
-Values the inner transformation closes over enter that `shard_map` as arguments where they must (`_Hoisted`): JAX
-refuses a `shard_map` body that reads a value typed on a mesh with `Explicit` axes from outside (NotImplementedError:
-"Closing over inputs to shard_map where the input is sharded on `Explicit` axes is not implemented"), and
-`optax.inject_hyperparams(factory)` builds the transformation around exactly such values: the hyperparameters,
-traced (under `jax.jit`) or concrete, which `jax.set_mesh` types on the mesh (issue 29).
+A mesh-bound zero1 runs its own `shard_map` over the mesh: parameters keep their `NamedSharding`s, the state comes
+back sharded over the data axes, updates with the parameters' shardings, and gradients are taken as the global mean
+(XLA reduced them before zero1 sees them). Values the inner transformation closes over that are typed on a mesh with
+`Explicit` axes, which JAX refuses to close a `shard_map` body over (`optax.inject_hyperparams`'s hyperparameters
+under `jax.set_mesh`), enter it as arguments (`_Hoisted`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
-from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_optax.analysis import _inner, _programs
 from zero_optax.core import _compat
-from zero_optax.analysis import _inner
 from zero_optax.core._errors import WeightError, ZeroError, ZeroStructureError
-from zero_optax.step import _engine
-from zero_optax.layout import _planner, _specs
+from zero_optax.layout import _specs
+from zero_optax.layout._config import Config
 from zero_optax.layout._state import ZeroState
+from zero_optax.step import _engine
 
 
 def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P:
@@ -78,9 +69,9 @@ class Bound:
 
     def _hoisting(self, params, extra: dict | None) -> _Hoisted:
         """The values the inner transformation closes over that must enter the `shard_map` as arguments, and the
-        engines that read them from there (found once: a transformation's closure does not change)."""
+        engines that read them there (found once: a transformation's closure does not change)."""
         if self._hoisted is None:
-            self._hoisted = _Hoisted.find(self.zero.cfg, params, extra)
+            self._hoisted = _Hoisted.find(self.zero.cfg, params, extra, (self.zero.engine, self.mean))
         return self._hoisted
 
     def init(self, params):
@@ -88,14 +79,9 @@ class Bound:
         hoisted = self._hoisting(params, None)
         key = ("init", _key(params, specs))
         if key not in self._fns:
-            if hoisted.values:
-                def init(values, params):
-                    with hoisted.reading(values):
-                        return hoisted.engine.init(params)
-            else:
-                def init(values, params):
-                    del values
-                    return self.zero.engine.init(params)
+            def init(values, params):
+                with hoisted.reading(values):
+                    return hoisted.engine.init(params)
             traced = _specs.traced_state(_Tx(lambda args: init(*args)), (hoisted.values, params),
                                          (hoisted.specs, specs), self.mesh, declare=specs)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
@@ -140,14 +126,9 @@ class Bound:
         with_params = params is not None
         key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
         if key not in self._fns:
-            if hoisted.values:
-                def run(values, grads, state, params, extra):
-                    with hoisted.reading(values):
-                        return hoisted.mean.update(grads, state, params, apply=apply, **extra)
-            else:
-                def run(values, grads, state, params, extra):
-                    del values
-                    return self.mean.update(grads, state, params, apply=apply, **extra)
+            def run(values, grads, state, params, extra):
+                with hoisted.reading(values):
+                    return hoisted.mean.update(grads, state, params, apply=apply, **extra)
 
             # On a one-device mesh nothing varies: untyped (check_vma=False), the step needs no collective at all,
             # where typed values would have to be retyped replicated by one-device collectives (copies on XLA:CPU).
@@ -161,36 +142,18 @@ class Bound:
         return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
 
 
-# The context the inner transformation is traced in to find (and to read) what it closes over: no mesh, so that
-# a value typed on any mesh may be read (inside a `shard_map` body the context mesh is manual, where JAX refuses
-# values typed on a mesh with `Explicit` axes).
+# The context the inner transformation is traced in to find and read what it closes over: no mesh, where a value
+# typed on any mesh may be read (a `shard_map` body's manual mesh refuses those typed on `Explicit` axes).
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _must_enter(x: Any) -> bool:
     """Whether a value the inner transformation closes over must enter the `shard_map` as an argument: an array
-    or tracer typed on a mesh with an `Explicit` axis (JAX closes a body over any other: untyped ones as they are,
-    those on `Auto` meshes resharded replicated)."""
+    typed on a mesh with an `Explicit` axis (JAX closes a body over others, resharding those on `Auto` meshes)."""
     if not isinstance(x, jax.Array):
         return False
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-
-
-def _may_reach_typed(root: Any, limit: int = 20_000) -> bool:
-    """Whether a value that `_must_enter` may be reachable from `root` (the inner transformation): through
-    containers, functions' closures and defaults, partials, bound methods and objects' attributes
-    (`_inner.reachable`). True also when the search stops after `limit` objects.
-
-    A cheap test (a walk over Python objects, no trace) that spares the common case, hyperparameters given as
-    numbers, the two traces of `_Hoisted.find`: only where it finds such a value do they run, and they decide
-    which values are hoisted. A value it cannot reach (a module global, say) is not hoisted: JAX then refuses the
-    `shard_map` as it did before.
-    """
-    for count, x in enumerate(_inner.reachable(root), 1):
-        if count > limit or _must_enter(x):
-            return True
-    return False
 
 
 def _stand_in(x: Any) -> jax.ShapeDtypeStruct:
@@ -199,7 +162,7 @@ def _stand_in(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _trace(fn, args: tuple):
-    """`fn(*args)` traced on stand-ins of `args`, with no context mesh: (the closed jaxpr, the output's shape
+    """`fn(*args)` traced on stand-ins of `args` with no context mesh: (the closed jaxpr, the output's shape
     tree, the flat leaves of `args`)."""
     flat, tree = jax.tree.flatten(args)
     with jax.sharding.use_abstract_mesh(_NO_MESH):
@@ -208,108 +171,51 @@ def _trace(fn, args: tuple):
     return closed, out_shape, flat
 
 
-# Primitives that only move or retype a value between devices: per device, where a body's values are local, the
-# identity.
+# Primitives that only move or retype a value between devices: per device, the identity.
 _PLACEMENTS = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 
 
-def _per_device(value: Any) -> Any:
-    """A program (or an equation's parameter) made to run per device, as a `shard_map` body runs it: every sharding
-    on a mesh replaced by None (the primitive's default) and every placement (`_PLACEMENTS`) by its operand,
-    recursively into the programs it calls.
+def _per_device(eqn):
+    """`eqn` as a `shard_map` body runs it: a placement dropped (None), a sharding on a mesh replaced by None.
 
-    Traced where the hoisted values can be read, the inner transformation's program types what it derives from them
-    on their mesh, and some primitives record that type (`broadcast_in_dim`'s `sharding`, as `jnp.where` broadcasts
-    a hyperparameter); a function jitted inside it may also bring a program traced earlier in a `shard_map` body
-    (JAX's cache keys it by its arguments' types, not by the context mesh), resharding onto that body's mesh.
-    Evaluated in the body, whose context mesh is manual, both would be refused; per device, values derived from
-    replicated hyperparameters are replicated, which is what the defaults give.
+    Traced where the hoisted values can be read, the program types what derives from them on their mesh
+    (`broadcast_in_dim`'s `sharding`), and a function jitted inside may bring a program traced in an earlier body,
+    resharding onto its mesh: the body's manual mesh refuses both. Per device, the defaults are right (replicated).
     """
+    if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1:
+        return None
+    return eqn.replace(params={k: _local(v) for k, v in eqn.params.items()})
+
+
+def _local(value: Any) -> Any:
     if isinstance(value, NamedSharding):
         return value if value.mesh.empty else None
-    if isinstance(value, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-        wrapped = getattr(value, "jaxpr", value)
-        if wrapped is not value:  # a ClosedJaxpr around a Jaxpr (JAX 0.10, 0.11; JAX 0.12 has one class for both)
-            return value.replace(jaxpr=_per_device(wrapped))
-        forwarded: dict = {}
-
-        def read(v):
-            return forwarded.get(v, v) if isinstance(v, jex_core.Var) else v
-        eqns = []
-        for eqn in value.eqns:
-            invars = [read(v) for v in eqn.invars]
-            if eqn.primitive.name in _PLACEMENTS and len(invars) == len(eqn.outvars) == 1:
-                forwarded[eqn.outvars[0]] = invars[0]
-                continue
-            eqns.append(eqn.replace(invars=invars, params={k: _per_device(v) for k, v in eqn.params.items()}))
-        return value.replace(eqns=eqns, outvars=[read(v) for v in value.outvars])
     if type(value) is tuple:
-        return tuple(_per_device(v) for v in value)
+        return tuple(_local(v) for v in value)
     return value
 
 
 def _evaluate(program, args: list, consts=None) -> list:
-    """Evaluates `program` on `args` (with `consts` in place of its own constants, if given) in the current trace,
-    tracing again each program it calls, branches on or loops over, so that every value is typed where it is
-    computed: as tracing the inner transformation there would type it."""
+    """Evaluates `program` on `args` (with `consts` in place of its own, if given) in the current trace, retracing
+    each program it calls, branches on or loops over, so that every value is typed where it is computed."""
     jaxpr, own = _compat.jaxpr_parts(program)
-    env = dict(zip(jaxpr.constvars, own if consts is None else consts))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(v):
-        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        outs = _equation(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _equation(eqn, ins: list):
-    name, p = eqn.primitive.name, eqn.params
-    if name in _compat.CALLS:
-        return _evaluate(p[_compat.CALLS[name]], ins)
-    if name == "cond":
-        return lax.switch(ins[0], [functools.partial(_branch, b) for b in p["branches"]], *ins[1:])
-    if name == "while":
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
-        return lax.while_loop(lambda c: _evaluate(p["cond_jaxpr"], [*cc, *c])[0],
-                              lambda c: _evaluate(p["body_jaxpr"], [*bc, *c]), init)
-    if name == "scan":
-        nc, nk = _compat.scan_counts(eqn)
-        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-
-        def step(carry, x):
-            out = _evaluate(p["jaxpr"], [*consts, *carry, *x])
-            return out[:nk], out[nk:]
-        carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-        return [*carry, *ys]
-    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(p))
-
-
-def _branch(program, *xs) -> list:
-    return _evaluate(program, list(xs))
+    return _programs.evaluate(jaxpr, own if consts is None else consts, args,
+                              lambda eqn, ins: _programs.retraced(eqn, ins, _evaluate))
 
 
 class _Hoisted:
     """The values an inner transformation closes over that a `shard_map` body may not read (`_must_enter`), and
-    engines whose inner transformation reads them from the body's arguments instead.
+    engines whose inner transformation reads them from the body's arguments instead: each call traces the real one
+    with no context mesh and evaluates it per device with those values replaced by the body's (`reading`). A value
+    no object walk reaches (a module global) is not hoisted: JAX then refuses the `shard_map` as before."""
 
-    `find` traces the inner `init` and `update` once on the global parameters' shapes and collects the constants
-    of those programs that `_must_enter`: the values `optax.inject_hyperparams` injects, for instance. Where there
-    are any, every call of the wrapped inner transformation (`init`, `update`, and the analyses of them) traces
-    the real one with no context mesh, where those values can be read, and evaluates the traced program with each
-    of them replaced by the body's argument that carries it (`reading`), retracing branches, loops and called
-    functions on the body's values (`_evaluate`). The program is the inner transformation's; only where its
-    closed-over values come from changes.
-    """
-
-    def __init__(self, cfg: _planner.Config, values: list):
+    def __init__(self, cfg: Config, values: list, engines: tuple):
         self.values = values
         self.specs = [P() for _ in values]
         self._index = {id(v): i for i, v in enumerate(values)}
         self._reading: list | None = None
-        if not values:
+        if not values:  # the plain engines, which read nothing
+            self.engine, self.mean = engines
             return
         if cfg.accumulating is None:
             cfg = dataclasses.replace(cfg, inner=self._wrap(cfg.inner))
@@ -320,23 +226,25 @@ class _Hoisted:
         self.mean = _engine.Engine(dataclasses.replace(cfg, reduce=None))
 
     @classmethod
-    def find(cls, cfg: _planner.Config, params, extra: dict | None) -> _Hoisted:
+    def find(cls, cfg: Config, params, extra: dict | None, engines: tuple) -> _Hoisted:
+        """The values among the constants of the inner `init` and `update` traced once; `engines` (the plain
+        engine and its mean form) where there are none."""
         inner = cfg.inner if cfg.accumulating is None else cfg.accumulating.inner
-        if not _may_reach_typed(inner):
-            return cls(cfg, [])
+        if not _inner.may_reach(inner, _must_enter):  # (spares the common case, numbers, the two traces)
+            return cls(cfg, [], engines)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)), params)
         closed_init, state, _ = _trace(inner.init, (params,))
         if extra is None:  # (at init: the update's extra arguments are found as the analyses find them)
             with jax.sharding.use_abstract_mesh(_NO_MESH):
-                closed_update = _planner.trace_update(inner, params, state, params)[0].closed
+                closed_update = _inner.trace_update(inner, params, state, params)[0].closed
         else:
-            closed_update = _trace(lambda g, s, p, e: inner.update(g, s, p, **e), (params, state, params, extra))[0]
+            closed_update = _trace(_inner.update_fn(inner), (params, state, params, extra))[0]
         values, seen = [], set()
         for c in (*closed_init.consts, *closed_update.consts):
             if _must_enter(c) and id(c) not in seen:
                 seen.add(id(c))
                 values.append(c)
-        return cls(cfg, values)
+        return cls(cfg, values, engines)
 
     def placed(self, mesh: jax.sharding.Mesh) -> list:
         """The values, replicated over `mesh` (the arguments the `shard_map` takes them as)."""
@@ -354,14 +262,14 @@ class _Hoisted:
     def _wrap(self, inner) -> optax.GradientTransformationExtraArgs:
         return optax.GradientTransformationExtraArgs(
             lambda params: self._call(inner.init, (params,)),
-            lambda updates, state, params=None, **extra: self._call(
-                lambda u, s, p, e: inner.update(u, s, p, **e), (updates, state, params, extra)))
+            lambda updates, state, params=None, **extra: self._call(_inner.update_fn(inner),
+                                                                    (updates, state, params, extra)))
 
     def _call(self, fn, args: tuple):
         if self._reading is None:
             raise RuntimeError("zero1 (mesh-bound): the inner transformation was called outside its shard_map.")
         closed, out_shape, flat = _trace(fn, args)
-        closed = _per_device(closed)
+        closed = _programs.rewrite(closed, _per_device)
         consts = [self._reading[self._index[id(c)]] if id(c) in self._index else c
                   for c in _compat.jaxpr_parts(closed)[1]]
         out = _evaluate(closed, flat, consts)

@@ -1,0 +1,135 @@
+"""What each JAX primitive does, as the analyses of programs read it: elementwise, reducing, position-dependent,
+random, calling a sub-program or opaque; and what one equation holds (its sub-programs, the program it calls, whether
+it is a full reduction)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jax.extend import core as jcore
+
+# Every output coordinate depends only on the same coordinate of each operand (operands of another size are
+# checked separately).
+ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "bessel_i0e",
+    "bessel_i1e", "bitcast_convert_type", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "convert_element_type",
+    "copy", "copy_p", "cos", "cosh", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor",
+    "ge", "gt", "igamma", "igamma_grad_a", "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "mulhi", "ne", "neg", "nextafter", "not", "or", "polygamma",
+    "population_count", "pow", "random_gamma_grad", "real", "reduce_precision", "regularized_incomplete_beta", "rem",
+    "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh",
+    "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "zeta",
+})
+# Identity on each operand separately (outputs[i] is operands[i]).
+PER_OPERAND_IDENTITY = frozenset({
+    "device_put", "optimization_barrier", "sharding_constraint", "layout_constraint", "reshard", "pvary",
+})
+# Reductions with an `axes` parameter, and cumulative ops with an `axis`.
+REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax",
+    "argmin",
+})
+CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+# Not elementwise, but uniform operands give a uniform result: moving, reducing or contracting equal values.
+UNIFORM_PRESERVING = REDUCTIONS | {
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "rev", "dynamic_slice",
+    "dot_general", "sort", "split", "unstack", "tile", "zeros_like", "reduce",
+}
+# Non-scalar results may differ by position even from uniform operands (`concatenate([zeros, ones])`, `cumsum`).
+POSITIONAL = CUMULATIVE | {
+    "iota", "iota_2x32_shape", "concatenate", "stack", "pad", "gather", "scatter", "scatter-add", "scatter_add",
+    "scatter-sub", "scatter-mul", "scatter-min", "scatter-max", "dynamic_update_slice", "conv_general_dilated",
+    "reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_scatter",
+    "select_and_scatter_add", "select_and_gather_add", "fft", "cholesky", "cholesky_update", "eig", "eigh", "lu",
+    "lu_pivots_to_permutation", "qr", "geqrf", "geqp3", "householder_product", "ormqr", "svd", "schur", "hessenberg",
+    "triangular_solve", "tridiagonal", "tridiagonal_solve", "symmetric_product", "top_k", "approx_top_k",
+    "ragged_dot_general",
+}
+# Random primitives: those producing random numbers, and those making or transforming PRNG keys.
+RANDOM_NUMBERS = frozenset({
+    "random_bits", "random_gamma", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32", "rng_bit_generator",
+    "rng_uniform", "prng_random_bits",
+})
+RANDOM_KEYS = frozenset({
+    "random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_clone", "prng_seed",
+})
+RANDOM = RANDOM_NUMBERS | RANDOM_KEYS
+# Opaque primitives the analyses never look into (even if they carry a jaxpr).
+KERNELS = frozenset({
+    "pallas_call", "custom_call", "ffi_call", "tpu_custom_call", "custom_partitioning", "cudnn_fusion", "custom_fusion",
+})
+CALLBACKS = frozenset({"pure_callback", "io_callback", "buffer_callback"})
+# Effects with no results: nothing flows out of them.
+SINKS = frozenset({"debug_callback", "debug_print"})
+# Call-like primitives: operands and results map 1:1 onto one sub-jaxpr, held by one of `CALL_PARAMS`.
+CALLS = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
+    "remat2", "checkpoint",
+})
+CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+CONTROL = frozenset({"cond", "while", "scan"})
+KNOWN = ELEMENTWISE | PER_OPERAND_IDENTITY | UNIFORM_PRESERVING | POSITIONAL | RANDOM | SINKS | CALLS | CONTROL
+
+_COLLECTIVE_KINDS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "dot_general": "sum"}
+
+
+def shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def size(atom: Any) -> int:
+    return math.prod(shape(atom))
+
+
+def opened(program: Any) -> jcore.Jaxpr:
+    """The Jaxpr of a ClosedJaxpr (an open Jaxpr as it is)."""
+    return program.jaxpr if isinstance(program, jcore.ClosedJaxpr) else program
+
+
+def subjaxprs(params: dict[str, Any]) -> list[Any]:
+    """Every sub-jaxpr in an equation's params (ClosedJaxpr or Jaxpr, possibly in tuples), as found."""
+    found: list[Any] = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                found.append(item)
+    return found
+
+
+def call_body(eqn: Any) -> Any:
+    """The sub-jaxpr of a call-like equation whose inputs and outputs are the equation's, or None."""
+    name = eqn.primitive.name
+    if name in CALLS:
+        candidates = [eqn.params[k] for k in CALL_PARAMS if k in eqn.params]
+    elif name in KNOWN or name in KERNELS or name in CALLBACKS:
+        return None  # e.g. the reducer of `reduce`, or a Pallas kernel's body, is no call
+    else:  # an unknown higher-order primitive (shard_map, composite, ...): only an exact fit
+        candidates = subjaxprs(eqn.params)
+        if len(candidates) != 1:
+            return None
+    for sub in candidates:
+        inner = opened(sub)
+        if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+            return sub
+    return None
+
+
+def collective_kind(eqn: Any) -> str | None:
+    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element, else None.
+
+    A full reduction is `reduce_sum`, `reduce_max` or `reduce_min` with a one-element result, or a `dot_general`
+    of two operands of one shape contracting all their axes in order (`jnp.vdot`). On coordinate slices it is a
+    local reduction (padding set to the identity) followed by `psum`, `pmax` or `pmin` over the devices.
+    """
+    name = eqn.primitive.name
+    kind = _COLLECTIVE_KINDS.get(name)
+    if kind is None or not eqn.outvars or size(eqn.outvars[0]) != 1:
+        return None
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        dims = tuple(range(len(shape(lhs))))
+        if lb or rb or shape(lhs) != shape(rhs) or tuple(lc) != dims or tuple(rc) != dims:
+            return None
+    return kind

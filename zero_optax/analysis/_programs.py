@@ -1,0 +1,362 @@
+"""The inner transformation's programs: traced once, named, and interpreted.
+
+`leaf_programs` names what an update runs on each leaf, as text equal for two leaves (or one leaf in two traces)
+exactly when the same program runs on them, whatever their shapes: the plan groups and stacks leaves by it. The
+rest of the package runs and searches programs only through `evaluate`, `retraced`, `any_equation` and `rewrite`.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from zero_optax.analysis import _primitives as prim
+from zero_optax.core import _compat
+
+
+class Traced(NamedTuple):
+    """A function traced once (`trace`), for several analyses of the same program."""
+
+    closed: jcore.ClosedJaxpr
+    out_shape: Any
+    args: tuple[Any, ...]
+
+
+def trace(fn: Callable[..., Any], *args: Any) -> Traced:
+    """Traces `fn(*args)` to a jaxpr that every analysis accepts in place of `fn` (with no args)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return Traced(closed, out_shape, args)
+
+
+def traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
+    return fn if isinstance(fn, Traced) else trace(fn, *args)
+
+
+class _Labels:
+    """Opaque (non-pytree) holder of the labels one `sources` leaf expands to."""
+
+    def __init__(self, labels: list[int | None]):
+        self.labels = labels
+
+
+def _expand_sources(sources: Any, tree: Any) -> list[int | None]:
+    """Flattens `sources` (a prefix of `tree`, None being a leaf) to one label per leaf of `tree`."""
+    expanded = jax.tree.map(lambda lab, sub: _Labels([lab] * len(jax.tree.leaves(sub))),
+                            sources, tree, is_leaf=lambda x: x is None)
+    holders = jax.tree.leaves(expanded, is_leaf=lambda x: isinstance(x, _Labels))
+    return [lab for h in holders for lab in h.labels]
+
+
+def input_labels(closed: jcore.ClosedJaxpr, sources: Any, args: tuple[Any, ...]) -> list[int | None]:
+    """One label per input of `closed`, from `sources` (a prefix of `args`)."""
+    labels = _expand_sources(tuple(sources), args)
+    if len(labels) != len(closed.jaxpr.invars):
+        raise ValueError(f"sources give {len(labels)} labels but fn has {len(closed.jaxpr.invars)} array inputs")
+    return [None if lab is None else int(lab) for lab in labels]
+
+
+def output_labels(closed: jcore.ClosedJaxpr, out_sources: Any, out_shape: Any) -> list[int | None] | None:
+    """One label per output of `closed` from `out_sources` (a prefix of `out_shape`), or None."""
+    if out_sources is None:
+        return None
+    labels = _expand_sources(out_sources, out_shape)
+    if len(labels) != len(closed.jaxpr.outvars):
+        raise ValueError(f"out_sources give {len(labels)} labels but fn has {len(closed.jaxpr.outvars)} outputs")
+    return [None if lab is None else int(lab) for lab in labels]
+
+
+# Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
+                         "copy_p", "pjit", "jit", "closed_call", "reshard"})
+# Equation parameters that describe shapes, axes or program structure: they differ between a tensor and its slice.
+_SHAPE_PARAMS = frozenset({
+    "shape", "dimensions", "broadcast_dimensions", "axes", "axis", "dimension", "sizes", "new_sizes", "start_indices",
+    "limit_indices", "slice_sizes", "strides", "permutation", "length", "num_consts", "num_carry", "cond_nconsts",
+    "body_nconsts", "sharding", "out_sharding", "split_transpose", "_split_transpose",
+})
+
+
+def signature(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
+    """Appends to `out` what `jaxpr` computes, one entry per equation (sub-jaxprs included, shape-only ones left
+    out): `name[scalar params](operands)`, the operands listed only if one is a known scalar (`known`, by var;
+    `_` for the others), e.g. `mul(_,0.9)`. Elementwise updates have the same signature on a leaf and its slice."""
+    for eqn in jaxpr.eqns:
+        values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name not in _SHAPE_ONLY:
+            out.append(_signature_entry(eqn, values))
+        elif name not in prim.CALLS and values and values[0] is not None:
+            known[eqn.outvars[0]] = values[0]  # a moved or broadcast known scalar has the same value
+        _bodies(eqn, values, out)
+
+
+def _bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
+    """`signature` of `eqn`'s sub-jaxprs; a call's body knows the scalar operands `values` of the call."""
+    body = prim.call_body(eqn)
+    for sub in prim.subjaxprs(eqn.params):
+        inner = known_consts(sub)
+        if sub is body:
+            inner.update((v, x) for v, x in zip(prim.opened(sub).invars, values) if x is not None)
+        signature(prim.opened(sub), inner, out)
+
+
+def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out_sources: Any,
+                  names: dict[str, str] | None = None, collective: bool = False) -> dict[int | None, tuple[str, ...]]:
+    """Label (or None: the unlabelled outputs) -> the program `fn` runs on that leaf, for every label no equation
+    mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`).
+
+    An equation whose operands carry one label is that leaf's, as its `signature` entry with each operand named by
+    where it comes from: the leaf's values by order of appearance, unlabelled inputs by position, values computed
+    without a label (a schedule) by what computes them, so leaves reading different shared values differ. `names`,
+    shared across calls, names a shared computation alike in several traces. With `collective`, a full reduction of
+    one leaf belongs to its program but its result carries no label (every device computes it).
+    """
+    closed, out_shape, args = traced(fn, args)
+    walker = _LeafPrograms(closed, {} if names is None else names, collective)
+    return walker.run(input_labels(closed, sources, args), output_labels(closed, out_sources, out_shape))
+
+
+class _LeafPrograms:
+    """The walk of `leaf_programs`: per variable its label and its name, per label its program."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr, names: dict[str, str], collective: bool = False):
+        self.closed = closed
+        self.names = names
+        self.collective = collective
+        self.label_of: dict[Any, int] = {}
+        self.name: dict[Any, str] = {v: "c?" for v in closed.jaxpr.constvars}
+        self.name.update((v, f"k{x}") for v, x in known_consts(closed).items())
+        self.programs: dict[int | None, list[str]] = {None: []}
+        self.counts: dict[int, int] = {}
+        self.mixed: set[int] = set()
+
+    def run(self, in_labels: list[int | None], out_labels: list[int | None]) -> dict[int | None, tuple[str, ...]]:
+        jaxpr = self.closed.jaxpr
+        unlabelled = 0
+        for var, lab in zip(jaxpr.invars, in_labels):
+            if lab is None:
+                self.name[var] = f"in{unlabelled}:{var.aval.dtype}"
+                unlabelled += 1
+            else:
+                self._own(var, lab)
+                self.programs.setdefault(lab, []).append(f"in:{var.aval.dtype}")
+        self._walk(jaxpr.eqns)
+        for var, lab in zip(jaxpr.outvars, out_labels):
+            if lab is not None and not isinstance(var, jcore.Literal) and self.label_of.get(var, lab) != lab:
+                self.mixed.add(lab)
+            self.programs.setdefault(lab, []).append(f"out:{self._ref(var)}:{var.aval.dtype}")
+        return {lab: tuple(prog) for lab, prog in self.programs.items() if lab not in self.mixed}
+
+    def _own(self, var: Any, lab: int) -> None:
+        self.label_of[var] = lab
+        self.name[var] = f"x{self.counts.get(lab, 0)}"
+        self.counts[lab] = self.counts.get(lab, 0) + 1
+
+    def _ref(self, v: Any) -> str:
+        return f"k{_scalar_repr(v.val)}" if isinstance(v, jcore.Literal) else self.name.get(v, "?")
+
+    def _alias(self, dst: Any, src: Any) -> None:
+        self.name[dst] = self._ref(src)
+        if not isinstance(src, jcore.Literal) and src in self.label_of:
+            self.label_of[dst] = self.label_of[src]
+        else:
+            self.label_of.pop(dst, None)
+
+    def _walk(self, eqns: Sequence[Any]) -> None:
+        for eqn in eqns:
+            body = prim.call_body(eqn) if eqn.primitive.name in prim.CALLS else None
+            if body is not None:
+                self._inline(eqn, body)
+                continue
+            labs = {self.label_of[v] for v in eqn.invars if not isinstance(v, jcore.Literal) and v in self.label_of}
+            if len(labs) > 1:
+                self.mixed.update(labs)
+                for out in eqn.outvars:
+                    self.label_of[out], self.name[out] = min(labs), "?"
+            elif eqn.primitive.name in _SHAPE_ONLY and eqn.primitive.name not in prim.CALLS and len(eqn.invars) == 1:
+                for out in eqn.outvars:  # a moved value is the same value
+                    self._alias(out, eqn.invars[0])
+            else:
+                self._equation(eqn, labs.pop() if labs else None)
+
+    def _inline(self, eqn: Any, body: Any) -> None:
+        """A call (a jit over a whole tree): its equations, as if written in place."""
+        sub = prim.opened(body)
+        self.name.update((v, "c?") for v in sub.constvars)
+        self.name.update((v, f"k{x}") for v, x in known_consts(body).items())
+        for inner, outer in zip(sub.invars, eqn.invars):
+            self._alias(inner, outer)
+        self._walk(sub.eqns)
+        for outer, inner in zip(eqn.outvars, sub.outvars):
+            self._alias(outer, inner)
+
+    def _equation(self, eqn: Any, lab: int | None) -> None:
+        refs = [self._ref(v) for v in eqn.invars]
+        body: list[str] = []
+        _bodies(eqn, [r[1:] if r.startswith("k") else None for r in refs], body)  # known scalars by value
+        entry = (f"{_signature_entry(eqn, [None] * len(refs))}({','.join(refs)})"
+                 + (f"{{{';'.join(body)}}}" if body else ""))
+        if lab is None:  # shared: named by what computes it
+            for i, out in enumerate(eqn.outvars):
+                self.label_of.pop(out, None)
+                self.name[out] = self.names.setdefault(f"{entry}#{i}", f"s{len(self.names)}")
+            return
+        self.programs[lab].append(entry)
+        if self.collective and prim.collective_kind(eqn) is not None:  # the same scalar on every device
+            for out in eqn.outvars:
+                self.label_of.pop(out, None)
+                self.name[out] = f"r{lab}.{self.counts.get(lab, 0)}"
+                self.counts[lab] = self.counts.get(lab, 0) + 1
+            return
+        for out in eqn.outvars:
+            self._own(out, lab)
+
+
+def _signature_entry(eqn: Any, values: Sequence[str | None]) -> str:
+    """`name[param=value,...](operand,...)` for `signature`."""
+    params = [f"{k}={_param_repr(v)}" for k, v in sorted(eqn.params.items())
+              if k not in _SHAPE_PARAMS and _param_repr(v) is not None]
+    entry = eqn.primitive.name + (f"[{','.join(params)}]" if params else "")
+    if any(x is not None for x in values):
+        entry += "(" + ",".join("_" if x is None else x for x in values) + ")"
+    return entry
+
+
+def _param_repr(value: Any) -> str | None:
+    """A stable string for a scalar-like equation parameter, or None for anything else."""
+    if isinstance(value, (bool, int, float, complex, str, np.generic, enum.Enum)):
+        return repr(value)
+    if isinstance(value, np.dtype):
+        return str(value)
+    return None
+
+
+def _scalar_repr(value: Any) -> str | None:
+    """`repr` of a one-element array's value, or None if it has more elements (or none)."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, RuntimeError):  # a PRNG key array or a tracer; an array deleted or not on this host
+        return None
+    return repr(array.reshape(()).item()) if array.size == 1 else None
+
+
+def known_consts(program: Any) -> dict[Any, str]:
+    """The scalar constants of a ClosedJaxpr, by constvar."""
+    if not isinstance(program, jcore.ClosedJaxpr):
+        return {}
+    found = ((v, _scalar_repr(c)) for v, c in zip(program.jaxpr.constvars, program.consts))
+    return {v: x for v, x in found if x is not None}
+
+
+def bind(eqn: Any, ins: Sequence[Any], params: dict[str, Any] | None = None) -> list:
+    """`eqn`'s primitive bound to `ins` (with `params` in place of its own, if given): its results, as a list."""
+    out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params if params is None else params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+             rule: Callable[[Any, list], list | None] | None = None) -> list:
+    """Runs `jaxpr` on `consts` and `args` equation by equation, in the current trace. `rule(eqn, ins)` gives an
+    equation's results (a list), or None to bind it as it is; a rule runs the sub-programs it handles itself."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = None if rule is None else rule(eqn, ins)
+        env.update(zip(eqn.outvars, bind(eqn, ins) if outs is None else outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
+             branches: Callable | None = None, carry: Callable[[list], list] | None = None) -> list | None:
+    """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace
+    (in `lax.switch`, `lax.while_loop`, `lax.scan`), so that every value is typed where it is computed; None for
+    any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's carry."""
+    name, p = eqn.primitive.name, eqn.params
+    carry = carry or (lambda values: values)
+    if name in _compat.CALLS:
+        return run(p[_compat.CALLS[name]], list(ins))
+    if name == "cond":
+        fns = [functools.partial(_branch, run, b) for b in p["branches"]]
+        return lax.switch(ins[0], fns if branches is None else branches(fns, ins[1:]), *ins[1:])
+    if name == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+        return lax.while_loop(lambda c: run(p["cond_jaxpr"], [*cc, *c])[0],
+                              lambda c: carry(run(p["body_jaxpr"], [*bc, *c])), init)
+    if name == "scan":
+        nc, nk = _compat.scan_counts(eqn)
+        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+
+        def step(c, x):
+            out = run(p["jaxpr"], [*consts, *c, *x])
+            return carry(out[:nk]), out[nk:]
+        c, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*c, *ys]
+    return None
+
+
+def _branch(run: Callable[[Any, list], list], program: Any, *xs: Any) -> list:
+    return run(program, list(xs))
+
+
+def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
+    """Whether `predicate` holds for an equation of `program` or of a program it holds (in any equation's params)."""
+    for eqn in _compat.jaxpr_parts(program)[0].eqns:
+        if predicate(eqn) or any(any_equation(sub, predicate) for sub in prim.subjaxprs(eqn.params)):
+            return True
+    return False
+
+
+def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
+    """`program` with `rule(eqn)` in place of each equation, whose operands and sub-programs (in its params, also
+    in tuples) are rewritten first: `rule` gives an equation, or None to drop one of one operand and one result,
+    whose result is then its operand."""
+    wrapped = getattr(program, "jaxpr", program)
+    if wrapped is not program:  # a ClosedJaxpr around a Jaxpr (JAX 0.10, 0.11; JAX 0.12 has one class for both)
+        return program.replace(jaxpr=rewrite(wrapped, rule))
+    forwarded: dict = {}
+
+    def read(v):
+        return forwarded.get(v, v) if isinstance(v, jcore.Var) else v
+    eqns = []
+    for eqn in program.eqns:
+        eqn = eqn.replace(invars=[read(v) for v in eqn.invars],
+                          params={k: _rewritten(v, rule) for k, v in eqn.params.items()})
+        new = rule(eqn)
+        if new is None:
+            forwarded[eqn.outvars[0]] = eqn.invars[0]
+        else:
+            eqns.append(new)
+    return program.replace(eqns=eqns, outvars=[read(v) for v in program.outvars])
+
+
+def _rewritten(value: Any, rule: Callable[[Any], Any]) -> Any:
+    if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        return rewrite(value, rule)
+    if type(value) is tuple:
+        return tuple(_rewritten(v, rule) for v in value)
+    return value
+
+
+def vectorisable(program: Any) -> bool:
+    """Whether `jax.vmap` can run `program`: its batching rules refuse a `pure_callback` that names no
+    `vmap_method` and an ordered `io_callback`."""
+    return not any_equation(program, _unbatchable)
+
+
+def _unbatchable(eqn: Any) -> bool:
+    name, params = eqn.primitive.name, eqn.params
+    return ((name == "pure_callback" and params.get("vmap_method") is None)
+            or (name == "io_callback" and params.get("ordered", False)))
