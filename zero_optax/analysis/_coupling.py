@@ -520,6 +520,3 @@ class _Analysis:
                           (*self._stack, eqn))
         return carry + [y if y.positional else y._replace(positional=stacked) for y in ys]
 
-
-# Until the planner and the engine read them from `_programs` and `_primitives` (delete with that switch).
-Traced, trace, leaf_programs, subjaxprs = _programs.Traced, _programs.trace, _programs.leaf_programs, prim.subjaxprs

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 
-from zero_optax.analysis import _coupling
+from zero_optax.analysis import _inner, _programs
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCouplingError, ZeroError, ZeroStructureError
 from zero_optax.layout import _entries, _layout
@@ -24,10 +24,6 @@ full parameters, so its result would be silently wrong. Usually a mask or label 
 shapes (for example `mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`): compute it once from the real
 parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim > 1, params)`. Or use
 partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
-
-
-def _update_fn(inner):
-    return lambda g, s, p, e: inner.update(g, s, p, **e)
 
 
 def labels(treedef, n: int):
@@ -46,7 +42,7 @@ def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> Zer
 @dataclasses.dataclass(frozen=True)
 class Views:
     """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
-    treedef and leaves, stand-ins for the extra arguments, the names `_coupling.leaf_programs` gives shared values
+    treedef and leaves, stand-ins for the extra arguments, the names `_programs.leaf_programs` gives shared values
     (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
 
     cfg: Config
@@ -64,14 +60,14 @@ but copies its slots into and out of the group's buffer every step, which for la
 saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
 
 
-def leaf_programs(traced: _coupling.Traced, treedef, entries: tuple[StateEntry, ...],
+def leaf_programs(traced: _programs.Traced, treedef, entries: tuple[StateEntry, ...],
                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
-    """Each leaf's program in the update traced on the parameters (`_coupling.leaf_programs`), its inputs and
+    """Each leaf's program in the update traced on the parameters (`_programs.leaf_programs`), its inputs and
     outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
     shared state's."""
     leaf_labels = labels(treedef, treedef.num_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
-    return _coupling.leaf_programs(traced, sources=(leaf_labels, state_labels, leaf_labels, None),
+    return _programs.leaf_programs(traced, sources=(leaf_labels, state_labels, leaf_labels, None),
                                    out_sources=(leaf_labels, state_labels), names=names, collective=reductions)
 
 
@@ -92,7 +88,7 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tup
     each runs on its slots what it runs on the parameter.
 
     Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
-    runs the same program on each (`_coupling.leaf_programs`: the same operations on the same shared values, a
+    runs the same program on each (`_programs.leaf_programs`: the same operations on the same shared values, a
     step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
     leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
     is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
@@ -191,7 +187,7 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
 
 
 def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
-    """The programs (`_coupling.leaf_programs`) on one view of the sliced leaves: each group's first member
+    """The programs (`_programs.leaf_programs`) on one view of the sliced leaves: each group's first member
     holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
     error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
     cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
@@ -210,7 +206,7 @@ def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tu
         state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                                 for e in entries])
         state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
-        return _coupling.leaf_programs(_update_fn(cfg.inner), tree, state, tree, views.extra,
+        return _programs.leaf_programs(_inner.update_fn(cfg.inner), tree, state, tree, views.extra,
                                        sources=(label_tree, state_labels, label_tree, None),
                                        out_sources=(label_tree, state_labels), names=views.names,
                                        collective=views.reductions)

@@ -8,18 +8,15 @@ program comparison of its `update`, and the `2 + 2 log2(L)` masked views that at
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-import types
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.analysis import _coupling
+from zero_optax.analysis import _coupling, _inner, _programs
 from zero_optax.core import _compat, _names
-from zero_optax.analysis import _inner
 from zero_optax.core._errors import (
     ZeroAxisError,
     ZeroCouplingError,
@@ -62,52 +59,6 @@ zero1 updates `{path}` as a whole tensor on one owner and reads from its Partiti
 which dimension, but inside shard_map the parameter's local block (shape {shape}) varies over the mesh axes
 {axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
 PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
-
-def _update_fn(inner):
-    return lambda g, s, p, e: inner.update(g, s, p, **e)
-
-
-def required_keywords(update, limit: int = 20_000) -> tuple[str, ...]:
-    """The keyword-only arguments without a default of the functions reachable from `update` (the inner update,
-    the functions it closes over: a chain's members), read from their signatures: the extra arguments the inner
-    update may require (`value=` of `optax.contrib.reduce_on_plateau`), in the order found. A name that no update
-    requires only gets a stand-in that updates taking `**extra_args` ignore. The walk stops after `limit` objects.
-    """
-    found: dict[str, None] = {}
-    for count, x in enumerate(_inner.reachable(update), 1):
-        if count > limit:
-            break
-        if isinstance(x, types.FunctionType):
-            found.update((p.name, None) for p in inspect.signature(x).parameters.values()
-                         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty)
-    return tuple(found)
-
-
-def trace_update(inner, grads, state, params) -> tuple[_coupling.Traced, dict[str, jax.ShapeDtypeStruct]]:
-    """Traces the inner update once on the real shapes, for every analysis of it.
-
-    Checks that its updates and new state are structured like its inputs, and gives the keyword-only arguments it
-    requires (`required_keywords`) scalar stand-ins. Returns the trace (of `update(g, s, p, extra)`) and the
-    stand-ins.
-    """
-    extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
-    try:
-        traced = _coupling.trace(_update_fn(inner), grads, state, params, extra)
-    except TypeError as err:
-        raise ZeroCouplingError(
-            f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
-            f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
-            f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
-            f"are keyword-only arguments of its update.") from err
-    updates, new_state = traced.out_shape
-    for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
-        if jax.tree.structure(got) != jax.tree.structure(want):
-            raise ZeroStructureError(
-                f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
-                f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
-                "inputs.")
-    return traced, extra
-
 
 def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str, ...], int, int]], dict]:
     """Per leaf: (mesh axes its blocks differ along, number of blocks, ZeRO group size); and the axis sizes."""
@@ -173,7 +124,7 @@ class Coupling:
     invariant: frozenset[int] = frozenset()
 
 
-def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entries, keys: dict[str, str]
+def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entries, keys: dict[str, str]
                     ) -> Coupling:
     """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
     reductions, draws random numbers into them other than in their own shapes, or (flat) mixes any coordinates or
@@ -229,7 +180,7 @@ def _coupled_leaves(cfg: Config, traced: _coupling.Traced, treedef, state, entri
     return dataclasses.replace(found_, invariant=invariant)
 
 
-def _not_per_coordinate(traced: _coupling.Traced, entries, invariant: frozenset[int]
+def _not_per_coordinate(traced: _programs.Traced, entries, invariant: frozenset[int]
                         ) -> tuple[frozenset[int], frozenset[int]]:
     """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): those with such an entry
     that is not `invariant` (they need an owner), and the others."""
@@ -332,7 +283,7 @@ def build_layout(cfg: Config, params) -> Layout:
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
     else:
         real_entries, real_state = _entries.discover_entries(cfg.inner.init, treedef, real)
-    traced, extra = trace_update(cfg.inner, real_tree, real_state, real_tree)
+    traced, extra = _inner.trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     _check_owned_placement(cfg, found)
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_optax.analysis import _coupling
+from zero_optax.analysis import _programs
 from zero_optax.core import _compat
 from zero_optax.layout import _layout
 from zero_optax.layout._layout import Layout
@@ -230,7 +230,7 @@ class OwnedStep:
         keys = [tuple(view[k] for view in views) for k in own]
         args = (_owned.stacked(g, stack), [_owned.stacked(stored, key) for key in keys],
                 None if p is None else jnp.stack([p[i] for i in stack]))
-        if not _vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
+        if not _programs.vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
             return None, None
         u, new = jax.vmap(run)(*args)
         return {tuple(stack): u}, dict(zip(keys, new))
@@ -277,20 +277,6 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
             p_leaves[i] = params.whole(layout, r, i)
         step = dataclasses.replace(step, p_leaves=p_leaves)
     return g, step
-
-
-def _vectorisable(jaxpr) -> bool:
-    """Whether `jax.vmap` can run `jaxpr`: it refuses a `pure_callback` without `vmap_method` and an ordered
-    `io_callback`."""
-    for eqn in jaxpr.eqns:
-        name, params = eqn.primitive.name, eqn.params
-        if name == "pure_callback" and params.get("vmap_method") is None:
-            return False
-        if name == "io_callback" and params.get("ordered", False):
-            return False
-        if not all(_vectorisable(_compat.jaxpr_parts(sub)[0]) for sub in _coupling.subjaxprs(params)):
-            return False
-    return True
 
 
 def _member_type(x: jax.Array):
