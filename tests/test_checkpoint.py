@@ -1,4 +1,5 @@
-"""Tests for zero_optax._checkpoint: Orbax saving and restoring of zero1 states at the saved layout."""
+"""Tests for the checkpoint handler (`zero_optax.checkpoint`): Orbax saving and restoring of zero1 states at the
+saved layout."""
 
 import json
 import os

@@ -1,4 +1,5 @@
-"""Tests for the static coordinate/leaf coupling analysis in `zero_optax._coupling`."""
+"""Tests for the coupling analysis (`zero_optax.analysis._coupling`) and its test-only forms
+(`tests/_coupling_forms.py`)."""
 
 import time
 

@@ -1,4 +1,5 @@
-"""Tests for zero_optax.reshard (`_reshard`), reshard_explicit / load_rank_records (`_migrate`) and the
+"""Tests for zero_optax.reshard (`checkpoint/_offline`), reshard_explicit / load_rank_records
+(`checkpoint/_rank_migration`) and the
 `python -m zero_optax.reshard` command line.
 
 The oracle: plain optax on one device fed the mean gradient. A run trains on N devices, saves through Orbax,
