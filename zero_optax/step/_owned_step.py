@@ -18,6 +18,7 @@ import numpy as np
 from zero_optax.analysis import _programs
 from zero_optax.core import _compat
 from zero_optax.layout import _layout
+from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import MASTER
 from zero_optax.step import (
@@ -52,14 +53,14 @@ class _OwnedPlans:
     tp: _TpGathered | None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class OwnedStep:
     """`init` and `update` of the owned leaves of one `Config`'s layouts, inside `shard_map`."""
 
-    def __init__(self, cfg, wire: _wire.Wire, views: _views.Views, masters: _master.NoMasters):
-        self.cfg = cfg
-        self.wire = wire
-        self.views = views
-        self.masters = masters
+    cfg: Config
+    wire: _wire.Wire
+    views: _views.Views
+    masters: _master.NoMasters
 
     def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
         """The packed buffers: row `r` holds the state (and master copies) of the leaves device `r` owns, from the

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from zero_optax.core._errors import ZeroStructureError
+from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._state import ZeroState
 from zero_optax.step import (
@@ -46,14 +47,14 @@ class GroupsDone:
     masks: list | None = None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class SlicedStep:
     """The stages of the sliced leaves for one `Config`: `reduce`, `update`, `gather`."""
 
-    def __init__(self, cfg, wire: _wire.Wire, groups: _groups.Groups, masters: _master.NoMasters):
-        self.cfg = cfg
-        self.wire = wire
-        self.groups = groups
-        self.masters = masters
+    cfg: Config
+    wire: _wire.Wire
+    groups: _groups.Groups
+    masters: _master.NoMasters
 
     def reduce(self, step: _groups.Step, g_leaves: list) -> list:
         """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
