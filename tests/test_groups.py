@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.layout import _grouping
+from zero_optax.layout import _fusion
 
 
 def many_params(count: int = 60) -> dict:
@@ -18,7 +18,7 @@ def many_params(count: int = 60) -> dict:
     rng = np.random.default_rng(3)
     shapes = [(), (3,), (5, 3), (7,), (2, 2, 3)]
     out = {f"p{i:03d}": jnp.asarray(rng.normal(size=shapes[i % len(shapes)]), jnp.float32) for i in range(count)}
-    out["big"] = jnp.asarray(rng.normal(size=(_grouping.FUSE_BYTES // 4 * 8 + 5,)), jnp.float32)  # > FUSE_BYTES/device
+    out["big"] = jnp.asarray(rng.normal(size=(_fusion.FUSE_BYTES // 4 * 8 + 5,)), jnp.float32)  # > FUSE_BYTES/device
     return out
 
 

@@ -147,9 +147,9 @@ def test_stacks_are_cut_at_stack_bytes(monkeypatch):
     """A stack brings at most `STACK_BYTES` of state, parameters and gradients: a (5, 7) Muon matrix brings 420
     bytes (its momentum, its parameter and its gradient), so with 900 bytes device 0's three matrices make a stack
     of two and a lone matrix."""
-    from zero_optax.layout import _grouping
+    from zero_optax.layout import _fusion
 
-    monkeypatch.setattr(_grouping, "STACK_BYTES", 900)
+    monkeypatch.setattr(_fusion, "STACK_BYTES", 900)
     params = params_with_repeats()
     inner = optax.contrib.muon(2e-2)
     tx = zo.zero1(inner, axis_name="data", partition="leaf", owners=owners_list(params))

@@ -2,8 +2,8 @@
 
 * `_config`: `Config`, zero1's arguments as one validated value.
 * `_planner`: the plan: each leaf sliced or owned, its owner and entries, into a `Layout`.
-* `_grouping`: which sliced leaves run as one group and which owned leaves as one stack.
-* `_entries`: which inner-state leaves belong to which parameter leaf.
+* `_fusion`: which sliced leaves run as one group and which owned leaves as one stack.
+* `_attribution`: which inner-state leaves belong to which parameter leaf.
 * `_layout`: `Layout`, the run-time plan a state carries, and its `Group`s.
 * `_stored`: `StoredLayout`, what a checkpoint records, and the records both layouts are made of.
 * `_owners`: which device owns which leaf (`balanced_owners`).

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from zero_optax.core._errors import OwnersError
-from zero_optax.layout._entries import discover_entries
+from zero_optax.layout._attribution import discover_entries
 from zero_optax.layout._layout import abstract
 
 

@@ -22,7 +22,7 @@ from zero_optax.core._errors import (
     ZeroCouplingError,
     ZeroStructureError,
 )
-from zero_optax.layout import _entries, _grouping, _keys, _owners, _specs, _stored
+from zero_optax.layout import _attribution, _fusion, _keys, _owners, _specs, _stored
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import AUTO, FLAT, LEAF, MASTER, MASTER_PREFIX, ParamLeaf, StateEntry
@@ -147,7 +147,7 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
-    labels = _grouping.labels(treedef, n_leaves)
+    labels = _fusion.labels(treedef, n_leaves)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
     try:
         found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
@@ -250,7 +250,7 @@ def _check_slices(real_state, mixed_state) -> None:
         raise ZeroCouplingError(
             f"zero1: the inner state on coordinate slices has the structure "
             f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
-            f"{_grouping.SHAPE_HELP}")
+            f"{_fusion.SHAPE_HELP}")
 
 
 def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
@@ -282,7 +282,7 @@ def build_layout(cfg: Config, params) -> Layout:
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
     else:
-        real_entries, real_state = _entries.discover_entries(cfg.inner.init, treedef, real)
+        real_entries, real_state = _attribution.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = _inner.trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     _check_owned_placement(cfg, found)
@@ -304,17 +304,17 @@ def build_layout(cfg: Config, params) -> Layout:
     owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
                              owners[i] if owned[i] else None, *placement[i], dims[i]) for i, x in enumerate(values))
-    views = _grouping.Views(cfg, treedef, leaves, extra, {}, found.joint)
-    programs = _grouping.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
+    views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
+    programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    groups = () if all(owned) else _grouping.groups(views, entries, programs)
+    groups = () if all(owned) else _fusion.groups(views, entries, programs)
     return Layout(
         partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,
         treedef=treedef, state_tree=_names.tree_signature(real_state), state_treedef=jax.tree.structure(real_state),
         master_dtype=None if cfg.master_dtype is None else np.dtype(cfg.master_dtype).name,
         axis_sizes=tuple(axis_sizes.items()), accumulate=cfg.accumulate, accumulate_steps=cfg.accumulate_steps,
         memory_kind="pinned_host" if cfg.offload else "device", groups=groups,
-        stacks=_grouping.stacks(cfg, leaves, entries, programs), joint=found.joint and bool(groups),
+        stacks=_fusion.stacks(cfg, leaves, entries, programs), joint=found.joint and bool(groups),
         replicas=replicas, replica_sizes=replica_sizes)
 
 
@@ -367,7 +367,7 @@ def _tp_dims(cfg: Config, params, leaves: _Owned, real: list) -> list[tuple[tupl
 def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
     """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
     checking that the state is structured as on the parameters (`real_state`)."""
-    entries, marked = _entries.discover_entries(cfg.inner.init, treedef, mixed,
+    entries, marked = _attribution.discover_entries(cfg.inner.init, treedef, mixed,
                                                sliced=[i for i in range(len(mixed)) if not owned[i]])
     mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
                                      [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])

@@ -10,7 +10,7 @@
 * `_reduce`: the gradients' reduction: the denominator, the checks, `reduce_gradients`.
 * `_groups`: sliced leaves, grouped to run as one buffer.
 * `_slots`: each device's slots of a sliced leaf.
-* `_owned`: owned leaves, packed per owner.
+* `_packed`: owned leaves, packed per owner.
 * `_tp_owned`: owned leaves sharded over tensor-parallel axes.
 * `_varying`: the inner update run on slices, its full reductions and random draws exact.
 * `_wire`: every collective the step emits, exact or int8 (the only module that emits them).

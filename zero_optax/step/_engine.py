@@ -38,17 +38,6 @@ from zero_optax.step import (
 )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Call:
-    """One `update` call's checked arguments: the layout, gradient and parameter leaves, state, extra arguments."""
-
-    layout: Layout
-    g_leaves: list
-    p_leaves: list | None
-    state: ZeroState
-    extra: dict
-
-
 def check_layout(state, axis_name, replica_axes: tuple[str, ...] = ()) -> Layout:
     """The state's layout, after checking its type, axis, world size and replica axes against the mesh."""
     if not isinstance(state, ZeroState):
@@ -160,7 +149,7 @@ class Engine:
             step = self._step(layout, g_leaves, p_leaves, denom, extra)
             updates, new_state = self._run(step, g_leaves, state, apply)
         else:
-            updates, new_state = self._accumulate(_Call(layout, g_leaves, p_leaves, state, extra), weight)
+            updates, new_state = self._accumulate(layout, g_leaves, p_leaves, state, extra, weight)
         if cfg.offload:
             new_state = _offload.small_to_host(new_state, cfg.bucket_bytes)
         return updates, new_state
@@ -180,15 +169,16 @@ class Engine:
             return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
         return self.sliced.gather(step, done, state, new_buffers, u_owned, apply)
 
-    def _accumulate(self, call: _Call, weight):
+    def _accumulate(self, layout: Layout, g_leaves: list, p_leaves: list | None, state: ZeroState, extra: dict,
+                    weight):
         """An accumulating call: the cycle position, the same on every device, picks with `lax.cond` the final
         call (`_run` on the cycle's sums) or a micro-step (`_run` adding to the sharded accumulators, or with
         `accumulate="local"` no collective at all), which returns zero updates."""
-        cfg, layout = self.cfg, call.layout
+        cfg = self.cfg
         acc = cfg.accumulating
         w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)
-        extra = {**call.extra, "accumulate_weight": w}
-        final, micro = _accumulate.phases(acc, call.g_leaves, cfg.inner_dtype)
+        extra = {**extra, "accumulate_weight": w}
+        final, micro = _accumulate.phases(acc, g_leaves, cfg.inner_dtype)
         local = acc.mode == LOCAL
         dtypes = self.masters.update_dtypes(self.views, layout, extra, final)
 
@@ -210,8 +200,8 @@ class Engine:
             _, new = self._run(self._step(layout, g_leaves, p_leaves, micro.denom, extra, micro), g_leaves, state)
             return zeros, new
 
-        position = self.wire.agree(_accumulate.position(layout, call.state))  # typed invariant for the branch
-        return lax.cond(position + 1 >= acc.steps, last, middle, (call.g_leaves, call.state, call.p_leaves))
+        position = self.wire.agree(_accumulate.position(layout, state))  # typed invariant for the branch
+        return lax.cond(position + 1 >= acc.steps, last, middle, (g_leaves, state, p_leaves))
 
     def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, denom: _reduce.Denominator, extra: dict,
               phase: _accumulate.Phase | None = None) -> _groups.Step:

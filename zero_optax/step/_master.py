@@ -18,7 +18,7 @@ import optax
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import MASTER
-from zero_optax.step import _groups, _owned, _reduce
+from zero_optax.step import _groups, _packed, _reduce
 
 
 def stored_masters(layout: Layout, entries: list[int], stored: dict) -> dict:
@@ -151,7 +151,7 @@ class MasterCopies(NoMasters):
         if not step.stepping:  # a micro-batch that only accumulates: the master copies stay as they are
             values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})
             return u
-        u, out = _owned.unstacked(u), {}
+        u, out = _packed.unstacked(u), {}
         for j in entries:
             if layout.entries[j].role == MASTER:
                 i = layout.entries[j].leaf

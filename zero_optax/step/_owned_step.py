@@ -24,7 +24,7 @@ from zero_optax.layout._stored import MASTER
 from zero_optax.step import (
     _groups,
     _master,
-    _owned,
+    _packed,
     _reduce,
     _streamed,
     _tp_owned,
@@ -83,10 +83,10 @@ class OwnedStep:
                     if layout.entries[j].role == MASTER:
                         got[j] = values[layout.entries[j].leaf]
                 items = {j: got[j] for j in layout.rank_entries(r)}
-                return _compat.pvary(_owned.pack(items, packing.offsets[r], packing.sizes), layout.axes)
+                return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
             return run
 
-        buffers = _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
+        buffers = _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
@@ -98,13 +98,13 @@ class OwnedStep:
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = self.masters.sent_dtypes(self.views, step, owned)
-        plans = _OwnedPlans(mode, plan_g, *(_owned.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
+        plans = _OwnedPlans(mode, plan_g, *(_packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
                                                                       if layout.leaves[i].tp_owned == t})
                                             for t in (False, True)), tp)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
                     for r in range(n)]
-        out = _owned.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
+        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
         if not step.stepping:
             return {d: b[None] for d, b in out.items()}, {}
         new, u_out, t_out = out
@@ -125,7 +125,7 @@ class OwnedStep:
         def run(grad_input, buffers, p_leaves, tp_rows):
             here = dataclasses.replace(step, p_leaves=p_leaves)  # (the branch's operand)
             if plans.mode == "psum_scatter":
-                g = _owned.Row(grad_input, plans.g.offsets[r], shapes,
+                g = _packed.Row(grad_input, plans.g.offsets[r], shapes,
                                lambda x, i: _reduce.divide(x, step.denom, step.inner_dt[i]))
             else:
                 g = {i: grad_input[i] for i in mine if i in grad_input}
@@ -133,19 +133,19 @@ class OwnedStep:
             if step.streamed:
                 new_buffers, u = _streamed.owned(self, here, r, mine, g, buffers)
             else:
-                stored = _owned.Row(buffers, packing.offsets[r],
+                stored = _packed.Row(buffers, packing.offsets[r],
                                     {j: layout.entries[j].shape for j in layout.rank_entries(r)})
                 values, u = self.view_update(here, r, mine, g, stored)
-                new_buffers = _owned.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
+                new_buffers = _packed.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
             if not step.stepping:
                 return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
             u = {k: _tp_owned.own_block(layout.leaves[k], x) if isinstance(k, int) and layout.leaves[k].tp_owned
                  else x for k, x in u.items()}  # (each device keeps its block of a tensor-parallel leaf's result)
             if n == 1:
-                return new_buffers, _owned.unstacked(u), {}
+                return new_buffers, _packed.unstacked(u), {}
             tp_u = {i: x for i, x in u.items() if isinstance(i, int) and layout.leaves[i].tp_owned}
-            u_buffers = _owned.pack({k: x for k, x in u.items() if k not in tp_u}, plans.u.offsets[r], plans.u.sizes)
-            t_buffers = _owned.pack(tp_u, plans.tp_u.offsets[r], plans.tp_u.sizes)
+            u_buffers = _packed.pack({k: x for k, x in u.items() if k not in tp_u}, plans.u.offsets[r], plans.u.sizes)
+            t_buffers = _packed.pack(tp_u, plans.tp_u.offsets[r], plans.tp_u.sizes)
             return (*_compat.pvary((new_buffers, u_buffers), layout.axes),
                     _compat.pvary(t_buffers, layout.axes + _tp_owned.tp_axes(layout, range(len(layout.leaves)))))
         return run
@@ -159,12 +159,12 @@ class OwnedStep:
             return None, ()
         _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
         if mode != "psum_scatter":  # (every device holds the reduced blocks of every leaf: its row of them)
-            plan = _owned.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
+            plan = _packed.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
             reduced = _tp_owned.own_row(layout, reduced, plan, step.rank)
         grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp)
         params = None
         if step.p_leaves is not None and self.masters.gathers_tp_params() and step.stepping:
-            plan_p = _owned.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
+            plan_p = _packed.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
             rows = _tp_owned.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank)
             params = _tp_owned.gather(self.wire, layout, rows, plan_p, tp)
         static = _TpGathered(dataclasses.replace(grads, rows=None),
@@ -175,7 +175,7 @@ class OwnedStep:
                      stored: dict[int, jax.Array]) -> tuple[dict, dict]:
         """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
         what every device receives (the updates, or with master copies the new masters rounded), stacks keyed by
-        their members (`_owned.Key`)."""
+        their members (`_packed.Key`)."""
         layout, p_leaves, shared_old = step.layout, step.p_leaves, step.shared_old
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
@@ -185,8 +185,8 @@ class OwnedStep:
         stacks = [s for s in ([i for i in stack if i in present] for stack in layout.stacks) if len(s) > 1]
         stacked = {i for s in stacks for i in s}
         rest = [i for i in mine if i not in stacked]
-        u: dict[_owned.Key, jax.Array] = {}
-        values: dict[_owned.Key, jax.Array] = {}
+        u: dict[_packed.Key, jax.Array] = {}
+        values: dict[_packed.Key, jax.Array] = {}
         for stack in stacks:
             u_stack, v_stack = self._stack_update(step, r, stack, g, stored, p)
             if u_stack is None:  # a program `jax.vmap` cannot run: its members run one by one
@@ -229,7 +229,7 @@ class OwnedStep:
             return jax.tree.leaves(u)[0], [new[k] for k in own]
 
         keys = [tuple(view[k] for view in views) for k in own]
-        args = (_owned.stacked(g, stack), [_owned.stacked(stored, key) for key in keys],
+        args = (_packed.stacked(g, stack), [_packed.stacked(stored, key) for key in keys],
                 None if p is None else jnp.stack([p[i] for i in stack]))
         if not _programs.vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
             return None, None
@@ -243,13 +243,13 @@ class OwnedStep:
         cfg = self.cfg
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
-        plan_g = _owned.leaf_plan(layout, {i: sum_dt[i] for i in owned})
+        plan_g = _packed.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            mode = _owned.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
+            mode = _packed.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
                                         self.wire.packs_owned_gradients)
         if mode == "psum_scatter":
-            rows = _owned.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
+            rows = _packed.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
             grad_input = self.wire.scatter_packed(rows)
         elif mode == "psum":
             grad_input = {i: _reduce.divide(self.wire.all_reduce(g_leaves[i].astype(sum_dt[i])), denom, inner_dt[i])
@@ -270,7 +270,7 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
     g_whole = {i: grads.whole(layout, r, i) for i in whole}
     if plans.mode == "psum_scatter":
         g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
-    g = g.overlaid(g_whole) if isinstance(g, _owned.Row) else {**g, **g_whole}
+    g = g.overlaid(g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
     if plans.tp.params is not None:
         params = dataclasses.replace(plans.tp.params, rows=tp_rows[1])
         p_leaves = list(step.p_leaves)
@@ -290,4 +290,4 @@ def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array],
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as replicated (untyped needs none)
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
-    return _owned.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)
+    return _packed.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)

@@ -16,7 +16,7 @@ from zero_optax.layout import _inner_state
 from zero_optax.layout._layout import Group
 from zero_optax.layout._stored import MASTER
 from zero_optax.layout._state import SlicedState
-from zero_optax.step import _groups, _offload, _owned, _reduce
+from zero_optax.step import _groups, _offload, _packed, _reduce
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,17 +111,17 @@ def owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dict[int, 
     layout = step.layout
     offsets = layout.state_packing.offsets[r]
     u_all: dict[int, jax.Array] = {}
-    for bucket in _owned.stream_buckets(layout, r, mine, owned.cfg.bucket_bytes):
+    for bucket in _packed.stream_buckets(layout, r, mine, owned.cfg.bucket_bytes):
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
                    (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
-        ranges = _owned.spans(offsets, {j: layout.entries[j].size for j in entries})
+        ranges = _packed.spans(offsets, {j: layout.entries[j].size for j in entries})
         pieces = [_offload.fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
-        stored = _owned.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
+        stored = _packed.read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
         values, u = owned.view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
-        values = _reduce.skip_if_empty(step.denom.ok, _owned.unstacked(values), stored)
+        values = _reduce.skip_if_empty(step.denom.ok, _packed.unstacked(values), stored)
         buffers = dict(buffers)
-        for (d, lo, _), x in zip(ranges, _owned.write(values, ranges, offsets)):
+        for (d, lo, _), x in zip(ranges, _packed.write(values, ranges, offsets)):
             buffers[d] = _offload.store(buffers[d], x, lo)
         buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
-        u_all.update(_owned.unstacked(u))
+        u_all.update(_packed.unstacked(u))
     return buffers, u_all

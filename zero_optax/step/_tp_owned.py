@@ -14,7 +14,7 @@ import jax
 from jax import lax
 
 from zero_optax.core import _compat
-from zero_optax.step import _owned
+from zero_optax.step import _packed
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import Packing, ParamLeaf
 from zero_optax.step._wire import Wire
@@ -81,9 +81,9 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
     varying = layout.axes + tp_axes(layout, list(values))
 
     def branch(r):
-        return lambda v: _compat.pvary(_owned.pack({i: v[i] for i in plan.offsets[r]}, plan.offsets[r],
+        return lambda v: _compat.pvary(_packed.pack({i: v[i] for i in plan.offsets[r]}, plan.offsets[r],
                                                    plan.sizes), varying)
-    return _owned.switch(rank, [branch(r) for r in range(layout.world_size)], values)
+    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values)
 
 
 def gather(wire: Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]

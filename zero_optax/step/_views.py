@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_optax.layout import _grouping, _layout
+from zero_optax.layout import _fusion, _layout
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 
@@ -54,7 +54,7 @@ class Views:
             present = set() if group is None else {group.first}
             order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
             what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
-            return _grouping.view_treedef(self.cfg, layout, present, order, what), order
+            return _fusion.view_treedef(self.cfg, layout, present, order, what), order
         return self._cached((layout, g), make)
 
     def joint(self, layout: Layout) -> tuple[Any, list[int]]:
@@ -62,14 +62,14 @@ class Views:
         def make():
             present = {g.first for g in layout.groups}
             order = sorted(layout.view_shared(present) + tuple(j for g in layout.groups for j in g.histories[0]))
-            return _grouping.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
+            return _fusion.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
         return self._cached((layout, "joint"), make)
 
     def owned(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
         """The state treedef of device `r`'s view of `leaves` (all it owns by default)."""
         present = frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) if leaves is None \
             else frozenset(leaves)
-        return self._cached((layout, r, present), lambda: _grouping.view_treedef(
+        return self._cached((layout, r, present), lambda: _fusion.view_treedef(
             self.cfg, layout, set(present), owned_entries(layout, r, present), f"on device {r}"))
 
     def update_dtypes(self, layout: Layout, extra: dict, phase=None) -> dict[int, str]:

@@ -13,7 +13,7 @@ import optax
 from zero_optax.analysis import _inner, _programs
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCouplingError, ZeroError, ZeroStructureError
-from zero_optax.layout import _entries, _layout
+from zero_optax.layout import _attribution, _layout
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Group, Layout
 from zero_optax.layout._stored import MASTER, ParamLeaf, StateEntry
@@ -201,7 +201,7 @@ def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tu
     tree = jax.tree_util.tree_unflatten(treedef, structs)
     label_tree = jax.tree_util.tree_unflatten(treedef, labels)
     try:
-        entries, marked = _entries.discover_entries(cfg.inner.init, treedef, structs,
+        entries, marked = _attribution.discover_entries(cfg.inner.init, treedef, structs,
                                                    sliced=[m[0] for m in groups])
         state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                                 for e in entries])
