@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+import zero_optax  # noqa: F401  (sets NPROC before the CPU backend starts, as importing this module from inside
+# the package did in 0.4: benchmarks that import it run with the same XLA thread pool as before)
+
 KINDS: tuple[str, ...] = (
     "all-reduce",
     "all-gather",
