@@ -156,11 +156,11 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     params = _compat.pure(params)
     inner_state = jax.tree.map(_keys.to_data, inner_state)
     if not zero.outside():
-        return zero.engine.build(params, inner_state)
+        return zero.engine.init(params, inner_state)
     bound = zero.bound
     specs = _bound.param_specs(params, bound.mesh)
     out = _specs.tree_specs(_specs.traced_state(bound.zero_init, params, specs, bound.mesh))
-    fn = jax.jit(jax.shard_map(zero.engine.build, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
+    fn = jax.jit(jax.shard_map(zero.engine.init, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
     inner_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), jax.sharding.NamedSharding(bound.mesh, P())),
                                inner_state)
     with _specs.declared_specs(specs):

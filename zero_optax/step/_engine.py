@@ -1,10 +1,8 @@
 """zero1's `init` and `update` inside `shard_map`: the step's stages, top to bottom.
 
-`Engine.update`: (offload: the state's small arrays to the device), (accumulation: the cycle position picks the
-final call or a micro-step), then `_run`: reduce, update the sliced groups (`_sliced_step`) and the owned leaves
-(`_owned_step`), gather; (offload: back to host memory). Every value that moves between devices moves through the
-step's `_wire.Wire`. The coupling analysis at `init` proves the views exact: no computation mixes two leaves, and the
-shared entries do not depend on any leaf.
+`Engine.update` checks its arguments, then (offload in,) accumulation picks the final call or a micro-step, `_run`
+reduces, updates the sliced groups and the owned leaves and gathers (, offload out). Every value that moves between
+devices moves through the step's `_wire.Wire`.
 """
 
 from __future__ import annotations
@@ -77,16 +75,6 @@ def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
     return leaves
 
 
-def _full_entries(layout: Layout, full_state) -> list:
-    """The leaves of a plain optax state given to `scatter_state`, checked to be the inner state's tree."""
-    full, treedef = jax.tree.flatten(full_state)
-    if treedef != layout.state_treedef:
-        raise ZeroStructureError(
-            f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
-            f"transformation's init gives {layout.state_tree}.")
-    return full
-
-
 def _check_extra(extra: dict, axes) -> None:
     for name, value in extra.items():
         for x in jax.tree.leaves(value):
@@ -113,18 +101,21 @@ class Engine:
         groups = {layout.zero_axes(leaf) for leaf in layout.leaves} | {layout.axes}
         return {axes: _compat.axis_index(axes) for axes in groups}
 
-    def init(self, params) -> ZeroState:
-        return self.build(params, None)
-
-    def build(self, params, full_state) -> ZeroState:
+    def init(self, params, full_state=None) -> ZeroState:
         """The state for `params`: fresh from the inner `init`, or sliced from a plain optax `full_state`."""
         cfg = self.cfg
         layout = _planner.build_layout(cfg, params)
+        full = None
+        if full_state is not None:
+            full, treedef = jax.tree.flatten(full_state)
+            if treedef != layout.state_treedef:
+                raise ZeroStructureError(
+                    f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
+                    f"transformation's init gives {layout.state_tree}.")
         values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
         ranks = self._ranks(layout)
         rows = [_slots.own_rows(values, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
                 for g in layout.groups]
-        full = None if full_state is None else _full_entries(layout, full_state)
         inner_state = self.sliced.groups.init(layout, rows, full, ranks)
         whole = [_tp_owned.gather_whole(self.wire, layout, leaf, x) if leaf.tp_owned else x
                  for leaf, x in zip(layout.leaves, values)]
@@ -134,16 +125,15 @@ class Engine:
         if layout.accumulate == LOCAL:
             local = _accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
         state = ZeroState(inner_state, buffers, master, layout, local)
-        return _offload.to_host(state, cfg.bucket_bytes) if cfg.offload else state
+        return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
-        """One `update` call, its stages top to bottom (offload in, accumulate, `_run`, offload out). With `apply`
-        (`zo.apply_gradients`, without accumulation or offload) it returns the new parameters instead of the
+        """One `update` call. With `apply` (`zo.apply_gradients`) it returns the new parameters instead of the
         updates: each device adds its coordinates' updates to its slice of the parameters before the gather."""
         cfg = self.cfg
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra, cfg.accumulate != LOCAL)
+        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
         if cfg.offload:  # the stored state stays in host memory and streams through the device
-            state = _offload.small_to_device(state, cfg.bucket_bytes)
+            state = _offload.move_small(state, jax.memory.Space.Device, cfg.bucket_bytes)
         if cfg.accumulating is None:
             denom = _reduce.denominator(weight, *_reduce.reduction(layout))
             step = self._step(layout, g_leaves, p_leaves, denom, extra)
@@ -151,12 +141,11 @@ class Engine:
         else:
             updates, new_state = self._accumulate(layout, g_leaves, p_leaves, state, extra, weight)
         if cfg.offload:
-            new_state = _offload.small_to_host(new_state, cfg.bucket_bytes)
+            new_state = _offload.move_small(new_state, jax.memory.Space.Host, cfg.bucket_bytes)
         return updates, new_state
 
     def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False):
-        """Reduce, update the sliced groups and the owned leaves, gather. A micro-step that only accumulates
-        gathers nothing and returns no updates (None)."""
+        """Reduce, update the sliced groups and the owned leaves, gather (a micro-step gathers nothing: None)."""
         layout = step.layout
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
         g_parts = self.sliced.reduce(step, g_leaves)
@@ -165,15 +154,14 @@ class Engine:
         if owned:
             step = dataclasses.replace(step, shared_old=done.shared_old)
             new_buffers, u_owned = self.owned.update(step, owned, g_leaves, state)
-        if not step.stepping:  # a micro-batch that only accumulates: nothing moves, nothing is gathered
+        if not step.stepping:
             return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
         return self.sliced.gather(step, done, state, new_buffers, u_owned, apply)
 
     def _accumulate(self, layout: Layout, g_leaves: list, p_leaves: list | None, state: ZeroState, extra: dict,
                     weight):
-        """An accumulating call: the cycle position, the same on every device, picks with `lax.cond` the final
-        call (`_run` on the cycle's sums) or a micro-step (`_run` adding to the sharded accumulators, or with
-        `accumulate="local"` no collective at all), which returns zero updates."""
+        """An accumulating call: the cycle position picks with `lax.cond` the final call or a micro-step (which
+        returns zero updates; with `accumulate="local"` it runs no collective)."""
         cfg = self.cfg
         acc = cfg.accumulating
         w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)
@@ -205,8 +193,7 @@ class Engine:
 
     def _step(self, layout: Layout, g_leaves: list, p_leaves: list | None, denom: _reduce.Denominator, extra: dict,
               phase: _accumulate.Phase | None = None) -> _groups.Step:
-        """The step's `_groups.Step`: what runs, in which dtypes (`phase`'s under accumulation), the denominator,
-        this device's ranks."""
+        """The step's `_groups.Step` (under accumulation, `phase`'s)."""
         cfg = self.cfg
         inner_dt = ({i: np.dtype(cfg.inner_dtype(g.dtype)).name for i, g in enumerate(g_leaves)} if phase is None
                     else phase.grad_dtypes)
@@ -214,17 +201,15 @@ class Engine:
         return _groups.Step(layout, cfg.inner if phase is None else phase.inner, extra, denom, inner_dt, sum_dt,
                             self._ranks(layout), phase is None or phase.step, cfg.offload, p_leaves, phase=phase)
 
-    def _check_step(self, grads, state, params, weight, extra, semantics: bool = True
-                    ) -> tuple[Layout, list, list | None]:
-        """The layout and the leaves of `grads` and `params`, every argument of `update` checked (with
-        `semantics`, also whether the gradients are per-device as the reduction expects)."""
+    def _check_step(self, grads, state, params, weight, extra) -> tuple[Layout, list, list | None]:
+        """The layout and the leaves of `grads` and `params`, every argument of `update` checked."""
         cfg = self.cfg
         layout = check_layout(state, cfg.axis_name, cfg.replica_axes)
         g_leaves = check_tree(grads, layout, "gradients")
         p_leaves = None if params is None else check_tree(params, layout, "parameters")
         self.masters.check(p_leaves)
         reducing = cfg.reduce is not None
-        if semantics:
+        if cfg.accumulate != LOCAL:
             _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
                                     reducing, replicas=layout.replica_axes)
         if weight is not None and not reducing:

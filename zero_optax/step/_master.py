@@ -29,11 +29,11 @@ def stored_masters(layout: Layout, entries: list[int], stored: dict) -> dict:
 class NoMasters:
     """Without master copies: the inner update runs on the parameters; devices receive its updates."""
 
-    dtype = None
+    gathers_tp_params = True
+    """Whether owners of tensor-parallel leaves need the parameters' blocks gathered."""
 
     def init(self, rows: list, layout: Layout):
         """The sliced leaves' master copies a new state stores: none."""
-        del rows, layout
         return None
 
     def check(self, p_leaves: list | None) -> None:
@@ -49,7 +49,6 @@ class NoMasters:
 
     def group_params(self, state, slices: Callable[[], list]) -> list:
         """The parameters each group's view sees: this device's slices of them."""
-        del state
         return slices()
 
     def streamed_params(self, slices: Callable[[], list]) -> list:
@@ -58,7 +57,6 @@ class NoMasters:
 
     def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, None]:
         """What every device receives of each group (the updates, zero where the step is skipped)."""
-        del masks, p_dtypes
         return [_groups.stepped(u, None, None, ok, None)[1] for u in u_parts], state.master
 
     def before_gather(self, values: list, p_parts: list, apply: bool) -> list:
@@ -78,23 +76,19 @@ class NoMasters:
         """The owned leaves' gathered results, zero where the step is skipped."""
         return _reduce.skip_if_empty(ok, u, jax.tree.map(jnp.zeros_like, u))
 
-    def gathers_tp_params(self) -> bool:
-        """Whether owners of tensor-parallel leaves need the parameters' blocks gathered."""
-        return True
-
     def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
         """The parameters an owner's view sees."""
-        del masters
         return {i: p_leaves[i] for i in mine}
 
     def owner_results(self, layout: Layout, entries: list[int], stored: dict, u: dict, values: dict, step) -> dict:
         """What an owner sends for its leaves (its updates); `values` its new stored entries."""
-        del layout, entries, stored, values, step
         return u
 
 
 class MasterCopies(NoMasters):
     """Master copies in `dtype`: the inner update runs on them; devices receive them rounded."""
+
+    gathers_tp_params = False
 
     def __init__(self, dtype):
         self.dtype = np.dtype(dtype)
@@ -139,9 +133,6 @@ class MasterCopies(NoMasters):
 
     def owned_received(self, u: dict, ok) -> dict:
         return u
-
-    def gathers_tp_params(self) -> bool:
-        return False
 
     def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
         return masters

@@ -22,13 +22,10 @@ DEVICE = "device"
 
 
 def memory_kinds(device: Any) -> set[str]:
-    """The memory kinds `device` exposes (`device`, `pinned_host`, ...)."""
-    memories = getattr(device, "addressable_memories", None)
-    if memories is None:
-        return set()
+    """The memory kinds `device` exposes (`device`, `pinned_host`, ...; none without memory spaces)."""
     try:
-        return {m.kind for m in memories()}
-    except jax.errors.JaxRuntimeError:  # a backend without memory spaces: UNIMPLEMENTED
+        return {m.kind for m in device.addressable_memories()}
+    except (AttributeError, jax.errors.JaxRuntimeError):  # a backend without memory spaces: UNIMPLEMENTED
         return set()
 
 
@@ -71,24 +68,11 @@ def buckets(arrays: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
-def _move(tree: Any, space, bucket_bytes: int) -> Any:
-    """Every array of `tree` moved to memory `space`, one `device_put` a bucket."""
+def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
+    """Inside `shard_map`: every array of `tree` moved to memory `space`, one `device_put` a bucket."""
     leaves, treedef = jax.tree.flatten(tree)
-    moved = list(leaves)
-    for group in buckets(leaves, bucket_bytes):
-        for i, x in zip(group, jax.device_put([leaves[i] for i in group], space)):
-            moved[i] = x
+    moved = [x for group in buckets(leaves, bucket_bytes) for x in jax.device_put([leaves[i] for i in group], space)]
     return jax.tree.unflatten(treedef, moved)
-
-
-def to_host(state: Any, bucket_bytes: int) -> Any:
-    """Inside `shard_map`: every array of `state` moved to `pinned_host` memory, in buckets."""
-    return _move(state, jax.memory.Space.Host, bucket_bytes)
-
-
-def to_device(state: Any, bucket_bytes: int) -> Any:
-    """Inside `shard_map`: every array of `state` moved to device memory, in buckets."""
-    return _move(state, jax.memory.Space.Device, bucket_bytes)
 
 
 def fetch(x: jax.Array, start: Any, length: int) -> jax.Array:
@@ -102,21 +86,10 @@ def store(x: jax.Array, value: jax.Array, start: Any) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, jax.device_put(value, jax.memory.Space.Host), start, 0)
 
 
-def _small(state: Any, to, bucket_bytes: int) -> Any:
-    """`state` with its shared entries and local accumulators moved by `to`."""
-    inner = state.inner_state._replace(shared=to(state.inner_state.shared, bucket_bytes))
-    return dataclasses.replace(state, inner_state=inner, local=to(state.local, bucket_bytes))
-
-
-def small_to_device(state: Any, bucket_bytes: int) -> Any:
-    """The first stage of an offloaded step: the shared entries and local accumulators brought to the device (the
-    histories, owned buffers and master copies stay on the host: the step streams them)."""
-    return _small(state, to_device, bucket_bytes)
-
-
-def small_to_host(state: Any, bucket_bytes: int) -> Any:
-    """The last stage of an offloaded step: the new state's small arrays returned to host memory."""
-    return _small(state, to_host, bucket_bytes)
+def move_small(state: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
+    """`state` with its shared entries and local accumulators moved to `space` (the step streams the rest)."""
+    inner = state.inner_state._replace(shared=move(state.inner_state.shared, space, bucket_bytes))
+    return dataclasses.replace(state, inner_state=inner, local=move(state.local, space, bucket_bytes))
 
 
 def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.sharding.Sharding:

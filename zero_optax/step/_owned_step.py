@@ -1,9 +1,7 @@
 """The owned leaves' part of a step: gradients reduced to their owners, one `lax.switch` branch per device, gather.
 
-Device `r`'s branch runs the inner update on its owned view: the leaves it owns, whole, every other leaf masked;
-its shared entries are discarded (the group views computed them). The members of a stack (`Layout.stacks`: one
-program on one shape) run as the view of one of them under `jax.vmap`. A leaf sharded over tensor-parallel axes is
-gathered whole on its owner first (`_tp_owned`).
+Device `r`'s branch runs the inner update on its owned view (its leaves whole, every other leaf masked; the shared
+entries come from the group views); a stack's members run as one member's view under `jax.vmap`.
 """
 
 from __future__ import annotations
@@ -34,23 +32,16 @@ from zero_optax.step import (
 
 
 @dataclasses.dataclass(frozen=True)
-class _TpGathered:
-    """The static part (`rows` None) of `_tp_owned.gather`'s results for the gradients and parameters (or None)."""
-
-    grads: _tp_owned.Gathered
-    params: _tp_owned.Gathered | None
-
-
-@dataclasses.dataclass(frozen=True)
 class _OwnedPlans:
     """How the owned leaves' values move: the gradients' collective `mode` and packing `g`, the updates' packings
-    (`u`, and `tp_u` for tensor-parallel leaves), and `tp` (None without tensor-parallel owned leaves)."""
+    (`u`, and `tp_u` for tensor-parallel leaves), and `tp`: the static parts (`rows` None) of the gathered
+    tensor-parallel gradients and parameters (None without tensor-parallel owned leaves)."""
 
     mode: str | None
     g: Any
     u: Any
     tp_u: Any
-    tp: _TpGathered | None
+    tp: tuple[_tp_owned.Gathered, _tp_owned.Gathered | None] | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,7 +55,7 @@ class OwnedStep:
 
     def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
         """The packed buffers: row `r` holds the state (and master copies) of the leaves device `r` owns, from the
-        inner `init` or from a plain optax state (`full`). Empty when no leaf is owned."""
+        inner `init` or from a plain optax state (`full`)."""
         packing = layout.state_packing
         if not packing.sizes:
             return {}
@@ -91,7 +82,7 @@ class OwnedStep:
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
         """The inner update on every device's owned view, in one `lax.switch` on the device index: the new buffers,
-        and the owned leaves' updates (or new master values, rounded) gathered to every device."""
+        and what every device receives of the owned leaves (`_master`)."""
         layout, denom = step.layout, step.denom
         n = layout.world_size
         mode, plan_g, grad_input = self._gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
@@ -116,8 +107,7 @@ class OwnedStep:
         return {d: b[None] for d, b in new.items()}, self.masters.owned_received(u, denom.ok)
 
     def _branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
-        """Device `r`'s branch: its owned view's update of `mine`; the new buffers and, stepping, the packed
-        updates."""
+        """Device `r`'s branch: its owned view's update of `mine`; the new buffers and, stepping, the packed results."""
         layout, n = step.layout, step.layout.world_size
         packing = layout.state_packing
         shapes = {i: layout.leaves[i].shape for i in plans.g.offsets[r]}
@@ -151,9 +141,9 @@ class OwnedStep:
         return run
 
     def _tp_inputs(self, step: _groups.Step, tp: list[int], mode: str | None, g_leaves: list
-                   ) -> tuple[_TpGathered | None, tuple]:
-        """The tensor-parallel owned leaves `tp`: their reduced gradients (and, without master copies, parameter
-        blocks) gathered over those axes by rows; the static part and the arrays, `(None, ())` without such leaves."""
+                   ) -> tuple[tuple | None, tuple]:
+        """The reduced gradients (and parameters) of the tensor-parallel owned leaves `tp` gathered over their axes:
+        the static parts (`_OwnedPlans.tp`) and the rows."""
         layout = step.layout
         if not tp:
             return None, ()
@@ -163,19 +153,17 @@ class OwnedStep:
             reduced = _tp_owned.own_row(layout, reduced, plan, step.rank)
         grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp)
         params = None
-        if step.p_leaves is not None and self.masters.gathers_tp_params() and step.stepping:
+        if step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping:
             plan_p = _packed.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
             rows = _tp_owned.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank)
             params = _tp_owned.gather(self.wire, layout, rows, plan_p, tp)
-        static = _TpGathered(dataclasses.replace(grads, rows=None),
-                             None if params is None else dataclasses.replace(params, rows=None))
-        return static, (grads.rows, None if params is None else params.rows)
+        static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
+        return tuple(static), (grads.rows, None if params is None else params.rows)
 
     def view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
                      stored: dict[int, jax.Array]) -> tuple[dict, dict]:
         """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
-        what every device receives (the updates, or with master copies the new masters rounded), stacks keyed by
-        their members (`_packed.Key`)."""
+        what every device receives, stacks keyed by their members (`_packed.Key`)."""
         layout, p_leaves, shared_old = step.layout, step.p_leaves, step.shared_old
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
@@ -209,8 +197,8 @@ class OwnedStep:
 
     def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
                       ) -> tuple[dict | None, dict | None]:
-        """The view of `stack[0]` alone, vectorised over the members of `stack`: their updates keyed by
-        `tuple(stack)` and new histories keyed by their entries, or `(None, None)` where `jax.vmap` cannot run it."""
+        """The view of `stack[0]` vectorised over `stack`: the updates and new histories, or `(None, None)` where
+        `jax.vmap` cannot run it."""
         layout, shared_old = step.layout, step.shared_old
         first = stack[0]
         treedef = self.views.owned(layout, r, [first])
@@ -238,8 +226,8 @@ class OwnedStep:
 
     def _gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
                    ) -> tuple[str, Any, dict]:
-        """How the owned leaves' gradients reach their owners (`mode`, chosen unless given), their packing, and
-        the switch operand: owner-packed rows reduce-scattered, every leaf all-reduced, or the leaves as they are."""
+        """The owned leaves' gradient collective (`mode`, chosen unless given), their packing, and the switch operand
+        (owner-packed rows reduce-scattered, every leaf all-reduced, or the leaves as they are)."""
         cfg = self.cfg
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
@@ -260,19 +248,18 @@ class OwnedStep:
 
 
 def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g, tp_rows: tuple):
-    """Inside device `r`'s branch: `g` and `step`'s parameters with the whole tensors of its tensor-parallel leaves,
-    assembled from the gathered rows `tp_rows`."""
+    """Inside device `r`'s branch: `g` and `step`'s parameters with its tensor-parallel leaves' whole tensors."""
     layout = step.layout
     whole = [i for i in mine if layout.leaves[i].tp_owned]
     if not whole:
         return g, step
-    grads = dataclasses.replace(plans.tp.grads, rows=tp_rows[0])
+    grads = dataclasses.replace(plans.tp[0], rows=tp_rows[0])
     g_whole = {i: grads.whole(layout, r, i) for i in whole}
     if plans.mode == "psum_scatter":
         g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
     g = g.overlaid(g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
-    if plans.tp.params is not None:
-        params = dataclasses.replace(plans.tp.params, rows=tp_rows[1])
+    if plans.tp[1] is not None:
+        params = dataclasses.replace(plans.tp[1], rows=tp_rows[1])
         p_leaves = list(step.p_leaves)
         for i in whole:
             p_leaves[i] = params.whole(layout, r, i)
@@ -288,6 +275,6 @@ def _member_type(x: jax.Array):
 
 def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
-    if layout.world_size == 1:  # a psum of one device only retypes the value as replicated (untyped needs none)
+    if layout.world_size == 1:  # a psum of one device only retypes the value as invariant
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
     return _packed.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)
