@@ -1,10 +1,8 @@
 """Gradient accumulation inside zero1: k `update` calls per optimizer step, one inner update, one all-gather.
 
 A wrapper around the inner transformation (`Accumulating`, like `optax.MultiSteps`), so its accumulators are
-inner-state histories the layout shards like any other: `"sharded"` (ZeRO-2) keeps float32 sums sliced like the
-state; `"local"` keeps full-size per-device sums in `ZeroState.local`, reduced once. The engine's accumulate stage
-branches with `lax.cond` on the cycle position: a micro-step adds and returns zeros, the final call runs the inner
-update on the cycle's weighted mean and gathers once. A cycle of total weight zero is skipped.
+inner-state histories the layout shards like any other (`"sharded"`, ZeRO-2); `"local"` keeps full-size per-device
+sums in `ZeroState.local` instead. A cycle of total weight zero is skipped.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ def _map_present(fn, tree, *rest):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulating:
     """The transformation the engine runs for `zero1(..., accumulate_steps=k)`: `transformation("final", cast)`
-    is a cycle's final call (the analyses at `init` see it), `transformation("add")` a micro-step. `cast`: per
-    leaf, the dtype the inner update sees each mean gradient in."""
+    is a cycle's final call (the analyses at `init` see it), `transformation("add")` a micro-step."""
 
     inner: optax.GradientTransformationExtraArgs
     steps: int
@@ -97,7 +94,6 @@ class Accumulating:
                                         jnp.zeros_like(state.weight_sum))
 
     def add(self, grads, state: AccumulateState, params=None, *, accumulate_weight, **extra):
-        del params, extra
         acc = self._sums(grads, state) if self.mode == SHARDED else state.acc
         return grads, AccumulateState(state.inner, acc, state.micro_step + 1, state.weight_sum + accumulate_weight)
 
@@ -113,7 +109,6 @@ class Phase:
     """One side of an accumulating call; equal phases run the same program.
 
     Attributes:
-      inner: the transformation that runs (`Accumulating.update` or `.add`).
       step: whether this side is an optimizer step (moves the master copies, gathers the updates).
       grad_dtypes: leaf index -> the dtype the reduced gradient sums are handed over in (float32).
       cast: the final side: per leaf, the dtype the inner update sees its mean gradient in.
@@ -145,25 +140,14 @@ def check_args(accumulate_steps, accumulate) -> None:
                         f"\"local\" (each device keeps full-size local sums), got {accumulate!r}.")
 
 
-def _shared_entry(layout, path: str) -> int | None:
-    if layout.accumulate is None:
-        return None
+def _shared_entry(layout, path: str) -> int:
+    """The index of the shared entry at `path` (`MICRO_STEP_PATH` or `WEIGHT_SUM_PATH`)."""
     return next(j for j, e in enumerate(layout.entries) if e.leaf is None and e.path == path)
-
-
-def micro_step_entry(layout) -> int | None:
-    """The index of the shared cycle-position entry, or None without accumulation."""
-    return _shared_entry(layout, MICRO_STEP_PATH)
-
-
-def weight_sum_entry(layout) -> int | None:
-    """The index of the shared entry holding the cycle's weight so far, or None without accumulation."""
-    return _shared_entry(layout, WEIGHT_SUM_PATH)
 
 
 def position(layout, state) -> jax.Array:
     """This device's copy of the cycle position: the number of calls of this cycle so far."""
-    return shared_arrays(state)[micro_step_entry(layout)][0]
+    return shared_arrays(state)[_shared_entry(layout, MICRO_STEP_PATH)][0]
 
 
 def call_weight(reducing: bool, weight, layout) -> jax.Array:
@@ -182,13 +166,13 @@ def with_local(g_leaves: list, state) -> list:
 
 
 def cleared(state):
-    """`state` with its local sums back at zero (`accumulate="local"`, after the final call)."""
+    """`state` with its local sums back at zero (after the final call of `accumulate="local"`)."""
     return dataclasses.replace(state, local=jax.tree.map(jnp.zeros_like, state.local))
 
 
 def add_local(layout, state, g_leaves: list, w: jax.Array):
     """A micro-step of `accumulate="local"`: the gradients added to this device's sums, no collective."""
-    step, total = micro_step_entry(layout), weight_sum_entry(layout)
+    step, total = _shared_entry(layout, MICRO_STEP_PATH), _shared_entry(layout, WEIGHT_SUM_PATH)
     inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
         x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
         for j, x in shared_arrays(state).items()]))

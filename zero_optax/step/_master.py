@@ -1,9 +1,8 @@
 """Master copies (`zero1(..., master_dtype=)`) as one strategy the stages call, chosen once per `Config`.
 
-`NoMasters`: the inner update runs on the parameters, devices gather its updates. `MasterCopies`: each device keeps
-its slots (owners: their leaves) of the parameters in `master_dtype`, the inner update runs on them, the new masters
-are added in place, and devices gather them rounded to the parameter dtype; the updates then move each parameter
-onto its rounded master. Every difference between the two lives here.
+`MasterCopies` keeps each device's slots (owners: their leaves) of the parameters in `master_dtype`, runs the inner
+update on them and sends them rounded to the parameter dtype; the updates then move each parameter onto its rounded
+master. `NoMasters` sends the updates. Every difference between the two lives here.
 """
 
 from __future__ import annotations

@@ -62,18 +62,13 @@ class OwnedStep:
 
         def branch(r):
             def run(values, full):
-                owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
                 if full is None:
-                    b_entries = _views.owned_entries(layout, r)
+                    owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
                     self.views.owned(layout, r)  # checks the entry order this device packs
                     state = self.cfg.inner.init(_views.tree(layout, _layout.masked_view(values, owned)))
-                    got = dict(zip(b_entries, jax.tree.leaves(state)))
-                else:
-                    got = {j: full[j] for j in layout.rank_entries(r) if layout.entries[j].role != MASTER}
-                for j in layout.rank_entries(r):
-                    if layout.entries[j].role == MASTER:
-                        got[j] = values[layout.entries[j].leaf]
-                items = {j: got[j] for j in layout.rank_entries(r)}
+                    full = dict(zip(_views.owned_entries(layout, r), jax.tree.leaves(state)))
+                items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
+                         for j in layout.rank_entries(r)}
                 return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
             return run
 

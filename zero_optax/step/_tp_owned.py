@@ -1,8 +1,7 @@
 """Owned leaves sharded over tensor-parallel axes: their owner gathers the blocks and updates the whole tensor.
 
-A leaf that needs an owner (Muon's matrices) may be cut over mesh axes other than the ZeRO axes (`ParamLeaf.dims`).
-The devices of the owner's ZeRO rank all-gather its reduced gradient blocks over those axes, all run the inner
-update on the whole tensor (each keeping the leaf's whole state) and keep their own block of the result.
+The devices of the owner's ZeRO rank all-gather the reduced gradient blocks over those axes, all run the inner update
+on the whole tensor (each keeping the leaf's whole state) and keep their own block of the result.
 """
 
 from __future__ import annotations
@@ -34,13 +33,12 @@ def gather_whole(wire: Wire, layout: Layout, leaf: ParamLeaf, x: jax.Array) -> j
 
 def _grid(layout: Layout, axes: Sequence[str]) -> tuple[int, ...]:
     """The sizes of the mesh `axes`: the leading shape of blocks gathered over them."""
-    sizes = dict(layout.axis_sizes)
-    return tuple(sizes[a] for a in axes)
+    return tuple(dict(layout.axis_sizes)[a] for a in axes)
 
 
 def assemble(layout: Layout, leaf: ParamLeaf, blocks: jax.Array) -> jax.Array:
-    """The whole tensor from its blocks, `blocks[k_1, ..., k_m]` the block at position `k` along `leaf.axes`; a
-    dimension cut by axes `(a, b)` holds them row-major over `(a, b)`, as `shard_map` lays them out."""
+    """The whole tensor from its blocks, `blocks[k_1, ..., k_m]` the block at position `k` along `leaf.axes` (a
+    dimension cut by axes `(a, b)` row-major over them, as `shard_map` lays them out)."""
     m = len(leaf.axes)
     perm = []
     for d, cut in enumerate(leaf.dims):
@@ -59,8 +57,8 @@ def own_block(leaf: ParamLeaf, whole: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """Rows of owner-packed blocks gathered over the tensor-parallel `axes` (mesh order): what the owners read
-    whole values from. `rows`: dtype -> `[devices of axes, size]`; `plan`: where each block sits in its row."""
+    """Rows of owner-packed blocks gathered over the tensor-parallel `axes` (mesh order), `rows` dtype ->
+    `[devices of axes, size]`, `plan` where each block sits in its row."""
 
     plan: Packing
     rows: dict[str, jax.Array]
@@ -88,8 +86,7 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
 
 def gather(wire: Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]
            ) -> Gathered:
-    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves`, outside the switch:
-    every device runs the same collective."""
+    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves` (outside the switch)."""
     axes = tp_axes(layout, leaves)
     return Gathered(plan, wire.gather_blocks(rows, axes), axes)
 

@@ -1,14 +1,9 @@
 """The inner update with every value typed varying across the ZeRO axes, whatever it branches on.
 
-Inside `jax.shard_map` JAX refuses a `lax.cond` whose branches return differently typed (varying or invariant)
-values, and zero1 hands the inner update a mix (sliced gradients vary, an owned leaf's reduced gradient and the
-hyperparameters do not): `optax.contrib.reduce_on_plateau`'s cooldown or `optax.novograd`'s first step could not
-run. `run` traces the update on untyped stand-ins and evaluates that program with every operand and result cast to
-varying (types only: the compiled program is the inner update's). With `slices` it follows each sliced leaf's
-coordinates through the program: a full reduction of them (`_primitives.collective_kind`) reduces the slice, its
-padding set to the identity, across the leaf's devices (a global norm, a trust ratio); random numbers drawn in a
-leaf's shape (`optax.add_noise`) wait (`_Pending`) until they meet its slice, where each device draws the whole
-leaf's numbers from the same key and keeps its own (`_whole_draw`), as the coupling analysis proved exact.
+Inside `shard_map` JAX refuses a `lax.cond` whose branches return differently typed values, and zero1 hands the
+inner update a mix: `run` evaluates its program with every operand cast to varying. With `slices` it follows each
+sliced leaf's coordinates: a full reduction of them reduces across the leaf's devices (a global norm), and random
+numbers drawn in a leaf's shape wait (`_Pending`) until they meet its slice, then draw the whole leaf's numbers.
 """
 
 from __future__ import annotations
@@ -30,8 +25,8 @@ from zero_optax.step import _reduce
 
 
 def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
-    """`fn(*args)`, every value typed varying across `axes` (as is, where values carry no such types). `slices`:
-    per leaf of `args`, None or the `_reduce.Coordinates` of the leaf's slice it holds."""
+    """`fn(*args)`, every value typed varying across `axes`; `slices`: per leaf of `args`, its `_reduce.Coordinates`
+    or None."""
     vma = _compat.vma_enabled(axes)
     if not vma and slices is None:
         return fn(*args)
@@ -45,8 +40,7 @@ def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = 
 
 
 def like(tree: Any, reference: Any) -> Any:
-    """`tree` with each leaf typed varying across at least the axes of the same leaf of `reference` (`tree` as
-    it is where the two are structured differently: the caller refuses that)."""
+    """`tree` with each leaf typed varying across at least the axes of the same leaf of `reference`."""
     leaves, treedef = jax.tree.flatten(tree)
     ref, ref_def = jax.tree.flatten(reference)
     if treedef != ref_def:
@@ -69,17 +63,15 @@ def _cast(x, axes: frozenset):
 
 
 def _joined(xs: Sequence[Any], axes: frozenset) -> list:
-    """`xs` cast to one type: varying across `axes` and every axis any of them varies across (tensor-parallel
-    leaves vary across more axes than the ZeRO ones)."""
+    """`xs` cast to one type: varying across `axes` and every axis any of them varies across."""
     union = frozenset(axes).union(*(_axes_of(x) for x in xs))
     return [_cast(x, union) for x in xs]
 
 
 def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
           tags: Sequence[Any] | None = None) -> tuple[list, list]:
-    """Evaluates `jaxpr`, each equation's operands cast to one varying type (`_joined`); with `tags` (per input, its
-    `_reduce.Coordinates` or None), also tags the results and reduces tagged values across the devices. Returns the
-    results and their tags."""
+    """`jaxpr`'s results and their tags, each equation's operands cast to one type; `tags`: per input, its
+    `_reduce.Coordinates` or None."""
     padded = [*(tags or ()), *[None] * len(args)]
     ins = [x if t is None else _OnSlice(x, t) for x, t in zip(args, padded)]
     outs = _programs.evaluate(jaxpr, [_cast(x, axes) for x in consts], ins,
@@ -123,8 +115,8 @@ _DRAWING: contextvars.ContextVar = contextvars.ContextVar("zero_optax_drawing", 
 
 
 class _Pending:
-    """A result of an equation that draws random numbers, or computes from such, evaluated (`settle`) where it
-    meets a leaf's slice, its draws then of that leaf's numbers, once per leaf (meeting none: drawn as traced)."""
+    """A result computed from random draws, evaluated (`settle`) once per leaf's slice it meets, its draws that leaf's
+    numbers (meeting none: drawn as traced)."""
 
     __slots__ = ("index", "results")
 
@@ -179,8 +171,7 @@ def _program_draws(jaxpr) -> bool:
 
 
 def _whole_draw(eqn, key, where) -> jax.Array:
-    """`random_bits` of `key` in the shape of a slice of the leaf `where` describes: the whole leaf's bits, as plain
-    optax draws them, flattened, padded as the leaf's slots are, and this device's slots of them."""
+    """This device's slots of the whole leaf's `random_bits` of `key`, as plain optax draws them."""
     p = eqn.params
     if where.shape is None:
         raise ZeroCouplingError(
@@ -193,16 +184,12 @@ def _whole_draw(eqn, key, where) -> jax.Array:
 
 
 def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
-    """One equation and its results' tags: a call evaluates its program with the tags, a full reduction of a tagged
-    value reduces across the devices, any other result holds the coordinates of an operand of its size."""
+    """One equation's results and their tags: a full reduction of a tagged value reduces across the devices, any
+    other result holds the coordinates of an operand of its size."""
     if not any(t is not None for t in in_tags):
         return _apply(eqn, ins, axes), [None] * len(eqn.outvars)
-    name = eqn.primitive.name
-    if name in _compat.CALLS:
-        jaxpr, consts = _compat.jaxpr_parts(eqn.params[_compat.CALLS[name]])
-        return _eval(jaxpr, consts, ins, axes, in_tags)
-    if name == "cond":
-        return _cond(eqn, ins, in_tags, axes)
+    if eqn.primitive.name in _compat.CALLS or eqn.primitive.name == "cond":
+        return _programs_tagged(eqn, ins, in_tags, axes)
     kind = _primitives.collective_kind(eqn)
     if kind is not None:
         where = next(t for t in in_tags if t is not None)
@@ -213,22 +200,18 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]
     return out, [next((t for n, t in sized if n == v.aval.size), None) for v in eqn.outvars]
 
 
-def _cond(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
-    """A `lax.cond` whose operands hold slices: each branch evaluated with their tags (its full reductions run
-    across the devices, which all take the branch: the analysis proved the predicate the same on every device). A
-    result holds the coordinates its tag says where every branch agrees."""
-    found: dict[int, list] = {}  # per branch, its results' tags
+def _programs_tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
+    """A call or a `lax.cond` on slices, each program evaluated with the tags (the analysis proved every device takes
+    the same branch); a result keeps a tag every program agrees on."""
+    found: dict[int, list] = {}  # per program, its results' tags
+    tags = in_tags[1:] if eqn.primitive.name == "cond" else in_tags  # (not the branch index)
 
     def run(program, args: list) -> list:
-        outs, found[id(program)] = _eval(*_compat.jaxpr_parts(program), args, axes, in_tags[1:])
+        outs, found[id(program)] = _eval(*_compat.jaxpr_parts(program), args, axes, tags)
         return outs
     outs = _programs.retraced(eqn, ins, run, _agreeing)
     tags = list(found.values())
     return outs, [t if all(f[i] is t for f in tags) else None for i, t in enumerate(tags[0])]
-
-
-def _run(program, args: list, axes: frozenset) -> list:
-    return _eval(*_compat.jaxpr_parts(program), args, axes)[0]
 
 
 def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
@@ -239,10 +222,9 @@ def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
 
 
 def _apply(eqn, ins: list, axes: frozenset) -> list:
-    """One equation's results; the programs it calls, branches on or loops over evaluated by `_eval` (the operands
-    are cast alike, so a loop's carry keeps its type)."""
-    outs = _programs.retraced(eqn, ins, functools.partial(_run, axes=axes), _agreeing,
-                              lambda carry: _joined(carry, _axes_of(ins[0]) if ins else axes))
+    """One equation's results; the programs it calls, branches on or loops over evaluated by `_eval`."""
+    outs = _programs.retraced(eqn, ins, lambda program, args: _eval(*_compat.jaxpr_parts(program), args, axes)[0],
+                              _agreeing, lambda carry: _joined(carry, _axes_of(ins[0]) if ins else axes))
     if outs is not None:
         return outs
     where = _DRAWING.get()
