@@ -25,20 +25,12 @@ from zero_optax.layout._state import shared_arrays
 
 
 class AccumulateState(NamedTuple):
-    """The state of `accumulating(inner, k, mode)`.
-
-    Attributes:
-      inner: the inner transformation's state.
-      acc: sharded mode: float32 sums of the gradients of this cycle's calls so far, like the parameters; local
-        mode: `()` (the sums live in `ZeroState.local`).
-      micro_step: int32, the number of calls of this cycle so far (0 at a cycle boundary).
-      weight_sum: float32, the global weight of this cycle's calls so far.
-    """
+    """The state of `Accumulating`."""
 
     inner: Any
-    acc: Any
-    micro_step: jax.Array
-    weight_sum: jax.Array
+    acc: Any  # sharded: float32 sums of this cycle's gradients, like the parameters; local: `()` (`ZeroState.local`)
+    micro_step: jax.Array  # int32: the calls of this cycle so far (0 at a cycle boundary)
+    weight_sum: jax.Array  # float32: the global weight of this cycle's calls so far
 
 
 def acc_dtype(dtype) -> np.dtype:
@@ -60,8 +52,7 @@ def _map_present(fn, tree, *rest):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulating:
-    """The transformation the engine runs for `zero1(..., accumulate_steps=k)`: `transformation("final", cast)`
-    is a cycle's final call (the analyses at `init` see it), `transformation("add")` a micro-step."""
+    """The inner transformation wrapped for `accumulate_steps=k`: a cycle's `"final"` call, or an `"add"`."""
 
     inner: optax.GradientTransformationExtraArgs
     steps: int
@@ -106,18 +97,12 @@ class Accumulating:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One side of an accumulating call; equal phases run the same program.
-
-    Attributes:
-      step: whether this side is an optimizer step (moves the master copies, gathers the updates).
-      grad_dtypes: leaf index -> the dtype the reduced gradient sums are handed over in (float32).
-      cast: the final side: per leaf, the dtype the inner update sees its mean gradient in.
-    """
+    """One side of an accumulating call; equal phases run the same program."""
 
     inner: optax.GradientTransformationExtraArgs = dataclasses.field(compare=False)
-    step: bool
-    grad_dtypes: dict[int, str] = dataclasses.field(compare=False)
-    cast: tuple[str, ...] = ()
+    step: bool  # an optimizer step: moves the master copies, gathers the updates
+    grad_dtypes: dict[int, str] = dataclasses.field(compare=False)  # leaf -> the dtype its gradient sums are in
+    cast: tuple[str, ...] = ()  # the final side: per leaf, the dtype the inner update sees its mean gradient in
 
     denom = _reduce.Denominator(1, None)
     """Sums: the division by the cycle's weight happens in `Accumulating.update`."""
@@ -153,7 +138,7 @@ def position(layout, state) -> jax.Array:
 def call_weight(reducing: bool, weight, layout) -> jax.Array:
     """The global weight of one call, in float32: its share of the cycle's mean."""
     if not reducing:
-        return jnp.ones((), jnp.float32)                    # each call's gradient is already a mean
+        return jnp.ones((), jnp.float32)  # each call's gradient is already a mean
     axes, devices = _reduce.reduction(layout)
     if weight is None:
         return jnp.asarray(devices, jnp.float32)  # each device's gradient is a mean over its batch
@@ -176,13 +161,10 @@ def add_local(layout, state, g_leaves: list, w: jax.Array):
     inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
         x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
         for j, x in shared_arrays(state).items()]))
-    local = jax.tree.leaves(state.local)
-    new_local = [(a[0] + g.astype(a.dtype))[None] for g, a in zip(g_leaves, local)]
-    return dataclasses.replace(state, inner_state=inner,
-                               local=jax.tree.unflatten(jax.tree.structure(state.local), new_local))
+    local = jax.tree.unflatten(jax.tree.structure(state.local), [x[None] for x in with_local(g_leaves, state)])
+    return dataclasses.replace(state, inner_state=inner, local=local)
 
 
 def init_local(layout, params, axes):
     """The zero local accumulators of `params` (per device `[1, *shape]`), typed varying over `axes`."""
-    zeros = jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), acc_dtype(p.dtype)), params)
-    return _compat.pvary(zeros, axes) if _compat.vma_enabled(axes) else zeros
+    return _compat.pvary(jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), acc_dtype(p.dtype)), params), axes)

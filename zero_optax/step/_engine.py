@@ -160,8 +160,7 @@ class Engine:
 
     def _accumulate(self, layout: Layout, g_leaves: list, p_leaves: list | None, state: ZeroState, extra: dict,
                     weight):
-        """An accumulating call: the cycle position picks with `lax.cond` the final call or a micro-step (which
-        returns zero updates; with `accumulate="local"` it runs no collective)."""
+        """An accumulating call: `lax.cond` on the cycle position runs the final call or a micro-step (zero updates)."""
         cfg = self.cfg
         acc = cfg.accumulating
         w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)

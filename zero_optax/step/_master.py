@@ -65,15 +65,11 @@ class NoMasters:
         return [None if v is None else optax.apply_updates(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
 
     def after_gather(self, gathered: dict, owned: dict, p_leaves: list, ok, apply: bool) -> dict:
-        """The step's result per leaf from the gathered values and the owned leaves' ones: the updates, or with
-        `apply` the new parameters."""
+        """The result per leaf from the gathered and owned values: the updates, or with `apply` the parameters."""
+        owned = _reduce.skip_if_empty(ok, owned, jax.tree.map(jnp.zeros_like, owned))  # zero where skipped
         if apply:
             return {**gathered, **{i: optax.apply_updates(p_leaves[i], u) for i, u in owned.items()}}
         return {**gathered, **owned}
-
-    def owned_received(self, u: dict, ok) -> dict:
-        """The owned leaves' gathered results, zero where the step is skipped."""
-        return _reduce.skip_if_empty(ok, u, jax.tree.map(jnp.zeros_like, u))
 
     def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
         """The parameters an owner's view sees."""
@@ -126,12 +122,7 @@ class MasterCopies(NoMasters):
         if apply:
             return {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in rounded.items()}
         updates = {i: t.astype(self.dtype) - p_leaves[i].astype(self.dtype) for i, t in rounded.items()}
-        if ok is not None:
-            updates = {i: jnp.where(ok, u, jnp.zeros_like(u)) for i, u in updates.items()}
-        return updates
-
-    def owned_received(self, u: dict, ok) -> dict:
-        return u
+        return _reduce.skip_if_empty(ok, updates, jax.tree.map(jnp.zeros_like, updates))
 
     def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
         return masters

@@ -8,6 +8,7 @@ moves to nothing (one RAM): there only the entry parameters and results are mark
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,14 +22,6 @@ HOST = "pinned_host"
 DEVICE = "device"
 
 
-def memory_kinds(device: Any) -> set[str]:
-    """The memory kinds `device` exposes (`device`, `pinned_host`, ...; none without memory spaces)."""
-    try:
-        return {m.kind for m in device.addressable_memories()}
-    except (AttributeError, jax.errors.JaxRuntimeError):  # a backend without memory spaces: UNIMPLEMENTED
-        return set()
-
-
 def check_devices(devices: Sequence[Any]) -> None:
     """Refuses `offload=True` on devices that have no `pinned_host` memory.
 
@@ -37,7 +30,10 @@ def check_devices(devices: Sequence[Any]) -> None:
       >>> check_devices(jax.devices())
     """
     for d in devices:
-        kinds = memory_kinds(d)
+        try:
+            kinds = {m.kind for m in d.addressable_memories()}
+        except (AttributeError, jax.errors.JaxRuntimeError):  # a backend without memory spaces: UNIMPLEMENTED
+            kinds = set()
         if HOST not in kinds:
             raise ZeroError(
                 f"zero1(offload=True) keeps the optimizer state in each device's `{HOST}` memory, but device "
@@ -54,18 +50,15 @@ def buckets(arrays: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
       >>> buckets([np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)], 32)
       [[0, 1], [2]]
     """
-    out: list[list[int]] = []
-    current: list[int] = []
+    out: list[list[int]] = [[]]
     nbytes = 0
     for i, x in enumerate(arrays):
-        current.append(i)
-        nbytes += int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
         if nbytes >= bucket_bytes:
-            out.append(current)
-            current, nbytes = [], 0
-    if current:
-        out.append(current)
-    return out
+            out.append([])
+            nbytes = 0
+        out[-1].append(i)
+        nbytes += math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+    return [b for b in out if b]
 
 
 def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
@@ -76,8 +69,7 @@ def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
 
 
 def fetch(x: jax.Array, start: Any, length: int) -> jax.Array:
-    """`[start, start + length)` of the host-memory 1-D `x`, on the device: a slice, then a move, which XLA's host
-    offloader turns into a copy of the piece alone."""
+    """`[start, start + length)` of the host-memory 1-D `x` on the device (XLA copies the piece alone)."""
     return jax.device_put(lax.dynamic_slice_in_dim(x, start, length), jax.memory.Space.Device)
 
 
@@ -108,14 +100,11 @@ def placed(x: Any, kind: str | None) -> Any:
 
 
 def fetched(state: Any) -> Any:
-    """`state` with every array in host memory brought to device memory, for reads outside the step
-    (`gather_state`), concrete or traced."""
+    """`state` with every array (concrete or traced) in host memory brought to device memory, outside the step."""
     def one(x):
-        sharding = getattr(x, "sharding", None)
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if getattr(sharding, "memory_kind", DEVICE) not in (None, DEVICE):
-                return jax.device_put(x, sharding.with_memory_kind(DEVICE))
-            return x
+            kind = x.sharding.memory_kind
+            return x if kind in (None, DEVICE) else jax.device_put(x, x.sharding.with_memory_kind(DEVICE))
         host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host  # older JAX types none
         return jax.device_put(x, jax.memory.Space.Device) if host else x
     return jax.tree.map(one, state)

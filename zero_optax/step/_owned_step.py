@@ -34,8 +34,7 @@ from zero_optax.step import (
 @dataclasses.dataclass(frozen=True)
 class _OwnedPlans:
     """How the owned leaves' values move: the gradients' collective `mode` and packing `g`, the updates' packings
-    (`u`, and `tp_u` for tensor-parallel leaves), and `tp`: the static parts (`rows` None) of the gathered
-    tensor-parallel gradients and parameters (None without tensor-parallel owned leaves)."""
+    (`u`; `tp_u` for tensor-parallel leaves), and `tp` the static parts of their gathered gradients and parameters."""
 
     mode: str | None
     g: Any
@@ -54,8 +53,7 @@ class OwnedStep:
     masters: _master.NoMasters
 
     def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
-        """The packed buffers: row `r` holds the state (and master copies) of the leaves device `r` owns, from the
-        inner `init` or from a plain optax state (`full`)."""
+        """The packed buffers: row `r` holds the state and master copies of the leaves device `r` owns (or `full`'s)."""
         packing = layout.state_packing
         if not packing.sizes:
             return {}
@@ -76,8 +74,7 @@ class OwnedStep:
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
-        """The inner update on every device's owned view, in one `lax.switch` on the device index: the new buffers,
-        and what every device receives of the owned leaves (`_master`)."""
+        """The inner update on every device's owned view in one `lax.switch`: new buffers, what devices receive."""
         layout, denom = step.layout, step.denom
         n = layout.world_size
         mode, plan_g, grad_input = self._gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
@@ -99,7 +96,7 @@ class OwnedStep:
         u = _gather_owned(self.wire, layout, u_out, plans.u)
         if n > 1:
             u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))
-        return {d: b[None] for d, b in new.items()}, self.masters.owned_received(u, denom.ok)
+        return {d: b[None] for d, b in new.items()}, u
 
     def _branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
         """Device `r`'s branch: its owned view's update of `mine`; the new buffers and, stepping, the packed results."""
@@ -137,29 +134,26 @@ class OwnedStep:
 
     def _tp_inputs(self, step: _groups.Step, tp: list[int], mode: str | None, g_leaves: list
                    ) -> tuple[tuple | None, tuple]:
-        """The reduced gradients (and parameters) of the tensor-parallel owned leaves `tp` gathered over their axes:
-        the static parts (`_OwnedPlans.tp`) and the rows."""
+        """The tensor-parallel owned leaves' gradients (and parameters) gathered: `_OwnedPlans.tp` and the rows."""
         layout = step.layout
         if not tp:
             return None, ()
+
+        def gathered(values: dict) -> _tp_owned.Gathered:  # (this device holds every leaf's blocks: its row of them)
+            plan = _packed.leaf_plan(layout, {i: np.dtype(values[i].dtype).name for i in tp})
+            return _tp_owned.gather(self.wire, layout, _tp_owned.own_row(layout, values, plan, step.rank), plan, tp)
         _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
-        if mode != "psum_scatter":  # (every device holds the reduced blocks of every leaf: its row of them)
-            plan = _packed.leaf_plan(layout, {i: np.dtype(reduced[i].dtype).name for i in tp})
-            reduced = _tp_owned.own_row(layout, reduced, plan, step.rank)
-        grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp)
+        grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp) if mode == "psum_scatter" else gathered(reduced)
         params = None
         if step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping:
-            plan_p = _packed.leaf_plan(layout, {i: np.dtype(step.p_leaves[i].dtype).name for i in tp})
-            rows = _tp_owned.own_row(layout, {i: step.p_leaves[i] for i in tp}, plan_p, step.rank)
-            params = _tp_owned.gather(self.wire, layout, rows, plan_p, tp)
+            params = gathered({i: step.p_leaves[i] for i in tp})
         static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
         return tuple(static), (grads.rows, None if params is None else params.rows)
 
     def view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
                      stored: dict[int, jax.Array]) -> tuple[dict, dict]:
-        """Device `r`'s inner update of the leaves `mine` from their `stored` entries: their new stored values and
-        what every device receives, stacks keyed by their members (`_packed.Key`)."""
-        layout, p_leaves, shared_old = step.layout, step.p_leaves, step.shared_old
+        """Device `r`'s update of `mine` from their `stored` entries: their new entries and what devices receive."""
+        layout, p_leaves = step.layout, step.p_leaves
         present = set(mine)
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in present]
         p = None  # (a micro-step only accumulates: it reads no parameters)
@@ -179,39 +173,36 @@ class OwnedStep:
             values.update(v_stack)
         rest.sort()
         if rest or not stacks:
-            b_entries = _views.owned_entries(layout, r, rest)
-            old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, rest),
-                                               [shared_old[j] if j in shared_old else stored[j] for j in b_entries])
-            g_view = _views.masked_tree(layout, {i: g[i] for i in rest})
-            p_view = None if p is None else _views.masked_tree(layout, {i: p[i] for i in rest})
-            u_view, new = _groups.run_inner(step, g_view, old, p_view)
-            _groups.check_returned(u_view, new, g_view, old, f"leaves device {r} owns")
-            u.update(zip(rest, jax.tree.leaves(u_view)))
-            values.update((j, v) for j, v in zip(b_entries, jax.tree.leaves(new)) if j not in shared_old)
+            u_rest, v_rest = self._view(step, r, rest, g, stored, p)
+            u.update(zip(rest, u_rest))
+            values.update(v_rest)
         return values, self.masters.owner_results(layout, entries, stored, u, values, step)
+
+    def _view(self, step: _groups.Step, r: int, leaves: list[int], g, stored, p: dict | None) -> tuple[list, dict]:
+        """Device `r`'s owned view of `leaves` updated: their updates and new entries (shared ones left out)."""
+        layout, shared_old = step.layout, step.shared_old
+        entries = _views.owned_entries(layout, r, leaves)
+        old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, leaves),
+                                           [shared_old[j] if j in shared_old else stored[j] for j in entries])
+        g_view = _views.masked_tree(layout, {i: g[i] for i in leaves})
+        p_view = None if p is None else _views.masked_tree(layout, {i: p[i] for i in leaves})
+        u, new = _groups.run_inner(step, g_view, old, p_view)
+        _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
+        return jax.tree.leaves(u), {j: v for j, v in zip(entries, jax.tree.leaves(new)) if j not in shared_old}
 
     def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
                       ) -> tuple[dict | None, dict | None]:
-        """The view of `stack[0]` vectorised over `stack`: the updates and new histories, or `(None, None)` where
-        `jax.vmap` cannot run it."""
-        layout, shared_old = step.layout, step.shared_old
+        """The view of `stack[0]` under `jax.vmap` over `stack` (`(None, None)` where vmap cannot run it)."""
         first = stack[0]
-        treedef = self.views.owned(layout, r, [first])
-        views = [_views.owned_entries(layout, r, [i]) for i in stack]
-        own = [k for k, j in enumerate(views[0]) if j not in shared_old]
+        views = [_views.owned_entries(step.layout, r, [i]) for i in stack]
+        own = [k for k, j in enumerate(views[0]) if j not in step.shared_old]
+        keys = [tuple(view[k] for view in views) for k in own]
 
         def run(g1, histories, p1):
-            it = iter(histories)
-            old = jax.tree_util.tree_unflatten(treedef, [shared_old[j] if j in shared_old else next(it)
-                                                         for j in views[0]])
-            g_view = _views.masked_tree(layout, {first: g1})
-            u, new = _groups.run_inner(step, g_view, old, None if p1 is None else _views.masked_tree(
-                layout, {first: p1}))
-            _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
-            new = jax.tree.leaves(new)
-            return jax.tree.leaves(u)[0], [new[k] for k in own]
+            u, new = self._view(step, r, [first], {first: g1}, {key[0]: h for key, h in zip(keys, histories)},
+                                None if p1 is None else {first: p1})
+            return u[0], [new[key[0]] for key in keys]
 
-        keys = [tuple(view[k] for view in views) for k in own]
         args = (_packed.stacked(g, stack), [_packed.stacked(stored, key) for key in keys],
                 None if p is None else jnp.stack([p[i] for i in stack]))
         if not _programs.vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
@@ -221,8 +212,7 @@ class OwnedStep:
 
     def _gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
                    ) -> tuple[str, Any, dict]:
-        """The owned leaves' gradient collective (`mode`, chosen unless given), their packing, and the switch operand
-        (owner-packed rows reduce-scattered, every leaf all-reduced, or the leaves as they are)."""
+        """The owned leaves' gradient collective `mode` (chosen unless given), their packing and the switch operand."""
         cfg = self.cfg
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size

@@ -20,9 +20,8 @@ from zero_optax.step import _groups, _offload, _packed, _reduce
 
 def groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Array], params: list[jax.Array] | None, state,
            p_dtypes: list) -> tuple:
-    """The group views' update with the groups' arrays in host memory, a chunk of at most `bucket_bytes` at a time
-    (in a `fori_loop`): what every device receives (None for a micro-step), the new stored state, master copies and
-    old shared values."""
+    """The group views' update, `bucket_bytes` of a group's host arrays at a time: what every device receives (None
+    for a micro-step), the new stored state, master copies and old shared values."""
     layout, stepping, ok, chunk_bytes = step.layout, step.stepping, step.denom.ok, groups.cfg.bucket_bytes
     shared_old = groups.shared_values(layout, state.inner_state)
     step = dataclasses.replace(step, shared_old=shared_old)
@@ -70,9 +69,7 @@ def groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Array], p
 
 def owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
               ) -> tuple[dict, dict]:
-    """Device `r`'s update with its buffers in host memory, bucket by bucket of its leaves: each bucket's
-    entries come to the device, are updated and written back before the next is read. Returns the new
-    buffers and the updates of `mine`."""
+    """Device `r`'s update of `mine`, a bucket of its host buffers at a time: the new buffers and the updates."""
     layout = step.layout
     offsets = layout.state_packing.offsets[r]
     u_all: dict[int, jax.Array] = {}

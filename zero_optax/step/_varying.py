@@ -25,8 +25,7 @@ from zero_optax.step import _reduce
 
 
 def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
-    """`fn(*args)`, every value typed varying across `axes`; `slices`: per leaf of `args`, its `_reduce.Coordinates`
-    or None."""
+    """`fn(*args)`, every value typed varying across `axes`; `slices`: per leaf of `args`, its coordinates or None."""
     vma = _compat.vma_enabled(axes)
     if not vma and slices is None:
         return fn(*args)
@@ -41,11 +40,9 @@ def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = 
 
 def like(tree: Any, reference: Any) -> Any:
     """`tree` with each leaf typed varying across at least the axes of the same leaf of `reference`."""
-    leaves, treedef = jax.tree.flatten(tree)
-    ref, ref_def = jax.tree.flatten(reference)
-    if treedef != ref_def:
+    if jax.tree.structure(tree) != jax.tree.structure(reference):
         return tree
-    return jax.tree.unflatten(treedef, [_cast(x, _axes_of(r)) for x, r in zip(leaves, ref)])
+    return jax.tree.map(lambda x, r: _cast(x, _axes_of(r)), tree, reference)
 
 
 def _axes_of(x) -> frozenset:
@@ -70,8 +67,7 @@ def _joined(xs: Sequence[Any], axes: frozenset) -> list:
 
 def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
           tags: Sequence[Any] | None = None) -> tuple[list, list]:
-    """`jaxpr`'s results and their tags, each equation's operands cast to one type; `tags`: per input, its
-    `_reduce.Coordinates` or None."""
+    """`jaxpr`'s results and their tags, each equation's operands cast to one type; `tags`: per input, or None."""
     padded = [*(tags or ()), *[None] * len(args)]
     ins = [x if t is None else _OnSlice(x, t) for x, t in zip(args, padded)]
     outs = _programs.evaluate(jaxpr, [_cast(x, axes) for x in consts], ins,
@@ -115,8 +111,7 @@ _DRAWING: contextvars.ContextVar = contextvars.ContextVar("zero_optax_drawing", 
 
 
 class _Pending:
-    """A result computed from random draws, evaluated (`settle`) once per leaf's slice it meets, its draws that leaf's
-    numbers (meeting none: drawn as traced)."""
+    """A result computed from random draws, evaluated (`settle`) once per leaf's slice it meets, of its numbers."""
 
     __slots__ = ("index", "results")
 
@@ -184,8 +179,7 @@ def _whole_draw(eqn, key, where) -> jax.Array:
 
 
 def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
-    """One equation's results and their tags: a full reduction of a tagged value reduces across the devices, any
-    other result holds the coordinates of an operand of its size."""
+    """One equation's results and their tags (a result holds the coordinates of a tagged operand of its size)."""
     if not any(t is not None for t in in_tags):
         return _apply(eqn, ins, axes), [None] * len(eqn.outvars)
     if eqn.primitive.name in _compat.CALLS or eqn.primitive.name == "cond":
@@ -201,8 +195,8 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]
 
 
 def _programs_tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
-    """A call or a `lax.cond` on slices, each program evaluated with the tags (the analysis proved every device takes
-    the same branch); a result keeps a tag every program agrees on."""
+    """A call or `lax.cond` on slices (the analysis proved every device takes the same branch), each program
+    evaluated with the tags; a result keeps a tag they all agree on."""
     found: dict[int, list] = {}  # per program, its results' tags
     tags = in_tags[1:] if eqn.primitive.name == "cond" else in_tags  # (not the branch index)
 
