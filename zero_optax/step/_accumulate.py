@@ -80,9 +80,7 @@ class Accumulating:
         updates, new_inner = self.inner.update(mean_grads, state.inner, params, **extra)
         new_inner = _reduce.skip_if_empty(ok, new_inner, state.inner)
         updates = _reduce.skip_if_empty(ok, updates, jax.tree.map(jnp.zeros_like, updates))
-        acc = jax.tree.map(jnp.zeros_like, state.acc)
-        return updates, AccumulateState(new_inner, acc, jnp.zeros_like(state.micro_step),
-                                        jnp.zeros_like(state.weight_sum))
+        return updates, AccumulateState(new_inner, *jax.tree.map(jnp.zeros_like, state[1:]))  # a new cycle
 
     def add(self, grads, state: AccumulateState, params=None, *, accumulate_weight, **extra):
         acc = self._sums(grads, state) if self.mode == SHARDED else state.acc

@@ -1,8 +1,7 @@
 """zero1's `init` and `update` inside `shard_map`: the step's stages, top to bottom.
 
-`Engine.update` checks its arguments, then (offload in,) accumulation picks the final call or a micro-step, `_run`
-reduces, updates the sliced groups and the owned leaves and gathers (, offload out). Every value that moves between
-devices moves through the step's `_wire.Wire`.
+`Engine.update`: checks, (offload in,) accumulation's branch, `_run` (reduce, update the sliced groups and the owned
+leaves, gather), (offload out). Every value that moves between devices moves through the step's `_wire.Wire`.
 """
 
 from __future__ import annotations

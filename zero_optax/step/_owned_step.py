@@ -7,7 +7,7 @@ entries come from the group views); a stack's members run as one member's view u
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,7 @@ from zero_optax.step import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _OwnedPlans:
+class _OwnedPlans(NamedTuple):
     """How the owned leaves' values move: the gradients' collective `mode` and packing `g`, the updates' packings
     (`u`; `tp_u` for tensor-parallel leaves), and `tp` the static parts of their gathered gradients and parameters."""
 
@@ -75,8 +74,7 @@ class OwnedStep:
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
         """The inner update on every device's owned view in one `lax.switch`: new buffers, what devices receive."""
-        layout, denom = step.layout, step.denom
-        n = layout.world_size
+        layout, denom, n = step.layout, step.denom, step.layout.world_size
         mode, plan_g, grad_input = self._gradients(step, [i for i in owned if not layout.leaves[i].tp_owned],
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
@@ -144,9 +142,8 @@ class OwnedStep:
             return _tp_owned.gather(self.wire, layout, _tp_owned.own_row(layout, values, plan, step.rank), plan, tp)
         _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
         grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp) if mode == "psum_scatter" else gathered(reduced)
-        params = None
-        if step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping:
-            params = gathered({i: step.p_leaves[i] for i in tp})
+        gathers = step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping
+        params = gathered({i: step.p_leaves[i] for i in tp}) if gathers else None
         static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
         return tuple(static), (grads.rows, None if params is None else params.rows)
 
@@ -245,9 +242,7 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
     g = g.overlaid(g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
     if plans.tp[1] is not None:
         params = dataclasses.replace(plans.tp[1], rows=tp_rows[1])
-        p_leaves = list(step.p_leaves)
-        for i in whole:
-            p_leaves[i] = params.whole(layout, r, i)
+        p_leaves = [params.whole(layout, r, i) if i in whole else p for i, p in enumerate(step.p_leaves)]
         step = dataclasses.replace(step, p_leaves=p_leaves)
     return g, step
 

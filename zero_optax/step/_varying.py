@@ -33,8 +33,7 @@ def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = 
     flat, tree = jax.tree.flatten(args)
     stand_ins = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*stand_ins)
-    out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes,
-                   None if slices is None else list(slices))
+    out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes, slices)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
 
@@ -150,19 +149,15 @@ def _one(tags: Sequence[Any]) -> Any:
     return next(iter(found.values()))
 
 
-def _is_draw(eqn) -> bool:
-    return eqn.primitive.name == "random_bits"
-
-
 def _draws(eqn) -> bool:
     """Whether `eqn` draws random numbers (`random_bits`), itself or in a program it calls."""
     subs = _primitives.subjaxprs(eqn.params)
-    return _is_draw(eqn) or any(_program_draws(_compat.jaxpr_parts(sub)[0]) for sub in subs)
+    return eqn.primitive.name == "random_bits" or any(_program_draws(_compat.jaxpr_parts(sub)[0]) for sub in subs)
 
 
 @functools.lru_cache(maxsize=256)
 def _program_draws(jaxpr) -> bool:
-    return _programs.any_equation(jaxpr, _is_draw)
+    return _programs.any_equation(jaxpr, _draws)
 
 
 def _whole_draw(eqn, key, where) -> jax.Array:
