@@ -42,12 +42,10 @@ def _is_masked(x) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
-def _map_present(fn, tree, *rest):
-    """`fn(index, leaf, *rest_leaves)` on every present leaf of a masked parameter view (`optax.MaskedNode` kept)."""
+def _map_present(fn, tree):
+    """`fn(index, leaf)` on every present leaf of a masked parameter view (`optax.MaskedNode` kept)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_masked)
-    others = [jax.tree.leaves(t, is_leaf=_is_masked) for t in rest]
-    out = [x if _is_masked(x) else fn(i, x, *(o[i] for o in others)) for i, x in enumerate(leaves)]
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [x if _is_masked(x) else fn(i, x) for i, x in enumerate(leaves)])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,8 +63,8 @@ class Accumulating:
 
     def _sums(self, grads, state: AccumulateState):
         if self.mode != SHARDED:
-            return _map_present(lambda i, g: g.astype(acc_dtype(g.dtype)), grads)
-        return _map_present(lambda i, g, a: a + g.astype(a.dtype), grads, state.acc)
+            return jax.tree.map(lambda g: g.astype(acc_dtype(g.dtype)), grads)
+        return jax.tree.map(lambda g, a: a + g.astype(a.dtype), grads, state.acc)
 
     def update(self, grads, state: AccumulateState, params=None, *, accumulate_weight, cast=None, **extra):
         total = state.weight_sum + accumulate_weight
@@ -74,8 +72,7 @@ class Accumulating:
         denom = jnp.where(ok, total, 1.0)
 
         def mean(i, s):
-            dt = s.dtype if cast is None else cast[i]
-            return (s / denom.astype(s.dtype)).astype(dt)
+            return (s / denom.astype(s.dtype)).astype(s.dtype if cast is None else cast[i])
         mean_grads = _map_present(mean, self._sums(grads, state))
         updates, new_inner = self.inner.update(mean_grads, state.inner, params, **extra)
         new_inner = _reduce.skip_if_empty(ok, new_inner, state.inner)
@@ -102,8 +99,7 @@ class Phase:
     grad_dtypes: dict[int, str] = dataclasses.field(compare=False)  # leaf -> the dtype its gradient sums are in
     cast: tuple[str, ...] = ()  # the final side: per leaf, the dtype the inner update sees its mean gradient in
 
-    denom = _reduce.Denominator(1, None)
-    """Sums: the division by the cycle's weight happens in `Accumulating.update`."""
+    denom = _reduce.Denominator(1, None)  # sums: `Accumulating.update` divides by the cycle's weight
 
 
 def phases(acc: Accumulating, g_leaves: list, inner_dtype) -> tuple[Phase, Phase]:
@@ -143,14 +139,11 @@ def call_weight(reducing: bool, weight, layout) -> jax.Array:
     return _reduce.global_weight(weight, axes)
 
 
-def with_local(g_leaves: list, state) -> list:
-    """The final call of `accumulate="local"`: the gradients plus this device's sums so far, in float32."""
-    return [a[0] + g.astype(a.dtype) for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
-
-
-def cleared(state):
-    """`state` with its local sums back at zero (after the final call of `accumulate="local"`)."""
-    return dataclasses.replace(state, local=jax.tree.map(jnp.zeros_like, state.local))
+def take_local(g_leaves: list, state) -> tuple[list, Any]:
+    """The final call of `accumulate="local"`: the gradients plus this device's sums (float32), and `state` with
+    the sums back at zero."""
+    sums = [a[0] + g.astype(a.dtype) for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
+    return sums, dataclasses.replace(state, local=jax.tree.map(jnp.zeros_like, state.local))
 
 
 def add_local(layout, state, g_leaves: list, w: jax.Array):
@@ -159,7 +152,8 @@ def add_local(layout, state, g_leaves: list, w: jax.Array):
     inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
         x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
         for j, x in shared_arrays(state).items()]))
-    local = jax.tree.unflatten(jax.tree.structure(state.local), [x[None] for x in with_local(g_leaves, state)])
+    sums = [(a[0] + g.astype(a.dtype))[None] for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
+    local = jax.tree.unflatten(jax.tree.structure(state.local), sums)
     return dataclasses.replace(state, inner_state=inner, local=local)
 
 

@@ -120,15 +120,13 @@ class Engine:
                  for leaf, x in zip(layout.leaves, values)]
         buffers = self.owned.build(layout, whole, full, ranks[layout.axes])
         master = self.masters.init(rows, layout)
-        local = None
-        if layout.accumulate == LOCAL:
-            local = _accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
+        local = (_accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
+                 if layout.accumulate == LOCAL else None)
         state = ZeroState(inner_state, buffers, master, layout, local)
         return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
-        """One `update` call. With `apply` (`zo.apply_gradients`) it returns the new parameters instead of the
-        updates: each device adds its coordinates' updates to its slice of the parameters before the gather."""
+        """One `update` call; with `apply` (`zo.apply_gradients`), the new parameters instead of the updates."""
         cfg = self.cfg
         layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
         if cfg.offload:  # the stored state stays in host memory and streams through the device
@@ -160,8 +158,7 @@ class Engine:
     def _accumulate(self, layout: Layout, g_leaves: list, p_leaves: list | None, state: ZeroState, extra: dict,
                     weight):
         """An accumulating call: `lax.cond` on the cycle position runs the final call or a micro-step (zero updates)."""
-        cfg = self.cfg
-        acc = cfg.accumulating
+        cfg, acc = self.cfg, self.cfg.accumulating
         w = _accumulate.call_weight(cfg.reduce is not None, weight, layout)
         extra = {**extra, "accumulate_weight": w}
         final, micro = _accumulate.phases(acc, g_leaves, cfg.inner_dtype)
@@ -171,10 +168,9 @@ class Engine:
         def last(operands):
             g_leaves, state, p_leaves = operands
             if local:
-                g_leaves = _accumulate.with_local(g_leaves, state)
+                g_leaves, state = _accumulate.take_local(g_leaves, state)
             step = self._step(layout, g_leaves, p_leaves, final.denom, extra, final)
-            updates, new = self._run(step, g_leaves, state)
-            return updates, (_accumulate.cleared(new) if local else new)
+            return self._run(step, g_leaves, state)
 
         def middle(operands):
             g_leaves, state, p_leaves = operands

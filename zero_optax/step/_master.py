@@ -28,8 +28,7 @@ def stored_masters(layout: Layout, entries: list[int], stored: dict) -> dict:
 class NoMasters:
     """Without master copies: the inner update runs on the parameters; devices receive its updates."""
 
-    gathers_tp_params = True
-    """Whether owners of tensor-parallel leaves need the parameters' blocks gathered."""
+    gathers_tp_params = True  # owners of tensor-parallel leaves need the parameters' blocks gathered
 
     def init(self, rows: list, layout: Layout):
         """The sliced leaves' master copies a new state stores: none."""

@@ -103,8 +103,7 @@ def fetched(state: Any) -> Any:
     """`state` with every array (concrete or traced) in host memory brought to device memory, outside the step."""
     def one(x):
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            kind = x.sharding.memory_kind
-            return x if kind in (None, DEVICE) else jax.device_put(x, x.sharding.with_memory_kind(DEVICE))
+            return x if x.sharding.memory_kind is None else placed(x, DEVICE)
         host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host  # older JAX types none
         return jax.device_put(x, jax.memory.Space.Device) if host else x
     return jax.tree.map(one, state)

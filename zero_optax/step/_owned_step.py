@@ -7,6 +7,7 @@ entries come from the group views); a stack's members run as one member's view u
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -32,8 +33,7 @@ from zero_optax.step import (
 
 
 class _OwnedPlans(NamedTuple):
-    """How the owned leaves' values move: the gradients' collective `mode` and packing `g`, the updates' packings
-    (`u`; `tp_u` for tensor-parallel leaves), and `tp` the static parts of their gathered gradients and parameters."""
+    """How the owned leaves' values move; `tp`: the static parts of the gathered tensor-parallel gradients, params."""
 
     mode: str | None
     g: Any
@@ -57,19 +57,17 @@ class OwnedStep:
         if not packing.sizes:
             return {}
 
-        def branch(r):
-            def run(values, full):
-                if full is None:
-                    owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
-                    self.views.owned(layout, r)  # checks the entry order this device packs
-                    state = self.cfg.inner.init(_views.tree(layout, _layout.masked_view(values, owned)))
-                    full = dict(zip(_views.owned_entries(layout, r), jax.tree.leaves(state)))
-                items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
-                         for j in layout.rank_entries(r)}
-                return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
-            return run
+        def run(r, values, full):
+            if full is None:
+                owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
+                self.views.owned(layout, r)  # checks the entry order this device packs
+                state = self.cfg.inner.init(_views.tree(layout, _layout.masked_view(values, owned)))
+                full = dict(zip(_views.owned_entries(layout, r), jax.tree.leaves(state)))
+            items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
+                     for j in layout.rank_entries(r)}
+            return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
 
-        buffers = _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values, full)
+        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full)
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
@@ -210,13 +208,12 @@ class OwnedStep:
     def _gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
                    ) -> tuple[str, Any, dict]:
         """The owned leaves' gradient collective `mode` (chosen unless given), their packing and the switch operand."""
-        cfg = self.cfg
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
         plan_g = _packed.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            mode = _packed.choose_reduce("auto" if cfg.reduce == "default" else cfg.reduce, plan_g, nbytes, n,
+            mode = _packed.choose_reduce("auto" if self.cfg.reduce == "default" else self.cfg.reduce, plan_g, nbytes, n,
                                         self.wire.packs_owned_gradients)
         if mode == "psum_scatter":
             rows = _packed.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)

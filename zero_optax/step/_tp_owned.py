@@ -37,8 +37,7 @@ def _grid(layout: Layout, axes: Sequence[str]) -> tuple[int, ...]:
 
 
 def assemble(layout: Layout, leaf: ParamLeaf, blocks: jax.Array) -> jax.Array:
-    """The whole tensor from its blocks, `blocks[k_1, ..., k_m]` the block at position `k` along `leaf.axes` (a
-    dimension cut by axes `(a, b)` row-major over them, as `shard_map` lays them out)."""
+    """The whole tensor from `blocks[k_1, ..., k_m]` along `leaf.axes` (row-major where axes share a dimension)."""
     m = len(leaf.axes)
     perm = []
     for d, cut in enumerate(leaf.dims):
@@ -57,8 +56,7 @@ def own_block(leaf: ParamLeaf, whole: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """Rows of owner-packed blocks gathered over the tensor-parallel `axes` (mesh order), `rows` dtype ->
-    `[devices of axes, size]`, `plan` where each block sits in its row."""
+    """Rows of owner-packed blocks (dtype -> `[devices of axes, size]`) gathered over the tensor-parallel `axes`."""
 
     plan: Packing
     rows: dict[str, jax.Array]

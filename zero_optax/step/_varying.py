@@ -8,7 +8,6 @@ numbers drawn in a leaf's shape wait (`_Pending`) until they meet its slice, the
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -65,12 +64,12 @@ def _joined(xs: Sequence[Any], axes: frozenset) -> list:
 
 
 def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
-          tags: Sequence[Any] | None = None) -> tuple[list, list]:
-    """`jaxpr`'s results and their tags, each equation's operands cast to one type; `tags`: per input, or None."""
+          tags: Sequence[Any] | None = None, drawing=None) -> tuple[list, list]:
+    """`jaxpr`'s results and tags, operands cast alike; `tags`: per input or None; `drawing`: as `_apply`'s `where`."""
     padded = [*(tags or ()), *[None] * len(args)]
     ins = [x if t is None else _OnSlice(x, t) for x, t in zip(args, padded)]
     outs = _programs.evaluate(jaxpr, [_cast(x, axes) for x in consts], ins,
-                              functools.partial(_equation, axes, tags is not None))
+                              functools.partial(_equation, axes, tags is not None, drawing))
     return [_cast(_Pending.settle(_value(x), None), axes) for x in outs], [_tag(x) for x in outs]
 
 
@@ -89,24 +88,22 @@ def _tag(x) -> Any:
     return x.where if isinstance(x, _OnSlice) else None
 
 
-def _equation(axes: frozenset, tagging: bool, eqn, ins: list) -> list:
+def _equation(axes: frozenset, tagging: bool, drawing, eqn, ins: list) -> list:
     """One equation of `_eval`: draws wait (`_Pending`) until they meet a leaf's slice, then `_tagged`."""
     raw, in_tags = [_value(x) for x in ins], [_tag(x) for x in ins]
     where = next((t for t in in_tags if t is not None), None)
-    if tagging and where is None and (_draws(eqn) or any(isinstance(x, _Pending) for x in raw)):
-        return _Pending.of(eqn, raw, axes)  # drawn when it meets a leaf's slice
-    if where is not None and eqn.primitive.name in _compat.CALLS:  # (pending draws meet their leaf inside)
+    if where is None:
+        if tagging and (_draws(eqn) or any(isinstance(x, _Pending) for x in raw)):
+            return _Pending.of(eqn, raw, axes)  # drawn when it meets a leaf's slice
+        return _apply(eqn, _joined([_Pending.settle(x, None) for x in raw], axes), axes, drawing)
+    if eqn.primitive.name in _compat.CALLS:  # (pending draws meet their leaf inside)
         ins = raw
     else:
-        if where is not None and any(isinstance(x, _Pending) for x in raw):
+        if any(isinstance(x, _Pending) for x in raw):
             where = _one(in_tags)
         ins = _joined([_Pending.settle(x, where) for x in raw], axes)
     outs, out_tags = _tagged(eqn, ins, in_tags, axes)
     return [x if t is None else _OnSlice(x, t) for x, t in zip(outs, out_tags)]
-
-
-_DRAWING: contextvars.ContextVar = contextvars.ContextVar("zero_optax_drawing", default=None)
-"""The `_reduce.Coordinates` whose slice the random draws being evaluated are for (None: draw as traced)."""
 
 
 class _Pending:
@@ -124,12 +121,7 @@ class _Pending:
         def results(where) -> list:
             if id(where) not in done:
                 ins = _joined([cls.settle(x, where) for x in raw], axes)
-                token = _DRAWING.set(where)
-                try:
-                    out = _apply(eqn, ins, axes)
-                finally:
-                    _DRAWING.reset(token)
-                done[id(where)] = (where, out)
+                done[id(where)] = (where, _apply(eqn, ins, axes, where))
             return done[id(where)][1]
         return [cls(results, k) for k in range(len(eqn.outvars))]
 
@@ -175,8 +167,6 @@ def _whole_draw(eqn, key, where) -> jax.Array:
 
 def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
     """One equation's results and their tags (a result holds the coordinates of a tagged operand of its size)."""
-    if not any(t is not None for t in in_tags):
-        return _apply(eqn, ins, axes), [None] * len(eqn.outvars)
     if eqn.primitive.name in _compat.CALLS or eqn.primitive.name == "cond":
         return _programs_tagged(eqn, ins, in_tags, axes)
     kind = _primitives.collective_kind(eqn)
@@ -210,13 +200,13 @@ def _agreeing(fns: Sequence[Callable], ins: Sequence[Any]) -> list[Callable]:
     return [lambda *xs, f=f: [_cast(x, t) for x, t in zip(f(*xs), types)] for f in fns]
 
 
-def _apply(eqn, ins: list, axes: frozenset) -> list:
-    """One equation's results; the programs it calls, branches on or loops over evaluated by `_eval`."""
-    outs = _programs.retraced(eqn, ins, lambda program, args: _eval(*_compat.jaxpr_parts(program), args, axes)[0],
-                              _agreeing, lambda carry: _joined(carry, _axes_of(ins[0]) if ins else axes))
+def _apply(eqn, ins: list, axes: frozenset, where=None) -> list:
+    """One equation's results (random draws for the slice `where` describes), its sub-programs run by `_eval`."""
+    def run(program, args: list) -> list:
+        return _eval(*_compat.jaxpr_parts(program), args, axes, None, where)[0]
+    outs = _programs.retraced(eqn, ins, run, _agreeing, lambda carry: _joined(carry, _axes_of(ins[0]) if ins else axes))
     if outs is not None:
         return outs
-    where = _DRAWING.get()
     p = eqn.params
     if eqn.primitive.name == "random_bits" and where is not None and math.prod(p["shape"]) == where.slots \
             and not ins[0].shape:
