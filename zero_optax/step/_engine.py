@@ -1,7 +1,8 @@
 """zero1's `init` and `update` inside `shard_map`: the step's stages, top to bottom.
 
 `Engine.update`: checks, (offload in,) accumulation's branch, `_run` (reduce, update the sliced groups and the owned
-leaves, gather), (offload out). Every value that moves between devices moves through the step's `_wire.Wire`.
+leaves, gather), (offload out). Every value that moves between devices goes through the step's `_wire.Wire`; the
+coupling analysis at `init` proves the views exact.
 """
 
 from __future__ import annotations

@@ -90,8 +90,7 @@ class OwnedStep:
         if not step.streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
         u = _gather_owned(self.wire, layout, u_out, plans.u)
-        if n > 1:
-            u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))
+        u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))  # (on one device, `t_out` is empty)
         return {d: b[None] for d, b in new.items()}, u
 
     def _branch(self, step: _groups.Step, plans: _OwnedPlans, mine: list[int], r: int):
@@ -213,8 +212,8 @@ class OwnedStep:
         plan_g = _packed.leaf_plan(layout, {i: sum_dt[i] for i in owned})
         nbytes = sum(g_leaves[i].size * np.dtype(sum_dt[i]).itemsize for i in owned)
         if mode == "choose":
-            mode = _packed.choose_reduce("auto" if self.cfg.reduce == "default" else self.cfg.reduce, plan_g, nbytes, n,
-                                        self.wire.packs_owned_gradients)
+            reduce = "auto" if self.cfg.reduce == "default" else self.cfg.reduce
+            mode = _packed.choose_reduce(reduce, plan_g, nbytes, n, self.wire.packs_owned_gradients)
         if mode == "psum_scatter":
             rows = _packed.scatter_rows({i: g_leaves[i].astype(sum_dt[i]) for i in owned}, plan_g, n)
             grad_input = self.wire.scatter_packed(rows)
