@@ -30,7 +30,7 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.api import _per_entry
 from zero_optax.step import _offload
-from zero_optax.layout._stored import LOCAL, MASTER, Packing, StoredViews
+from zero_optax.layout._stored import LOCAL, MASTER, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 
@@ -55,7 +55,7 @@ def unowned_entries(layout: StoredViews) -> list[int]:
     return inner + masters
 
 
-def stored_arrays(layout: StoredViews, k: int, pack: Packing | None = None) -> list[StoredArray]:
+def stored_arrays(layout: StoredViews, k: int) -> list[StoredArray]:
     """The arrays zero1 state number `k` of a checkpoint stores."""
     zero = tuple(layout.axes)
     out = []
@@ -68,7 +68,7 @@ def stored_arrays(layout: StoredViews, k: int, pack: Packing | None = None) -> l
             leaf = layout.leaves[e.leaf]
             out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
                                    (layout.history_axes(leaf),), entry=j))
-    pack = layout.state_packing if pack is None else pack
+    pack = layout.state_packing
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
                                buffer=d))
