@@ -50,9 +50,8 @@ class StoredArray:
 
 def unowned_entries(layout: StoredViews) -> list[int]:
     """The entries stored as arrays of their own: the inner state's unpacked entries, then sliced master slices."""
-    inner = list(layout.unpacked_entries)
-    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced"]
-    return inner + masters
+    return [*layout.unpacked_entries,
+            *(j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced")]
 
 
 def stored_arrays(layout: StoredViews, k: int) -> list[StoredArray]:
@@ -97,8 +96,7 @@ def state_values(state: ZeroState) -> list[Any]:
 
 
 def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
-    """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (concrete or
-    abstract)."""
+    """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (or abstract)."""
     def struct(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     layout = state.layout
@@ -116,8 +114,7 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
-    """A state like `template` holding `values` (in `stored_arrays` order), each in the memory kind of
-    `template`'s."""
+    """A state like `template` holding `values` (in `stored_arrays` order), each in `template`'s memory kinds."""
     layout = template.layout
     unowned = unowned_entries(layout)
     inner, master = _per_entry.stored(template, dict(zip(unowned, values)))
