@@ -122,10 +122,8 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     n = len(unowned)
     n_buffers = len(template.buffers)
     buffers = _placed_like(dict(zip(sorted(template.buffers), values[n:n + n_buffers])), template.buffers)
-    local = None
-    if template.local is not None:
-        local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
-                             template.local)
+    local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
+                         template.local)  # None without local accumulators
     return ZeroState(inner, buffers, master, layout, local)
 
 

@@ -65,17 +65,10 @@ def _lists(x: Any) -> Any:
     return [_lists(y) for y in x] if isinstance(x, tuple) else x
 
 
-def packing_json(layout: StoredViews) -> dict[str, Any] | None:
-    pack = layout.state_packing
-    if not pack.sizes:
-        return None
-    return {"sizes": dict(sorted(pack.sizes.items())),
-            "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]}
-
-
 def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
+    pack = layout.state_packing
     out = {
         "partition": layout.partition,
         "axis_name": layout.axis_name if isinstance(layout.axis_name, str) else list(layout.axis_name),
@@ -88,7 +81,9 @@ def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = No
         "entries": [as_json(e) for e in layout.entries],
         "clocks": dict(clocks or {}),
         "arrays": [as_json(a) for a in _arrays.stored_arrays(layout, k)],
-        "packing": packing_json(layout),
+        "packing": None if not pack.sizes else {
+            "sizes": dict(sorted(pack.sizes.items())),
+            "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]},
     }
     if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
@@ -110,13 +105,9 @@ def clock_entries(layout: StoredViews) -> list[int]:
 
 def read_clocks(state) -> dict[str, Any]:
     """The values of a state's clocks (`clock_entries`), from this host's first device."""
-    layout = state.layout
     values = shared_arrays(canonical(state))
-    clocks = {}
-    for j in clock_entries(layout):
-        shard = values[j].addressable_shards[0]
-        clocks[layout.entries[j].path] = np.asarray(shard.data).reshape(-1)[0].item()
-    return clocks
+    return {state.layout.entries[j].path: np.asarray(values[j].addressable_shards[0].data).reshape(-1)[0].item()
+            for j in clock_entries(state.layout)}
 
 
 def write(directory: Any, record: dict[str, Any]) -> None:

@@ -208,15 +208,14 @@ def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str 
 
 def _implied(c: _Checker, rec: dict, f: str, layout: StoredLayout, k: int) -> tuple[_arrays.StoredArray, ...]:
     """The arrays state `k` stores, its `owners`, `packing` and `arrays` checked to be what its leaves imply."""
-    owners = None if all(x.sliced for x in layout.leaves) else [x.owner for x in layout.leaves]
-    if rec["owners"] != owners:
-        c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
-    if rec["packing"] != _record.packing_json(layout):
+    want = _record.state_record(layout, k)
+    if rec["owners"] != want["owners"]:
+        c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(want['owners'])}")
+    if rec["packing"] != want["packing"]:
         c.fail(f"{f}.packing", "does not match the owners and entries")
-    arrays = tuple(_arrays.stored_arrays(layout, k))
-    if rec["arrays"] != [_record.as_json(a) for a in arrays]:
+    if rec["arrays"] != want["arrays"]:
         c.fail(f"{f}.arrays", "does not list the arrays its layout stores")
-    return arrays
+    return tuple(_arrays.stored_arrays(layout, k))
 
 
 def _clocks(c: _Checker, rec: Any, f: str, layout: StoredLayout) -> dict[str, Any]:

@@ -64,8 +64,6 @@ def aligned_zeros(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
 
 def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[str]:
     """The keys of every chunk of a zarr3 array of `shape` stored in `chunks` (default key encoding)."""
-    if any(d == 0 for d in shape):
-        return set()
     grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
     return {f"{name}/c/" + "/".join(map(str, cell)) for cell in itertools.product(*grid)}
 
