@@ -17,10 +17,6 @@ import orbax.checkpoint as ocp
 from zero_optax.checkpoint import _paths, _record, _restore, _save, _schema, _shapes, _tree
 from zero_optax.core._errors import ZeroCheckpointError
 
-TYPESTR = "zero_optax._checkpoint.ZeroCheckpointHandler"
-"""What `ZeroCheckpointHandler.typestr()` returns: part of the checkpoint format, so it never follows the code."""
-
-
 def _run_sync(coro) -> Any:
     """Runs a coroutine to completion, also from inside a running event loop (a notebook)."""
     try:
@@ -70,7 +66,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         """The name Orbax writes for this handler into a checkpoint's metadata, fixed whatever module holds it."""
-        return TYPESTR
+        return "zero_optax._checkpoint.ZeroCheckpointHandler"  # part of the checkpoint format: never follows the code
 
     async def async_save(self, directory: Any, item: Any = None,
                          args: ZeroSave | None = None) -> list[ocp.future.Future] | None:

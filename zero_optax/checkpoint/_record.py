@@ -52,7 +52,6 @@ MAX_DEPTH = 16
 """JSON nesting deeper than this is refused before parsing (the format nests 7 levels)."""
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _OPTIONAL = ("local", "dims", "key_impl")
-"""Fields of arrays, leaves and entries recorded only where set, so records without them stay as format 2 wrote."""
 
 
 def as_json(x: Any) -> dict[str, Any]:

@@ -117,8 +117,8 @@ class _Checker:
             self.fail(field, f"has {math.prod(shape)} elements, more than {MAX_ELEMENTS}")
         return shape
 
-    def names(self, x, field: str, max_len: int = 64) -> tuple[str, ...]:
-        names = tuple(self.str(a, f"{field}[{i}]") for i, a in enumerate(self.list(x, field, max_len)))
+    def names(self, x, field: str) -> tuple[str, ...]:
+        names = tuple(self.str(a, f"{field}[{i}]") for i, a in enumerate(self.list(x, field, 64)))
         if len(set(names)) != len(names):
             self.fail(field, f"repeats an axis name: {_record.short(list(names))}")
         return names
