@@ -6,7 +6,7 @@ Orbax reads a checkpoint it wrote at the target's own layouts; otherwise each de
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -42,19 +42,14 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
           region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
     """The global array `array` laid out by `sharding`, each distinct device block computed by `region` and held
     in host memory only until it is on its devices."""
-    index_map = sharding.addressable_devices_indices_map(array.shape)
-    regions = {device: tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))
-               for device, index in index_map.items()}
-    uses = Counter(regions.values())
-    blocks: dict[_store.Region, np.ndarray] = {}
+    devices: dict[_store.Region, list[jax.Device]] = defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(array.shape).items():
+        devices[tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))].append(device)
     singles = []
-    for device, key in regions.items():
-        if key not in blocks:
-            blocks[key] = region(array, key)
-        singles.append(jax.device_put(blocks[key], device))
-        uses[key] -= 1
-        if not uses[key]:
-            del blocks[key]
+    for key, group in devices.items():
+        block = region(array, key)
+        singles += [jax.device_put(block, device) for device in group]
+        del block  # host memory holds one block at a time
     return jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles)
 
 
