@@ -1,27 +1,8 @@
 """Checkpoints of zero1 states: written, read, checked, and re-cut for another mesh. The top layer.
 
-Written:
-* `_handler`: the Orbax `ZeroCheckpointHandler` and its `ZeroSave` / `ZeroRestore` arguments.
-* `_save`: what a save writes: the state's arrays and its record.
-* `_record`: the versioned JSON record beside the arrays, built, written and read.
-* `_arrays`: which arrays a state stores (names, shapes, dtypes, shardings), and a state rebuilt from them.
-* `_tree`: the zero1 states inside a saved pytree: found, named, put back.
-
-Read and checked:
-* `_restore`: restoring into a target, everything checked before any array is read.
-* `_schema`: the record checked field by field into `StoredLayout`s.
-* `_match`: whether a saved state fits a target, and the first difference if not.
-* `_shapes`: a copy of the record's shapes kept in the arrays' own metadata, checked against the record.
-* `_store`: stored arrays read and written with TensorStore.
-* `_paths`: checkpoint locations (local or `gs://`) as paths and TensorStore kvstores.
-* `_commit`: Orbax's commit file on object stores, written last and required by every reader.
-* `_install`: a finished directory put in place atomically (local file systems).
-
-Re-cut for another mesh:
-* `_regions`: any region of a state's arrays on a new mesh, from the arrays saved on the old one.
-* `_tp_blocks`: a sliced leaf's tensor-parallel or expert blocks on one mesh, cut again for another.
-* `_offline`: `zo.reshard`, converting an item directory offline.
-* `_offline_target`: `zo.reshard`'s target layout, from the mesh's axis sizes.
-* `_rank_migration`: rank-local records and their explicit migration (`load_rank_records`, `reshard_explicit`).
-* `_from_rank_records`: rank-local records into a zero1 state (`state_from_rank_records`).
+The Orbax handler (`_handler`) saves (`_save`) a state's arrays (`_arrays`, found by `_tree`) beside a versioned
+JSON record (`_record`). A restore (`_restore`) checks the record (`_schema`, `_shapes`) and the target (`_match`)
+before it reads any array (`_store`, at `_paths`; `_commit` and `_install` keep half-written checkpoints unread).
+`_regions` and `_tp_blocks` re-cut arrays for another mesh: for restores, for `zo.reshard` (`_offline`,
+`_offline_target`) and for rank-local records (`_rank_migration`, `_from_rank_records`).
 """

@@ -30,7 +30,7 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.api import _per_entry
 from zero_optax.step import _offload
-from zero_optax.layout._stored import LOCAL, MASTER, Packing, StoredViews
+from zero_optax.layout._stored import LOCAL, MASTER, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, shared_arrays
 
 
@@ -50,12 +50,11 @@ class StoredArray:
 
 def unowned_entries(layout: StoredViews) -> list[int]:
     """The entries stored as arrays of their own: the inner state's unpacked entries, then sliced master slices."""
-    inner = list(layout.unpacked_entries)
-    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced"]
-    return inner + masters
+    return [*layout.unpacked_entries,
+            *(j for j, e in enumerate(layout.entries) if e.role == MASTER and layout.kind(e) == "sliced")]
 
 
-def stored_arrays(layout: StoredViews, k: int, pack: Packing | None = None) -> list[StoredArray]:
+def stored_arrays(layout: StoredViews, k: int) -> list[StoredArray]:
     """The arrays zero1 state number `k` of a checkpoint stores."""
     zero = tuple(layout.axes)
     out = []
@@ -68,7 +67,7 @@ def stored_arrays(layout: StoredViews, k: int, pack: Packing | None = None) -> l
             leaf = layout.leaves[e.leaf]
             out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
                                    (layout.history_axes(leaf),), entry=j))
-    pack = layout.state_packing if pack is None else pack
+    pack = layout.state_packing
     for d in sorted(pack.sizes):
         out.append(StoredArray(_names.buffer_array(k, d), (layout.world_size, pack.sizes[d]), d, (zero, ()),
                                buffer=d))
@@ -97,8 +96,7 @@ def state_values(state: ZeroState) -> list[Any]:
 
 
 def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
-    """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (concrete or
-    abstract)."""
+    """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (or abstract)."""
     def struct(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     layout = state.layout
@@ -116,8 +114,7 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
-    """A state like `template` holding `values` (in `stored_arrays` order), each in the memory kind of
-    `template`'s."""
+    """A state like `template` holding `values` (in `stored_arrays` order), each in `template`'s memory kinds."""
     layout = template.layout
     unowned = unowned_entries(layout)
     inner, master = _per_entry.stored(template, dict(zip(unowned, values)))
@@ -125,10 +122,8 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     n = len(unowned)
     n_buffers = len(template.buffers)
     buffers = _placed_like(dict(zip(sorted(template.buffers), values[n:n + n_buffers])), template.buffers)
-    local = None
-    if template.local is not None:
-        local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
-                             template.local)
+    local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
+                         template.local)  # None without local accumulators
     return ZeroState(inner, buffers, master, layout, local)
 
 

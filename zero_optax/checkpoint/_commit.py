@@ -1,9 +1,8 @@
 """Finished checkpoints on object stores: Orbax's commit file, written last and required by every reader.
 
 Object stores (`gs://`) cannot rename, so Orbax writes there in place and marks a finished item directory with
-`commit_success.txt`; its readers refuse a `gs://` directory without it. zero_optax keeps the same rule: `check`
-refuses such a directory, `mark` writes the file last, `retract` deletes it first. The file is named here, not
-imported from Orbax's private constant; the tests check that the two agree.
+`commit_success.txt`, which its readers require; so does zero_optax. The name is Orbax's private constant (the
+tests check that the two agree).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 
 COMMIT_FILE = "commit_success.txt"
-"""The file Orbax writes last into a finished checkpoint directory (its `COMMIT_SUCCESS_FILE`)."""
 
 
 def check(path: epath.Path) -> None:

@@ -1,16 +1,7 @@
 """Orbax checkpointing of zero1 states: `ZeroCheckpointHandler`, `ZeroSave`, `ZeroRestore`.
 
 Like `ocp.StandardCheckpointHandler`, the handler wraps Orbax's `PyTreeCheckpointHandler`, which saves the state's
-arrays as one flat dict (each host writing its own shards); beside them the primary host writes the record
-(`_record`). Restoring checks everything against the target before reading any array (`_restore`).
-
-Example::
-
-    with ocp.CheckpointManager(path) as mngr:
-      mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                              opt_state=zo.ZeroSave(opt_state)))
-      restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params),
-                                                            opt_state=zo.ZeroRestore(target_opt_state)))
+arrays as one flat dict (each host its own shards); beside them the primary host writes the record (`_record`).
 """
 
 from __future__ import annotations
@@ -25,10 +16,6 @@ import orbax.checkpoint as ocp
 
 from zero_optax.checkpoint import _paths, _record, _restore, _save, _schema, _shapes, _tree
 from zero_optax.core._errors import ZeroCheckpointError
-
-TYPESTR = "zero_optax._checkpoint.ZeroCheckpointHandler"
-"""What `ZeroCheckpointHandler.typestr()` returns: part of the checkpoint format, so it never follows the code."""
-
 
 def _run_sync(coro) -> Any:
     """Runs a coroutine to completion, also from inside a running event loop (a notebook)."""
@@ -79,24 +66,17 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         """The name Orbax writes for this handler into a checkpoint's metadata, fixed whatever module holds it."""
-        return TYPESTR
+        return "zero_optax._checkpoint.ZeroCheckpointHandler"  # part of the checkpoint format: never follows the code
 
     async def async_save(self, directory: Any, item: Any = None,
                          args: ZeroSave | None = None) -> list[ocp.future.Future] | None:
-        """Starts saving: checks the location and the state, hands the arrays to Orbax (which copies this
-        process's shards to host memory before returning), and returns the futures that write them and the record.
-
-        Args:
-          directory: the item directory.
-          item: deprecated; use `args`.
-          args: `ZeroSave`.
+        """Starts saving `args` (a `ZeroSave`; `item` is deprecated) into the item directory `directory`.
 
         Returns:
-          Commit futures; when they are done this process's part of the checkpoint is written.
+          Commit futures; when they are done this process's part of the checkpoint (arrays and record) is written.
 
         Raises:
-          ZeroCheckpointError: at once, for a location that cannot hold a checkpoint or a state that cannot be
-            saved.
+          ZeroCheckpointError: at once, for a location or a state that cannot be saved.
         """
         if isinstance(item, ocp.args.CheckpointArgs):
             raise ValueError("Make sure to specify kwarg name `args=` when providing `ZeroSave`.")

@@ -21,18 +21,13 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc if hasattr(libc, "renameat2") else None
-    except OSError:
-        return None
-
-
 def renameat2(src: str, dst: str, flags: int) -> bool:
     """`renameat2(src, dst, flags)`; False where the system or the file system does not offer it."""
-    libc = _libc()
-    if libc is None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    if not hasattr(libc, "renameat2"):
         return False
     if libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
         return True

@@ -55,24 +55,22 @@ def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> 
 
 def check(saved_layout: StoredLayout, target: StoredViews, k: int, where: str, reshard: bool) -> None:
     """Refuses, naming the first difference, a saved state `k` that cannot be restored into layout `target`."""
-    if not reshard:
-        if saved_layout.world_size != target.world_size:
-            m = target.world_size
-            raise ZeroCheckpointError(
-                f"{where} was saved with world size {saved_layout.world_size}, but the target state has {m} devices. "
-                f"Restore it with zo.ZeroRestore(target, reshard=True), or convert the checkpoint first with "
-                f"zo.reshard(src, dst, world_size={m}) (`python -m zero_optax.reshard SRC DST --world-size {m}`; "
-                f"zero_optax.reshard).")
-        difference = (partition_difference(saved_layout, target, where)
-                      or plain_difference(saved_layout, target, k, where))
-    else:
-        difference = partition_difference(saved_layout, target, where, reshard=True)
-        if difference is None:
-            sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
-            blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
-            a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
-            difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
-                                          RESHARD_KEYS)
+    if not reshard and saved_layout.world_size != target.world_size:
+        m = target.world_size
+        raise ZeroCheckpointError(
+            f"{where} was saved with world size {saved_layout.world_size}, but the target state has {m} devices. "
+            f"Restore it with zo.ZeroRestore(target, reshard=True), or convert the checkpoint first with "
+            f"zo.reshard(src, dst, world_size={m}) (`python -m zero_optax.reshard SRC DST --world-size {m}`; "
+            f"zero_optax.reshard).")
+    difference = partition_difference(saved_layout, target, where, reshard)
+    if difference is None and not reshard:
+        difference = plain_difference(saved_layout, target, k, where)
+    elif difference is None:
+        sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
+        blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
+        a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
+        difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
+                                      RESHARD_KEYS)
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:

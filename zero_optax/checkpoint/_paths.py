@@ -64,11 +64,7 @@ def check_writable(path: epath.Path) -> None:
         return
     if path.exists() and not path.is_dir():
         raise ZeroCheckpointError(f"Cannot save a checkpoint at {path}: it is a file, not a directory.")
-    parent = path.parent
-    while not parent.exists():
-        if parent == parent.parent:
-            break
-        parent = parent.parent
+    parent = next((p for p in path.parents if p.exists()), path.parent)
     if not parent.is_dir():
         raise ZeroCheckpointError(f"Cannot save a checkpoint at {path}: {parent} is a file, not a directory.")
 

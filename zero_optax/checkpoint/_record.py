@@ -28,6 +28,7 @@ fields are written only where used, so records without them stay byte-identical 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -50,22 +51,17 @@ MAX_RECORD_BYTES = 64 << 20
 MAX_DEPTH = 16
 """JSON nesting deeper than this is refused before parsing (the format nests 7 levels)."""
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_OPTIONAL = ("local", "dims", "key_impl")
 
 
-def array_json(a: _arrays.StoredArray) -> dict[str, Any]:
-    out = {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "spec": [list(axes) for axes in a.spec],
-           "entry": a.entry, "buffer": a.buffer}
-    if a.local is not None:
-        out["local"] = a.local
-    return out
+def as_json(x: Any) -> dict[str, Any]:
+    """A `StoredArray`, `ParamLeaf` or `StateEntry` as the record shows it, `_OPTIONAL` fields only where set."""
+    return {f.name: _lists(getattr(x, f.name)) for f in dataclasses.fields(x)
+            if f.name not in _OPTIONAL or getattr(x, f.name) not in (None, ())}
 
 
-def packing_json(layout: StoredViews, pack=None) -> dict[str, Any] | None:
-    pack = layout.state_packing if pack is None else pack
-    if not pack.sizes:
-        return None
-    return {"sizes": dict(sorted(pack.sizes.items())),
-            "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]}
+def _lists(x: Any) -> Any:
+    return [_lists(y) for y in x] if isinstance(x, tuple) else x
 
 
 def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -79,12 +75,14 @@ def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = No
         "mesh_axes": [[a, s] for a, s in layout.axis_sizes if a not in zero],
         "master_dtype": layout.master_dtype,
         "owners": None if layout.owners is None else list(layout.owners),
-        "leaves": [leaf_json(x) for x in layout.leaves],
+        "leaves": [as_json(x) for x in layout.leaves],
         "state_tree": layout.state_tree,
-        "entries": [entry_json(e) for e in layout.entries],
+        "entries": [as_json(e) for e in layout.entries],
         "clocks": dict(clocks or {}),
-        "arrays": [array_json(a) for a in _arrays.stored_arrays(layout, k, pack)],
-        "packing": packing_json(layout, pack),
+        "arrays": [as_json(a) for a in _arrays.stored_arrays(layout, k)],
+        "packing": None if not pack.sizes else {
+            "sizes": dict(sorted(pack.sizes.items())),
+            "offsets": [[[j, d, off] for j, (d, off) in sorted(o.items())] for o in pack.offsets]},
     }
     if layout.accumulate == LOCAL:  # sharded accumulators are ordinary entries; local ones are extra arrays
         out["accumulate"] = {"mode": layout.accumulate, "steps": layout.accumulate_steps}
@@ -93,26 +91,9 @@ def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = No
     return out
 
 
-def leaf_json(x) -> dict[str, Any]:
-    """One `ParamLeaf` as the record shows it; `dims` only for an owned leaf in tensor-parallel blocks."""
-    out = {"path": x.path, "shape": list(x.shape), "dtype": x.dtype, "slots": x.slots, "owner": x.owner,
-           "axes": list(x.axes), "blocks": x.blocks, "group": x.group}
-    if x.dims:
-        out["dims"] = [list(cut) for cut in x.dims]
-    return out
-
-
 def new_record(tree: str, states: list[dict[str, Any]], storage: str) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "zero_optax_version": __version__,
             "storage": storage, "tree": tree, "states": states}
-
-
-def entry_json(e) -> dict:
-    """One `StateEntry` as the record shows it; `key_impl` only for a typed PRNG key (stored as key data)."""
-    out = {"path": e.path, "leaf": e.leaf, "shape": list(e.shape), "dtype": e.dtype, "role": e.role}
-    if e.key_impl is not None:
-        out["key_impl"] = e.key_impl
-    return out
 
 
 def clock_entries(layout: StoredViews) -> list[int]:
@@ -123,28 +104,14 @@ def clock_entries(layout: StoredViews) -> list[int]:
 
 def read_clocks(state) -> dict[str, Any]:
     """The values of a state's clocks (`clock_entries`), from this host's first device."""
-    layout = state.layout
     values = shared_arrays(canonical(state))
-    clocks = {}
-    for j in clock_entries(layout):
-        shard = values[j].addressable_shards[0]
-        clocks[layout.entries[j].path] = np.asarray(shard.data).reshape(-1)[0].item()
-    return clocks
-
-
-def encode(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, indent=1, sort_keys=True).encode()
+    return {state.layout.entries[j].path: np.asarray(values[j].addressable_shards[0].data).reshape(-1)[0].item()
+            for j in clock_entries(state.layout)}
 
 
 def write(directory: Any, record: dict[str, Any]) -> None:
     """Writes the record into the item directory `directory` (any path Orbax accepts)."""
-    (_paths.as_path(directory) / _names.RECORD_FILE).write_bytes(encode(record))
-
-
-def _too_large(where: str, size: int) -> ZeroCheckpointError:
-    """The error for a record of `size` bytes, over `MAX_RECORD_BYTES`."""
-    return ZeroCheckpointError(f"{where} is {size} bytes, more than a zero_optax record may hold "
-                               f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+    (_paths.as_path(directory) / _names.RECORD_FILE).write_bytes(json.dumps(record, indent=1, sort_keys=True).encode())
 
 
 def _depth(data: bytes) -> int:
@@ -155,9 +122,7 @@ def _depth(data: bytes) -> int:
 
 
 def decode(data: bytes, where: str) -> dict[str, Any]:
-    """The record in `data` after checking its size, nesting, JSON syntax, format and version."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise _too_large(where, len(data))
+    """The record in `data` after checking its nesting, JSON syntax, format and version."""
     if _depth(data) > MAX_DEPTH:
         raise ZeroCheckpointError(f"{where} nests JSON deeper than a zero_optax record does ({MAX_DEPTH} levels); "
                                   "the checkpoint is damaged.")
@@ -195,7 +160,8 @@ def read(directory: Any) -> dict[str, Any]:
                                       "missing.")
         size = path.stat().length
         if size > MAX_RECORD_BYTES:
-            raise _too_large(str(path), size)
+            raise ZeroCheckpointError(f"{path} is {size} bytes, more than a zero_optax record may hold "
+                                      f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
         data = path.read_bytes()
     return decode(data, str(path))
 

@@ -1,14 +1,12 @@
-"""Restoring zero1 states into a target: everything checked first, then each host reads its devices' regions.
+"""Restoring zero1 states into a target: everything checked before any array data is read.
 
-The order makes a refusal read no array data: the record (`_schema`), the target against it (`_match`), the
-stored arrays' metadata and chunk lists (`_store`), the shared entries, then the arrays. A checkpoint Orbax wrote,
-restored at its own layouts, is read by Orbax; otherwise each device's region is read or re-cut (`_regions`),
-placed on its device and released before the next, so host memory peaks near one device block.
+Orbax reads a checkpoint it wrote at the target's own layouts; otherwise each device's region is read or re-cut
+(`_regions`), placed on its device and released before the next, so host memory peaks near one device block.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,7 +19,6 @@ from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.step import _offload
 
 OrbaxRead = Callable[[Any, dict[str, jax.ShapeDtypeStruct]], dict[str, jax.Array]]
-"""Reads named arrays of an Orbax-written item into the shardings of the given structs."""
 
 
 def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
@@ -43,21 +40,16 @@ def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
 
 def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
           region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
-    """The global array `array` in device memory, laid out by `sharding`, each addressable device's block
-    computed by `region` (once per distinct block) and held in host memory only until it is on its device."""
-    index_map = sharding.addressable_devices_indices_map(array.shape)
-    regions = {device: tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))
-               for device, index in index_map.items()}
-    uses = Counter(regions.values())
-    blocks: dict[_store.Region, np.ndarray] = {}
+    """The global array `array` laid out by `sharding`, each distinct device block computed by `region` and held
+    in host memory only until it is on its devices."""
+    devices: dict[_store.Region, list[jax.Device]] = defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(array.shape).items():
+        devices[tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))].append(device)
     singles = []
-    for device, key in regions.items():
-        if key not in blocks:
-            blocks[key] = region(array, key)
-        singles.append(jax.device_put(blocks[key], device))
-        uses[key] -= 1
-        if not uses[key]:
-            del blocks[key]
+    for key, group in devices.items():
+        block = region(array, key)
+        singles += [jax.device_put(block, device) for device in group]
+        del block  # host memory holds one block at a time
     return jax.make_array_from_single_device_arrays(array.shape, on_device(sharding), singles)
 
 
@@ -67,8 +59,7 @@ def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 
 def checked_arrays(path: epath.Path, saved: _schema.Saved) -> tuple[_store.ItemArrays, list[dict[int, np.ndarray]]]:
-    """The arrays of the item at `path`, checked present and complete, and each state's shared entries' values
-    (`_regions.shared_values`)."""
+    """The arrays of the item at `path`, checked present and complete, and each state's shared entries' values."""
     store = _store.ItemArrays(path)
     _shapes.check(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
@@ -84,35 +75,29 @@ class _Target(NamedTuple):
     same: bool                                  # the saved layout is its own: the arrays load as they are
 
 
-def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead | None) -> Any:
-    """The zero1 states saved in `directory`, in the structure, layouts and shardings of `target`.
-
-    Raises:
-      ZeroCheckpointError: naming the first difference between the checkpoint and the target, or the first
-        missing or damaged part of the checkpoint; nothing is loaded then.
-    """
+def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead) -> Any:
+    """The zero1 states saved in `directory`, in the structure, layouts and shardings of `target`."""
     path = _paths.as_path(directory)
-    where_dir = str(path)
     parts = _tree.split(target, "The restore target")
     saved = _schema.load(path)
     if len(saved.states) != len(parts.states):
         raise ZeroCheckpointError(
-            f"{where_dir} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
+            f"{path} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
             f"tree {_record.short(saved.tree)}, target tree {_record.short(parts.signature)}).")
     plans = [_check_target(k, state_path, state, old, reshard)
              for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states))]
     if saved.tree != parts.signature:
         raise ZeroCheckpointError(
-            f"{where_dir}: the saved pytree is {_record.short(saved.tree)} but the target is "
+            f"{path}: the saved pytree is {_record.short(saved.tree)} but the target is "
             f"{_record.short(parts.signature)} (zero1 states shown as *).")
     store, shared = checked_arrays(path, saved)
-    if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX and orbax_read is not None:
+    if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX:
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
                    for _, specs, shardings, _ in plans for a, s in zip(specs, shardings)}
         got = orbax_read(path, structs)
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
-        return _tree.put_back(target, parts, restored)
-    restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]
+    else:
+        restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]
     return _tree.put_back(target, parts, restored)
 
 

@@ -20,8 +20,7 @@ class SavePlan:
 
 
 def plan(tree: Any) -> SavePlan:
-    """What saving `tree` writes; refuses a tree whose arrays are not live `jax.Array`s of zero1 states as their
-    layouts describe them."""
+    """What saving `tree` writes; refuses arrays that are not live `jax.Array`s as their layouts describe them."""
     parts = _tree.split(tree, "The saved state")
     arrays, states = {}, []
     for k, (path, state) in enumerate(parts.states):

@@ -1,8 +1,7 @@
-"""A decoded record checked field by field, before any of it is used, into `SavedState`s.
+"""A decoded record checked field by field into `SavedState`s, before any of it is used.
 
-Every problem is a `ZeroCheckpointError` naming the field (`states[0].leaves[2].slots`), never a `TypeError` or
-`IndexError` later on. Array names are never read from the record: they are formatted from the checked layout,
-and the record's list must equal them.
+Every problem is a `ZeroCheckpointError` naming the field (`states[0].leaves[2].slots`). Array names are never read
+from the record: they are formatted from the checked layout, and the record's list must equal them.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ _ENTRY = {"path", "leaf", "shape", "dtype", "role"}
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """One zero1 state of a checkpoint (`index` among them) as its checked record describes it; `clocks` are its
-    shared scalar entries' recorded values, by path."""
+    """One checked zero1 state of a checkpoint (`index` among them); `clocks`: its shared scalars' values by path."""
 
     index: int
     layout: StoredLayout
@@ -65,18 +63,19 @@ class Saved:
     states: tuple[SavedState, ...]
 
 
+@dataclasses.dataclass(frozen=True)
 class _Checker:
     """Checks one value of a record each; `fail` names the field."""
 
-    def __init__(self, where: str):
-        self.where = where
+    where: str
 
     def fail(self, field: str, problem: str):
         raise ZeroCheckpointError(f"{self.where}: the record's `{field}` {problem}; the record is damaged.")
 
-    def dict(self, x, field: str, keys: set[str]) -> dict:
+    def dict(self, x, field: str, keys: set[str], optional: set[str] | frozenset[str] = frozenset()) -> dict:
         if not isinstance(x, dict):
             self.fail(field, f"is a {type(x).__name__}, not an object")
+        keys = keys | (optional & set(x))
         missing, extra = sorted(keys - set(x)), sorted(set(x) - keys)
         if missing:
             self.fail(field, f"lacks {', '.join(map(repr, missing))}")
@@ -118,8 +117,8 @@ class _Checker:
             self.fail(field, f"has {math.prod(shape)} elements, more than {MAX_ELEMENTS}")
         return shape
 
-    def names(self, x, field: str, max_len: int = 64) -> tuple[str, ...]:
-        names = tuple(self.str(a, f"{field}[{i}]") for i, a in enumerate(self.list(x, field, max_len)))
+    def names(self, x, field: str) -> tuple[str, ...]:
+        names = tuple(self.str(a, f"{field}[{i}]") for i, a in enumerate(self.list(x, field, 64)))
         if len(set(names)) != len(names):
             self.fail(field, f"repeats an axis name: {_record.short(list(names))}")
         return names
@@ -148,7 +147,7 @@ def parse(record: dict[str, Any], where: str) -> Saved:
 
 def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     f = f"states[{k}]"
-    c.dict(rec, f, _STATE | ({"accumulate", "replica_axes"} & set(rec) if isinstance(rec, dict) else set()))
+    c.dict(rec, f, _STATE, {"accumulate", "replica_axes"})
     partition = rec["partition"]
     if partition not in (FLAT, LEAF, AUTO):
         c.fail(f"{f}.partition", f"is {_record.short(partition)}, not \"flat\", \"leaf\" or \"auto\"")
@@ -171,7 +170,7 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
         if acc["mode"] != LOCAL:
             c.fail(f"{f}.accumulate.mode", f"is {_record.short(acc['mode'])}, not \"{LOCAL}\"")
         accumulate, steps = LOCAL, c.int(acc["steps"], f"{f}.accumulate.steps", 2, 2 ** 31 - 1)
-    replicas = _replica_axes(c, rec.get("replica_axes", []), f, zero, mesh)
+    replicas = _mesh_axes(c, rec.get("replica_axes", []), f, zero, "replica_axes", mesh)
     layout = StoredLayout(partition, axis_name, n, leaves, entries, state_tree, master_dtype, tuple(mesh.items()),
                           accumulate, steps, tuple(replicas.items()))
     arrays = _implied(c, rec, f, layout, k)
@@ -189,41 +188,34 @@ def _axis_name(c: _Checker, rec: Any, f: str) -> tuple[str | tuple[str, ...], tu
     return zero, zero
 
 
-def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str = "mesh_axes") -> dict[str, int]:
-    """A state's `mesh_axes` (or `replica_axes`): `[name, size]` pairs of non-ZeRO axes, none repeated."""
-    mesh = {}
+def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str = "mesh_axes",
+               mesh: dict[str, int] | None = None) -> dict[str, int]:
+    """A state's `mesh_axes` (or `replica_axes`, none of `mesh`): `[name, size]` pairs of non-ZeRO axes."""
+    axes = {}
     for i, pair in enumerate(c.list(rec, f"{f}.{field}", 64)):
         pair = c.list(pair, f"{f}.{field}[{i}]", 2)
         if len(pair) != 2:
             c.fail(f"{f}.{field}[{i}]", "is not a [name, size] pair")
         name = c.str(pair[0], f"{f}.{field}[{i}][0]")
-        if name in zero or name in mesh:
+        if name in zero or name in axes:
             c.fail(f"{f}.{field}[{i}][0]", f"repeats the axis `{name}`")
-        mesh[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
-    return mesh
-
-
-def _replica_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], mesh: dict[str, int]) -> dict[str, int]:
-    """A state's optional `replica_axes`: `[name, size]` pairs of axes that are neither ZeRO axes nor `mesh_axes`."""
-    replicas = _mesh_axes(c, rec, f, zero, "replica_axes")
-    for i, name in enumerate(replicas):
-        if name in mesh:
-            c.fail(f"{f}.replica_axes[{i}][0]", f"names `{name}`, which is one of `mesh_axes`")
-    return replicas
+        axes[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
+    for i, name in enumerate(axes):
+        if name in (mesh or {}):
+            c.fail(f"{f}.{field}[{i}][0]", f"names `{name}`, which is one of `mesh_axes`")
+    return axes
 
 
 def _implied(c: _Checker, rec: dict, f: str, layout: StoredLayout, k: int) -> tuple[_arrays.StoredArray, ...]:
     """The arrays state `k` stores, its `owners`, `packing` and `arrays` checked to be what its leaves imply."""
-    owners = None if all(x.sliced for x in layout.leaves) else [x.owner for x in layout.leaves]
-    if rec["owners"] != owners:
-        c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(owners)}")
-    pack = layout.state_packing
-    if rec["packing"] != _record.packing_json(layout, pack):
+    want = _record.state_record(layout, k)
+    if rec["owners"] != want["owners"]:
+        c.fail(f"{f}.owners", f"is {_record.short(rec['owners'])}, but the leaves say {_record.short(want['owners'])}")
+    if rec["packing"] != want["packing"]:
         c.fail(f"{f}.packing", "does not match the owners and entries")
-    arrays = tuple(_arrays.stored_arrays(layout, k, pack))
-    if rec["arrays"] != [_record.array_json(a) for a in arrays]:
+    if rec["arrays"] != want["arrays"]:
         c.fail(f"{f}.arrays", "does not list the arrays its layout stores")
-    return arrays
+    return tuple(_arrays.stored_arrays(layout, k))
 
 
 def _clocks(c: _Checker, rec: Any, f: str, layout: StoredLayout) -> dict[str, Any]:
@@ -238,7 +230,7 @@ def _clocks(c: _Checker, rec: Any, f: str, layout: StoredLayout) -> dict[str, An
 
 def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], mesh: dict[str, int],
           n: int) -> ParamLeaf:
-    c.dict(rec, f, _LEAF | ({"dims"} if isinstance(rec, dict) and "dims" in rec else set()))
+    c.dict(rec, f, _LEAF, {"dims"})
     path = c.str(rec["path"], f"{f}.path", empty=True)
     shape = c.shape(rec["shape"], f"{f}.shape")
     dtype = c.dtype(rec["dtype"], f"{f}.dtype")
@@ -256,12 +248,27 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
                f"{_record.short(list(axes))}")
     size = math.prod(shape)
     dims = _dims(c, rec, f, shape, axes) if "dims" in rec else ()
-    if rec["owner"] is None:
+    owner = rec["owner"]
+    if owner is None:
         if dims:
             c.fail(f"{f}.dims", "is given for a sliced leaf (it applies to owned leaves only)")
-        owner, slots = None, _sliced_slots(c, rec, f, partition, size, blocks, group)
+        if partition == LEAF:
+            c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
+        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+        if slots != slot_count(size, group):
+            c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
+                   f"{slot_count(size, group)}")
+        if blocks * group * slots > MAX_ELEMENTS:
+            c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
     else:
-        owner, slots = _owned_slots(c, rec, f, partition, size, bool(axes and not dims) or group != n, n)
+        owner = c.int(owner, f"{f}.owner", 0, n - 1)
+        if partition == FLAT:
+            c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
+        if axes and not dims or group != n:  # owned leaves hold the whole leaf, cut only over their `dims`
+            c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
+        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
+        if slots != size:
+            c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
     return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group, dims)
 
 
@@ -275,40 +282,12 @@ def _dims(c: _Checker, rec: dict, f: str, shape: tuple[int, ...], axes: tuple[st
     return dims
 
 
-def _sliced_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, blocks: int, group: int) -> int:
-    """The `slots` of a sliced leaf: `ceil(size / group)`, in a partition that slices leaves."""
-    if partition == LEAF:
-        c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
-    slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-    if slots != slot_count(size, group):
-        c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
-               f"{slot_count(size, group)}")
-    if blocks * group * slots > MAX_ELEMENTS:
-        c.fail(f"{f}", "describes a history larger than a checkpoint may hold")
-    return slots
-
-
-def _owned_slots(c: _Checker, rec: dict, f: str, partition: str, size: int, sharded: bool, n: int
-                 ) -> tuple[int, int]:
-    """The `owner` and `slots` of an owned leaf: one device, in a partition with owners, holding the whole leaf
-    (not `sharded` over other mesh axes than its tensor-parallel `dims`)."""
-    owner = c.int(rec["owner"], f"{f}.owner", 0, n - 1)
-    if partition == FLAT:
-        c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
-    if sharded:
-        c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
-    slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
-    if slots != size:
-        c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
-    return owner, slots
-
-
 def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None,
              mesh: dict[str, int]) -> tuple[StateEntry, ...]:
     out = []
     for j, e in enumerate(c.list(rec, f"{f}.entries")):
         g = f"{f}.entries[{j}]"
-        c.dict(e, g, _ENTRY | ({"key_impl"} if isinstance(e, dict) and "key_impl" in e else set()))
+        c.dict(e, g, _ENTRY, {"key_impl"})
         path = c.str(e["path"], f"{g}.path", empty=True)
         leaf = e["leaf"]
         if leaf is not None:

@@ -1,8 +1,7 @@
 """The arrays of an item directory, read and written with TensorStore: zarr3 arrays in one OCDBT database.
 
-That is how Orbax's `PyTreeCheckpointHandler` stores a flat dict of arrays (`use_zarr3=True`). `ItemArrays` reads
-them region by region without devices, in pieces of at most `PIECE_BYTES`; `ItemWriter` writes arrays of the same
-form offline (`zo.reshard`), one bounded transaction at a time.
+As Orbax's `PyTreeCheckpointHandler` stores a flat dict of arrays (`use_zarr3=True`). `ItemArrays` reads regions
+without devices; `ItemWriter` writes such arrays offline (`zo.reshard`) in bounded transactions.
 
 Examples:
   >>> import numpy as np, tempfile
@@ -65,8 +64,6 @@ def aligned_zeros(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
 
 def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[str]:
     """The keys of every chunk of a zarr3 array of `shape` stored in `chunks` (default key encoding)."""
-    if any(d == 0 for d in shape):
-        return set()
     grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
     return {f"{name}/c/" + "/".join(map(str, cell)) for cell in itertools.product(*grid)}
 
@@ -74,9 +71,9 @@ def chunk_keys(name: str, shape: Sequence[int], chunks: Sequence[int]) -> set[st
 class ItemArrays:
     """The arrays of one item directory, opened once each, read region by region."""
 
-    def __init__(self, directory: Any, context: ts.Context | None = None):
+    def __init__(self, directory: Any):
         self.directory = _paths.as_path(directory)
-        self.context = ts.Context() if context is None else context
+        self.context = ts.Context()
         self._open: dict[str, ts.TensorStore] = {}
 
     def _fail(self, name: str, problem: str) -> StoreError:
@@ -132,21 +129,18 @@ class ItemArrays:
         row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
         step = max(1, PIECE_BYTES // max(row_bytes * chunk, 1)) * chunk
         lo, hi = region[-1]
-        start = lo
         try:
-            while start < hi:
-                stop = min(hi, (start // chunk) * chunk + step)
+            for start, stop in itertools.pairwise([lo, *range(lo - lo % chunk + step, hi, step), hi]):
                 index = tuple(slice(a, b) for a, b in region[:-1]) + (slice(start, stop),)
                 out[..., start - lo:stop - lo] = store[index].read().result()
-                start = stop
         except ValueError as e:
             raise self._fail(name, f"reading {list(region)} failed ({_first_line(e)})") from None
         return out
 
 
 class ItemWriter:
-    """Writes zarr3 arrays into an OCDBT database at an item directory: their metadata in one transaction, then
-    their data in transactions of about `batch_bytes`. A context manager: `create` every array, then `write`."""
+    """Writes zarr3 arrays at an item directory: their metadata in one transaction, then their data in transactions
+    of about `batch_bytes`. A context manager: `create` every array, then `write`."""
 
     def __init__(self, directory: Any, batch_bytes: int = BATCH_BYTES):
         self.directory = _paths.as_path(directory)
