@@ -44,8 +44,7 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
-    Leaves go largest first to the least-loaded device; ties go to the lower index, so every process computes the
-    same list.
+    Leaves go largest first to the least-loaded device, ties to the lower index.
 
     Args:
       params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).

@@ -22,8 +22,7 @@ _DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_spe
 
 @contextlib.contextmanager
 def declared_specs(specs: Any):
-    """While active, `init` reads the parameters' `PartitionSpec`s from `specs`, which a `shard_map` body cannot
-    know, to gather owned tensor-parallel leaves."""
+    """While active, `init` reads the parameters' `PartitionSpec`s, which a `shard_map` body cannot know, here."""
     token = _DECLARED.set(specs)
     try:
         yield
@@ -101,8 +100,7 @@ def broadcast_specs(specs: Any, tree: Any) -> Any:
 
 
 def traced_state(tx, params, param_specs, mesh, declare: Any = None):
-    """`tx.init(params)` inside `shard_map` over `mesh`, traced abstractly (read its structure and layouts only);
-    `init` reads `declare` (by default `param_specs`) as the declared specs."""
+    """`tx.init(params)` inside `shard_map` over `mesh`, traced abstractly, declaring `declare` or `param_specs`."""
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     params = _compat.pure(params)
     specs = broadcast_specs(param_specs, params)
@@ -123,8 +121,7 @@ def traced_state(tx, params, param_specs, mesh, declare: Any = None):
 def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.sharding.Mesh | None = None) -> Any:
     """The `PartitionSpec`s of `tx.init(params)`'s state inside `shard_map`, to pass as its `out_specs`.
 
-    A sliced leaf's state is sharded over the parameter's own axes and the data axes (`P(("model", "data"))`,
-    say), everything else of a zero1 state over the data axes; state outside zero1 is replicated, `P()`.
+    State outside zero1 is replicated, `P()`.
 
     Args:
       tx: the transformation (`zero_optax.zero1(...)`, or a chain holding one).

@@ -16,9 +16,8 @@ class SlicedState(NamedTuple):
     """How `ZeroState.inner_state` stores the inner optimizer's state.
 
     Attributes:
-      shared: the inner state's tree (`_inner_state.tree`): shared fields stored `[N, *shape]`, one copy per device.
-      histories: per group of sliced leaves (`Layout.groups`), per history (Adam's `mu`, `nu`), one array: each
-        device's row is its `slots` of every member (padding zeroed), 1-D or in the leaf's shape (`Group.shape`).
+      shared: the inner state's tree (`_inner_state.tree`), shared fields stored one copy per device.
+      histories: per group of sliced leaves, per history (Adam's `mu`, `nu`), one array (padding zeroed).
     """
 
     shared: Any
@@ -61,8 +60,7 @@ class ZeroState:
     local: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        """A field of the inner state's top level, as plain optax holds it, for code that reads the state by
-        attribute (`optax.contrib.schedule_free_eval_params`)."""
+        """A field of the inner state's top level, as plain optax holds it (for `schedule_free_eval_params`)."""
         top = self.inner_state.shared if not name.startswith("_") and "inner_state" in vars(self) else None
         if name not in getattr(top, "_fields", ()):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -81,16 +79,13 @@ def _is_marker(x: Any) -> bool:
     return isinstance(x, _inner_state.Sharded)
 
 
+# Other names of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore).
 ZeroFlatState = ZeroState
-"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
-
 ZeroLeafState = ZeroState
-"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
 
 
 def canonical(state: ZeroState, rows: int | None = None, place=None) -> ZeroState:
-    """`state` with a value `optax.tree.set` put in a shared field stored again: `rows` copies (by default the
-    world size) given to `place` (`_inner_state.arrays`)."""
+    """`state` with a value `optax.tree.set` put in a shared field stored again (`_inner_state.arrays`)."""
     layout, inner = state.layout, state.inner_state
     old = _inner_state.items(inner.shared)
     new = _inner_state.arrays(layout, inner.shared, layout.world_size if rows is None else rows, place)
