@@ -21,11 +21,8 @@ _MARKER = 1_000_000_007
 
 def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct], sliced: Sequence[int] = ()
                      ) -> tuple[tuple[StateEntry, ...], Any]:
-    """The entries of `init_fn`'s state, in flatten order, and the full abstract state (sliced leaves marked).
-
-    State present on a fully masked tree is shared; a `sliced` leaf's histories have length `_MARKER + i`; any
-    other leaf's state is spelled bit by bit (`_owned_entry_leaves`).
-    """
+    """The entries of `init_fn`'s state, in flatten order, and the full abstract state: state present on a fully
+    masked tree is shared, a `sliced` leaf's histories have length `_MARKER + i`, others are spelled bit by bit."""
     n = len(leaf_structs)
     sliced = set(sliced)
     owned = [i for i in range(n) if i not in sliced and not isinstance(leaf_structs[i], optax.MaskedNode)]

@@ -80,11 +80,7 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
 
 def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
-    each runs on its slots what it runs on the parameter.
-
-    A candidate group (`_candidates`) is kept if its first member, holding the whole group, runs the members'
-    program in one traced view; otherwise its members are checked alone.
-    """
+    each runs on its slots what it runs on the parameter (a candidate group's first member holding it whole)."""
     cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}

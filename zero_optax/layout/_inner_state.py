@@ -63,17 +63,13 @@ class Shared:
         del copy
         return np.asarray(self.value, dtype)
 
-    def __float__(self) -> float:
-        return float(self.value)
-
-    def __int__(self) -> int:
-        return int(self.value)
-
     def __repr__(self) -> str:
         return f"Shared({self.value!r})" if hasattr(self.stored, "shape") else f"Shared({self.stored!r})"
 
-    def _op(name):  # the arithmetic operators below, on the value
+    def _op(name):  # the operators below, on the value
         return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
+
+    __float__, __int__ = _op("__float__"), _op("__int__")
 
     __add__, __radd__, __sub__, __rsub__ = _op("__add__"), _op("__radd__"), _op("__sub__"), _op("__rsub__")
     __mul__, __rmul__, __truediv__, __rtruediv__ = _op("__mul__"), _op("__rmul__"), _op("__truediv__"), \

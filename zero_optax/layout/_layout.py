@@ -1,8 +1,5 @@
-"""The static layout of a zero1 state, hashable pytree metadata: its leaves, how each is sharded, where its state lives.
-
-A *sliced* leaf gives each device of its ZeRO group `ceil(size / group)` consecutive coordinates; an *owned* leaf's
-state lives whole on its owner, packed into per-dtype buffers; *shared* entries are stored once per device.
-"""
+"""The static layout of a zero1 state, hashable pytree metadata: its leaves, how each is sharded, where its state
+lives (a *sliced* leaf's across its ZeRO group, an *owned* leaf's whole on its owner, *shared* entries everywhere)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
@@ -33,10 +29,8 @@ class Group:
     the concatenation of its slots of every member, updated once on a view of the first member.
 
     Attributes:
-      leaves: the members, in tree order.
       histories: per member, its inner-state entries; the `k`-th of every member is stored in history array `k`.
       masters: per member, its master-copy entry (empty without `master_dtype`).
-      offsets: where each member starts in a device's part of the buffer.
       size: the length of a device's part, the sum of the members' slots.
       shape: None, or a lone 2+-D leaf's own shape (XLA updates a donated buffer in place only in its own shape).
     """
@@ -190,11 +184,6 @@ class Layout(StoredViews):
                      + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
                         f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
         return "\n".join(lines)
-
-
-def abstract(tree):
-    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape and dtype."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def masked_view(values: Sequence[Any], present) -> list[Any]:

@@ -10,7 +10,6 @@ import optax
 
 from zero_optax.core._errors import OwnersError
 from zero_optax.layout._attribution import discover_entries
-from zero_optax.layout._layout import abstract
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
@@ -66,7 +65,7 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     if not isinstance(world_size, int) or world_size < 1:
         raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
     if inner is not None:  # traced abstractly, nothing allocated
-        structs, treedef = jax.tree.flatten(abstract(params))
+        structs, treedef = jax.tree.flatten(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
         entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
         costs = entry_bytes(entries, len(structs))
     else:

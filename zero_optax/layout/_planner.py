@@ -1,7 +1,4 @@
-"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives.
-
-It traces the inner transformation a fixed number of times, each linear in the number of leaves.
-"""
+"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives."""
 
 from __future__ import annotations
 
@@ -106,13 +103,8 @@ leaves."""
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:
-    """What the analysis of the inner update decides for the layout.
-
-    Attributes:
-      coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
-      joint: whether the sliced leaves run in one view (`Layout.joint`).
-      invariant: inner-state positions whose new value is not per coordinate (novograd's per-leaf norm).
-    """
+    """What the analysis of the inner update decides: the leaves that need an owner, whether the sliced leaves run
+    in one view (`Layout.joint`), and the inner entries whose new value is not per coordinate (novograd's norm)."""
 
     coupled: frozenset[int]
     joint: bool = False
@@ -164,20 +156,14 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     invariant = frozenset(k for k, (c, r) in enumerate(zip(found.output_coords[n_leaves:],
                                                             found.output_reductions[n_leaves:]))
                           if not c and entries[k].leaf in r)
-    kept, fixed = _not_per_coordinate(traced, entries, invariant)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
+    kept = frozenset(i for k, i in odd if k not in invariant)  # (they need an owner)
+    fixed = frozenset(i for _, i in odd) - kept
     found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
     if not found_.joint and fixed:  # (without a joint view no device sees every leaf's entry)
         found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept | fixed), state, entries)
     return dataclasses.replace(found_, invariant=invariant)
-
-
-def _not_per_coordinate(traced: _programs.Traced, entries, invariant: frozenset[int]
-                        ) -> tuple[frozenset[int], frozenset[int]]:
-    """The leaves with an inner-state entry not shaped like the leaf: those needing an owner, and the others."""
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
-    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
-    kept = frozenset(i for k, i in odd if k not in invariant)
-    return kept, frozenset(i for _, i in odd) - kept
 
 
 def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
@@ -232,10 +218,8 @@ def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
 
 
 def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
-    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too.
-
-    The rule depends on the leaves alone, not on the world size, so a checkpoint restores at any world size.
-    """
+    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too (a rule of
+    the leaves alone, so that a checkpoint restores at any world size)."""
     if cfg.partition != AUTO or not coupled:
         return set()
     smallest = min(math.prod(real[i].shape) for i in coupled)

@@ -38,7 +38,7 @@ def declared() -> Any:
 def context_mesh() -> Any:
     """The mesh of the `jax.set_mesh` context, or None."""
     mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh is None or mesh.empty else mesh
+    return None if mesh.empty else mesh
 
 
 def _spec(axes: tuple[str, ...]) -> P:
@@ -58,9 +58,8 @@ def specs_of(state: ZeroState) -> ZeroState:
                         tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
     buffers = {d: _spec(layout.axes) for d in state.buffers}
     master = None if state.master is None else tuple(groups)
-    local = state.local
-    if local is not None:
-        local = jax.tree_util.tree_unflatten(layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
+    local = None if state.local is None else jax.tree_util.tree_unflatten(
+        layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
     return ZeroState(inner, buffers, master, layout, local)
 
 

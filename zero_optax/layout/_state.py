@@ -13,12 +13,8 @@ from zero_optax.layout._layout import Layout
 
 
 class SlicedState(NamedTuple):
-    """How `ZeroState.inner_state` stores the inner optimizer's state.
-
-    Attributes:
-      shared: the inner state's tree (`_inner_state.tree`), shared fields stored one copy per device.
-      histories: per group of sliced leaves, per history (Adam's `mu`, `nu`), one array (padding zeroed).
-    """
+    """How `ZeroState.inner_state` stores the inner optimizer's state: its tree (`_inner_state.tree`), and per group
+    of sliced leaves, per history (Adam's `mu`, `nu`), one array."""
 
     shared: Any
     histories: tuple[tuple[jax.Array, ...], ...]
@@ -65,7 +61,8 @@ class ZeroState:
         if name not in getattr(top, "_fields", ()):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         field = getattr(top, name)
-        if any(isinstance(x, _inner_state.Sharded) for x in jax.tree.leaves(field, is_leaf=_is_marker)):
+        markers = jax.tree.leaves(field, is_leaf=lambda x: isinstance(x, _inner_state.Sharded))
+        if any(isinstance(x, _inner_state.Sharded) for x in markers):
             return getattr(GATHER[0](self), name)
         return jax.tree.map(lambda x: x.value if isinstance(x, _inner_state.Shared) else x, field,
                             is_leaf=lambda x: isinstance(x, _inner_state.Shared))
@@ -73,10 +70,6 @@ class ZeroState:
 
 GATHER: list = []
 """The gather of one state, which `zero_optax.api._transfer` (a layer above) registers for `__getattr__`."""
-
-
-def _is_marker(x: Any) -> bool:
-    return isinstance(x, _inner_state.Sharded)
 
 
 # Other names of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore).

@@ -51,12 +51,10 @@ class ParamLeaf:
     """One trainable parameter leaf.
 
     Attributes:
-      path: the leaf's key path in the parameter tree (`zero_optax.core._names.key_path`).
       shape: the parameter's shape on one device (inside `shard_map`: its local block).
       slots: sliced: coordinates each device of the group holds, `ceil(size / group)`; owned: `size`.
       owner: owned: the device index (along the ZeRO axes) that updates this leaf; sliced: None.
       axes: mesh axes the parameter is sharded over (tensor or expert parallel); its blocks differ along them.
-      blocks: the number of distinct blocks, the product of the sizes of `axes`.
       group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
       dims: a tensor-parallel owned leaf's mesh axes cutting each dimension; empty for every other leaf.
     """
@@ -90,10 +88,9 @@ class StateEntry:
     """One array the state stores: a leaf of the inner optimizer's state, or a master copy of a parameter.
 
     Attributes:
-      path: key path inside the full inner state tree; master copies are `<master>` + the parameter's path.
+      path: key path inside the full inner state tree (`MASTER_PREFIX` + the parameter's path for master copies).
       leaf: index of the parameter leaf whose history this is; None for state shared by all leaves (step counts).
       shape: shape on one device: `(slots,)` for a sliced leaf's history, else the full shape.
-      role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
       key_impl: a typed PRNG key's implementation (`"threefry2x32"`), stored as its key data; else None.
     """
 
@@ -115,12 +112,8 @@ class StateEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """Where rank-local arrays live inside per-dtype packed buffers (owned leaves).
-
-    Attributes:
-      offsets: per rank, a mapping from item index to its (dtype, offset) in that rank's buffers.
-      sizes: the buffer length per dtype, the same on every rank (the largest rank's share).
-    """
+    """Where rank-local arrays live inside per-dtype packed buffers: per rank, item -> `(dtype, offset)`; and the
+    buffer length per dtype, the same on every rank."""
 
     offsets: tuple[dict[int, tuple[str, int]], ...]
     sizes: dict[str, int]
@@ -144,18 +137,16 @@ def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
 
 def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
     """Lays out each rank's `(item, size, dtype)` list, in order, into per-dtype buffers of one common size."""
-    offsets, used = [], []
+    offsets, sizes = [], {}
     for items in groups:
         cursor: dict[str, int] = {}
-        where = {}
+        offsets.append({})
         for item, size, dtype in items:
-            where[item] = (dtype, cursor.get(dtype, 0))
+            offsets[-1][item] = (dtype, cursor.get(dtype, 0))
             cursor[dtype] = cursor.get(dtype, 0) + size
-        offsets.append(where)
-        used.append(cursor)
-    dtypes = sorted({d for u in used for d in u})
-    sizes = {d: max(u.get(d, 0) for u in used) for d in dtypes}
-    return Packing(tuple(offsets), sizes)
+        for dtype, used in cursor.items():
+            sizes[dtype] = max(sizes.get(dtype, 0), used)
+    return Packing(tuple(offsets), dict(sorted(sizes.items())))
 
 
 class StoredViews:
