@@ -103,17 +103,12 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tup
     out = []
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
+        leaf = leaves[members[0]]  # a lone leaf that one device holds whole keeps its shape, unless offloaded
+        own_shape = len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
-                         _own_shape(cfg, [leaves[i] for i in members])))
+                         leaf.shape if own_shape else None))
     return tuple(out)
-
-
-def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
-    """`Group.shape`: a lone leaf of 2+ dimensions that one device holds whole keeps it, except when offloaded."""
-    leaf = members[0]
-    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
-        else None
 
 
 STACK_BYTES = 1 << 24
