@@ -41,8 +41,7 @@ def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> Zer
 
 @dataclasses.dataclass(frozen=True)
 class Views:
-    """What tracing views of the sliced leaves needs: `names` is shared by every `_programs.leaf_programs` call, and
-    `reductions` says the update reduces leaves (each leaf is then a group of its own)."""
+    """What tracing views of the sliced leaves needs (`reductions`: each leaf is a group of its own)."""
 
     cfg: Config
     treedef: Any
@@ -112,14 +111,12 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tup
 
 
 STACK_BYTES = 1 << 24
-"""Owned leaves stacked for one vectorised update bring at most this many bytes of state, parameters and gradients
-together: the stack is a transient copy of them."""
+"""Owned leaves stacked for one vectorised update bring at most this many bytes (a stack is a transient copy)."""
 
 
 def stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
             programs: dict) -> tuple[tuple[int, ...], ...]:
-    """The owned leaves that one device updates as one stack under `jax.vmap` (`Layout.stacks`): same owner, shape,
-    dtype, state entries and program, in tree order and cut at `STACK_BYTES`."""
+    """The owned leaves with the same owner, shape, dtype, entries and program, in stacks of `STACK_BYTES`."""
     shared = [j for j, e in enumerate(entries) if e.leaf is None]
     own, _ = _entries_by_leaf(entries)
     keyed: dict[Any, list[int]] = {}
@@ -159,8 +156,7 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
 
 
 def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
-    """The programs on one view of the sliced leaves, each group's first member holding all its members' slots and
-    every other leaf masked; key None the shared state's."""
+    """The programs on one view of the sliced leaves, each group's first member holding all its members' slots."""
     cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
     labels: list[Any] = [optax.MaskedNode()] * len(leaves)

@@ -60,8 +60,7 @@ class Layout(StoredViews):
     Attributes:
       partition: `"flat"`, `"leaf"` or `"auto"`, as given to `zero1` (each leaf says how it is sharded).
       axis_name: the mesh axis (or tuple of axes) the state is sharded over; `world_size`: its device count.
-      replica_sizes: `(name, size)` of the axes the state is replicated over (`replica_axis`); a state restores at
-        any replica count.
+      replica_sizes: `(name, size)` of the axes the state is replicated over (`replica_axis`).
       leaves: the trainable parameter leaves (`ParamLeaf`), in tree-flatten order.
       entries: the inner state's leaves in the full state's flatten order, then the master copies (`StateEntry`).
       treedef: the parameter tree structure; `state_tree`, `state_treedef`: the inner state's, as text and treedef.

@@ -195,11 +195,21 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
     return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
 
 
-def _replicated(found: Coupling, e: StateEntry, k: int, owned: list[bool], slots: list[int]) -> bool:
-    """Whether `e` (inner entry `k`) is a sliced leaf's non-history entry that every device computes alike (kept as
-    shared state)."""
-    return (found.joint and k in found.invariant and e.leaf is not None and not owned[e.leaf]
-            and e.shape != (slots[e.leaf],))
+def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
+              paths: list[str]) -> tuple[tuple[int, int], ...]:
+    """`Layout.replicas`: the sliced leaves' entries that are no per-coordinate history (not shaped like the slots),
+    which every device computes alike (in a joint view); refuses any other such entry."""
+    out = []
+    for k, e in enumerate(entries):
+        if e.leaf is None or owned[e.leaf] or e.shape == (slots[e.leaf],):
+            continue
+        if not (found.joint and k in found.invariant):
+            raise ZeroCouplingError(
+                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
+                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
+                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
+        out.append((k, e.leaf))
+    return tuple(out)
 
 
 def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
@@ -259,11 +269,9 @@ def build_layout(cfg: Config, params) -> Layout:
              else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
     entries = real_entries if all(owned) and not any(dims) else \
         _entries_on_slices(cfg, treedef, mixed, real_state, owned)
-    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    replicas = _replicas(cfg, found, entries, owned, slots, paths)
     by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
     entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
-    _check_histories(cfg, entries, owned, slots, paths)
-
     entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
     owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
@@ -316,17 +324,6 @@ def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: lis
             f"{_names.tree_signature(marked)}, but on the parameters {_names.tree_signature(real_state)}.\n"
             f"{_fusion.SHAPE_HELP}")
     return entries
-
-
-def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
-                     paths: list[str]) -> None:
-    """Refuses a sliced leaf's entry that is not a per-coordinate history (not shaped like its slots)."""
-    for e in entries:
-        if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
-            raise ZeroCouplingError(
-                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
-                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
-                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
 
 
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:

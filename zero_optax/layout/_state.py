@@ -31,13 +31,10 @@ class ZeroState:
 
     Attributes:
       inner_state: the inner optimizer's state of the sliced leaves and the shared entries, stored by group.
-      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the whole state (and
-        master copies) of the leaves device `r` owns, zero-padded. Empty when no leaf is owned.
-      master: None without `master_dtype`; else per group of sliced leaves their master slices, laid out like the
-        group's histories.
+      buffers: dtype name -> `[N, size]` packed buffer: row `r` holds the state of the leaves device `r` owns.
+      master: None without `master_dtype`; else per group of sliced leaves their master slices.
       layout: static description of the partition (see `zero_optax.describe`).
-      local: None unless `accumulate="local"`; else a tree like the parameters of each device's float32 gradient
-        sums, `[1, *shape]` per device.
+      local: None unless `accumulate="local"`; else each device's float32 gradient sums, a tree like the parameters.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
