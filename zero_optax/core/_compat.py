@@ -183,12 +183,6 @@ def jaxpr_parts(program) -> tuple:
     return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
 
 
-def cpu_client_can_deadlock() -> bool:
-    """Whether this jaxlib's CPU client can deadlock a loop of collectives dispatched far ahead (jaxlib < 0.12):
-    with fewer than 2N cores for N CPU devices, the last execution of a collective may never get a thread."""
-    return jaxlib.version.__version_info__ < (0, 12)
-
-
 def requested_cpu_devices() -> int:
     """The CPU device count the JAX backend will start with: `jax_num_cpu_devices`, else XLA_FLAGS' forced count."""
     n = jax.config.jax_num_cpu_devices
@@ -198,24 +192,21 @@ def requested_cpu_devices() -> int:
     return int(found[-1]) if found else 1
 
 
-def _schedulable_cpus() -> int:
-    """The core count XLA sizes its thread pools by (the CPUs this process may run on)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def widen_cpu_client_pool() -> int | None:
-    """Where `cpu_client_can_deadlock`, sets NPROC=2N for N CPU devices on fewer than 2N cores (returns the value
-    set, else None). XLA reads NPROC when the CPU backend starts; a user's own NPROC or PORTABLE_NPROC is kept."""
-    if not cpu_client_can_deadlock() or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
+    """Sets NPROC=2N for N CPU devices on fewer than 2N cores, where jaxlib < 0.12's CPU client could deadlock a
+    collective (its last execution never getting a thread); returns the value set, else None. XLA reads NPROC when
+    the CPU backend starts; a user's own NPROC or PORTABLE_NPROC is kept."""
+    if jaxlib.version.__version_info__ >= (0, 12) or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
         return None
     platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS", "")
     if platforms and "cpu" not in platforms.replace(" ", "").split(","):
         return None
     threads = 2 * requested_cpu_devices()
-    if threads < 4 or threads <= _schedulable_cpus():
+    try:
+        cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on, which XLA sizes its pools by
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if threads < 4 or threads <= cores:
         return None
     os.environ["NPROC"] = str(threads)
     return threads
