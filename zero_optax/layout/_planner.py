@@ -59,8 +59,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
     """Per leaf: (mesh axes its blocks differ along, number of blocks, ZeRO group size); and the axis sizes."""
     sizes = {a: _compat.axis_size(a) for a in cfg.axes}
     manual = _compat.manual_axes()
-    for a in cfg.axes:
-        manual.setdefault(a, sizes[a])
+    manual.update((a, sizes[a]) for a in cfg.axes if a not in manual)
     vma = _compat.vma_enabled(cfg.axes)
     others = [a for a, s in manual.items() if a not in cfg.axes + cfg.replica_axes and s > 1]
     if not vma and others:
@@ -87,8 +86,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
         blocks = math.prod(manual[a] for a in axes)
         group = math.prod(sizes[a] for a in cfg.axes if a not in axes)
         out.append((axes, blocks, group))
-    axis_sizes = tuple((a, manual[a]) for a in manual if a in cfg.axes or any(a in p[0] for p in out))
-    return out, dict(axis_sizes)
+    return out, {a: manual[a] for a in manual if a in cfg.axes or any(a in p[0] for p in out)}
 
 
 REDUCTIONS_HELP = """\
