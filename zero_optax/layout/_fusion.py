@@ -41,7 +41,8 @@ def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> Zer
 
 @dataclasses.dataclass(frozen=True)
 class Views:
-    """What tracing views of the sliced leaves needs (`reductions`: each leaf is a group of its own)."""
+    """What tracing views of the sliced leaves needs (`reductions`: a norm of a group would mix its members, so
+    each leaf is a group of its own)."""
 
     cfg: Config
     treedef: Any

@@ -116,6 +116,7 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
             return Coupling(frozenset())
+        # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
         n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
         untainted = frozenset(n + k for k, path in enumerate(_names.leaf_paths(state)) if path in keys)
         scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
