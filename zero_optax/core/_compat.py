@@ -1,7 +1,5 @@
 """Every difference between the JAX releases zero_optax supports (0.10.2 to 0.12), each behind one function.
-
-Public JAX APIs only. Importing it sets NPROC where jaxlib's CPU client can deadlock (`widen_cpu_client_pool`).
-"""
+Importing it sets NPROC where jaxlib's CPU client can deadlock (`widen_cpu_client_pool`)."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 from jax import lax
 
 from zero_optax.core._errors import ZeroAxisError
@@ -60,9 +59,9 @@ def axis_size(axes: Axes, what: str = "zero1") -> int:
     return math.prod(sizes)
 
 
-def axis_sizes(axes: Axes, what: str = "zero1") -> tuple[tuple[str, int], ...]:
+def axis_sizes(axes: Axes) -> tuple[tuple[str, int], ...]:
     """`(name, size)` of each bound mesh axis of `axes`, or a `ZeroAxisError` (`axis_size`)."""
-    return tuple((a, axis_size(a, what)) for a in as_tuple(axes))
+    return tuple((a, axis_size(a)) for a in as_tuple(axes))
 
 
 def axis_index(axes: Axes) -> jax.Array:
@@ -74,10 +73,7 @@ def axis_index(axes: Axes) -> jax.Array:
 def manual_axes() -> dict[str, int]:
     """The mesh axes an enclosing `shard_map` makes manual, with their sizes (empty outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or getattr(mesh, "empty", True):
-        return {}
-    manual = getattr(mesh, "manual_axes", mesh.axis_names)
-    return {a: int(mesh.shape[a]) for a in mesh.axis_names if a in manual}
+    return {a: int(mesh.shape[a]) for a in mesh.axis_names if a in mesh.manual_axes}
 
 
 def vma_enabled(axes: Axes) -> bool:
@@ -113,11 +109,8 @@ def psum_scatter(x: jax.Array, axes: Axes) -> jax.Array:
 
 
 def all_gather_invariant(x: jax.Array, axes: Axes, *, tiled: bool = False) -> jax.Array:
-    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant.
-
-    A plain `lax.all_gather` is typed varying, which `out_specs=P()` rejects; `to="invarying"` compiles to the same
-    single all-gather (a masked psum instead would move 1.5x the bytes).
-    """
+    """Gathers `x` from every device of `axes` (a new leading axis, or concatenated with `tiled`), typed invariant
+    (a plain `lax.all_gather` is typed varying, which `out_specs=P()` rejects)."""
     axes = as_tuple(axes)
     if not vma_enabled(axes):
         return lax.all_gather(x, _axis_arg(axes), tiled=tiled)
@@ -132,8 +125,7 @@ def _explicit_only(sharding) -> bool:
 
 
 def reshard(x, sharding):
-    """`x` moved to `sharding`, inside or outside `jax.jit`, on meshes with `Explicit` axes, `Auto` axes or both
-    (`jax.reshard` refuses `Auto` axes)."""
+    """`x` moved to `sharding`, inside or outside `jax.jit`, on any mesh (`jax.reshard` refuses `Auto` axes)."""
     if _explicit_only(sharding):
         return jax.reshard(x, sharding)
     if isinstance(x, jax.core.Tracer):
@@ -150,8 +142,7 @@ def is_params_placeholder(params) -> bool:
 
 
 def pure(tree):
-    """`tree` with Flax `nnx.Variable` wrappers replaced by their values, as `nnx.Optimizer` passes them to
-    `update` (its `init` receives the Variables themselves)."""
+    """`tree` with Flax `nnx.Variable` wrappers replaced by their values (`nnx.Optimizer`'s `init` receives them)."""
     nnx = sys.modules.get("flax.nnx")
     if tree is None or nnx is None:
         return tree
@@ -162,8 +153,7 @@ def pure(tree):
 
 
 def replicate(x: jax.Array) -> jax.Array:
-    """`x` replicated over its mesh, so that it can be sliced freely (explicit-sharding meshes refuse indexing that
-    needs collectives); unchanged without a mesh sharding."""
+    """`x` replicated over its mesh, so that it can be sliced freely; unchanged without a mesh sharding."""
     try:
         sharding = jax.typeof(x).sharding
     except (TypeError, AttributeError):  # not a JAX value, or an abstract value without a sharding
@@ -184,10 +174,8 @@ def scan_counts(eqn) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-         "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-         "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
-"""Primitives that call one program on their operands, by the parameter that holds it (names vary by release)."""
+CALLS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+"""Primitives that call one program on their operands, by the parameter that holds it."""
 
 
 def jaxpr_parts(program) -> tuple:
@@ -195,53 +183,30 @@ def jaxpr_parts(program) -> tuple:
     return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    import jaxlib
-
-    return tuple(int(p) for p in re.findall(r"\d+", jaxlib.__version__)[:3])
-
-
-def cpu_client_can_deadlock() -> bool:
-    """Whether this jaxlib's CPU client can deadlock a loop of collectives dispatched far ahead (jaxlib < 0.12).
-
-    Launches and executions share one pool of max(cores, devices) threads, and a launch with 32 executions in
-    flight holds its thread while it waits: with fewer than 2N cores for N CPU devices the last execution of a
-    collective may never run.
-    """
-    return _jaxlib_version() < (0, 12)
-
-
 def requested_cpu_devices() -> int:
     """The CPU device count the JAX backend will start with: `jax_num_cpu_devices`, else XLA_FLAGS' forced count."""
-    n = getattr(jax.config, "jax_num_cpu_devices", -1)
-    if n is not None and n >= 1:
+    n = jax.config.jax_num_cpu_devices
+    if n >= 1:
         return int(n)
     found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else 1
 
 
-def _schedulable_cpus() -> int:
-    """The core count XLA sizes its thread pools by (the CPUs this process may run on)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def widen_cpu_client_pool() -> int | None:
-    """Where `cpu_client_can_deadlock`, sets NPROC=2N for N CPU devices on fewer than 2N cores (returns the value
-    set, else None).
-
-    XLA reads NPROC when the CPU backend starts, so this works only if zero_optax is imported before the first
-    computation; a user's own NPROC or PORTABLE_NPROC is left alone (the opt-out).
-    """
-    if not cpu_client_can_deadlock() or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
+    """Sets NPROC=2N for N CPU devices on fewer than 2N cores, where jaxlib < 0.12's CPU client could deadlock a
+    collective (its last execution never getting a thread); returns the value set, else None. XLA reads NPROC when
+    the CPU backend starts; a user's own NPROC or PORTABLE_NPROC is kept."""
+    if jaxlib.version.__version_info__ >= (0, 12) or os.environ.get("NPROC") or os.environ.get("PORTABLE_NPROC"):
         return None
     platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS", "")
     if platforms and "cpu" not in platforms.replace(" ", "").split(","):
         return None
     threads = 2 * requested_cpu_devices()
-    if threads < 4 or threads <= _schedulable_cpus():
+    try:
+        cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on, which XLA sizes its pools by
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if threads < 4 or threads <= cores:
         return None
     os.environ["NPROC"] = str(threads)
     return threads

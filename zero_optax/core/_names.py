@@ -1,8 +1,5 @@
-"""How zero_optax names leaf paths, tree structures and stored arrays, whatever the JAX release.
-
-Records and error messages must not depend on how a JAX release prints a `PyTreeDef` or key path, so that a
-checkpoint written today still validates after an upgrade.
-"""
+"""How zero_optax names leaf paths, tree structures and stored arrays, whatever the JAX release prints, so that a
+checkpoint written today still validates after an upgrade."""
 
 from __future__ import annotations
 
@@ -11,21 +8,13 @@ from typing import Any
 import jax
 
 
-def _key(k: Any) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return f"[{k.key!r}]"
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return f".{k.name}"
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return f"[{k.idx}]"
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return f"[{k.key}]"
-    return f"[{k!s}]"
+_KEYS = {jax.tree_util.DictKey: lambda k: f"[{k.key!r}]", jax.tree_util.GetAttrKey: lambda k: f".{k.name}",
+         jax.tree_util.SequenceKey: lambda k: f"[{k.idx}]", jax.tree_util.FlattenedIndexKey: lambda k: f"[{k.key}]"}
 
 
 def key_path(path: tuple) -> str:
     """A key path (from `jax.tree_util.tree_flatten_with_path`) as text, e.g. `.mu['w']` or `[0].count`."""
-    return "".join(_key(k) for k in path)
+    return "".join(_KEYS.get(type(k), lambda k: f"[{k!s}]")(k) for k in path)
 
 
 def leaf_paths(tree: Any, is_leaf=None) -> list[str]:
@@ -34,10 +23,7 @@ def leaf_paths(tree: Any, is_leaf=None) -> list[str]:
 
 
 def tree_signature(tree: Any, is_leaf=None) -> str:
-    """`tree`'s structure by node type and key, leaves as `*`; it tells apart states whose leaf paths coincide.
-
-    E.g. `tuple([0]=ScaleByAdamState(.count=*,.mu=dict(['w']=*),.nu=dict(['w']=*)),[1]=EmptyState())`.
-    """
+    """`tree`'s structure by node type and key, leaves as `*`: `tuple([0]=ScaleByAdamState(.count=*,...),...)`."""
     def walk(node: Any) -> str:
         if is_leaf is not None and is_leaf(node):
             return "*"
@@ -76,12 +62,10 @@ def buffer_array(state: int, dtype: str) -> str:
 
 
 def local_array(state: int, leaf: int) -> str:
-    """The local gradient accumulator (`accumulate="local"`) of leaf `leaf` of zero1 state `state`, e.g.
-    `0.local0002`."""
+    """The local gradient accumulator of leaf `leaf` of zero1 state `state`, e.g. `0.local0002`."""
     return _checked(f"{int(state)}.local{int(leaf):04d}")
 
 
 def block_key(path: str, block: int, blocks: int) -> str:
-    """A parameter block's key in `RankRecord.params`: `path` for one block, else `path#block<b>` (row-major over
-    the parameter's mesh axes)."""
+    """A parameter block's key in `RankRecord.params`: `path` for one block, else `path#block<b>`."""
     return path if blocks == 1 else f"{path}#block{int(block)}"

@@ -1,6 +1,3 @@
-"""The release number: `zero_optax.__version__` and a checkpoint record's `zero_optax_version`.
-
-The one place it is set: pyproject.toml reads it from here.
-"""
+"""The release number, `zero_optax.__version__` and a record's `zero_optax_version`; pyproject.toml reads it here."""
 
 __version__ = "0.4.0"

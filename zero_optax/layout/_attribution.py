@@ -1,5 +1,5 @@
-"""Which inner-state leaves belong to which parameter leaf, found from the inner `init` on partial trees, the way
-`optax.masked` calls it: any transformation that composes with `optax.masked` can be sharded."""
+"""Which inner-state leaves belong to which parameter leaf, found from the inner `init` on partial trees the way
+`optax.masked` calls it."""
 
 from __future__ import annotations
 
@@ -21,19 +21,8 @@ _MARKER = 1_000_000_007
 
 def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct], sliced: Sequence[int] = ()
                      ) -> tuple[tuple[StateEntry, ...], Any]:
-    """Finds which inner-state leaves belong to which parameter leaf, from `init_fn` on partial trees.
-
-    Returns the entries in the full state's flatten order and the full (abstract) state.
-
-    The inner optimizer is initialised (abstractly) on the whole tree and on a tree with every leaf replaced by
-    `optax.MaskedNode()`: state present without any leaf is shared. Leaves in `sliced` (1-D slices, whose state
-    must be per-coordinate histories) are traced with distinct marker lengths, so a history of leaf `i` has
-    length `_MARKER + i`. The other (owned) leaves' state is found on trees holding the owned leaves whose
-    position has bit `b` set or clear, for every bit of their count: any such state appears in exactly one of
-    each bit's two views, which spells the leaf it belongs to. This is the mechanism `optax.masked` relies on, so
-    it works for any transformation that composes with `optax.masked`. In all, `2 + 2 * ceil(log2(owned))`
-    traces, each linear in the tree.
-    """
+    """The entries of `init_fn`'s state, in flatten order, and the full abstract state: state present on a fully
+    masked tree is shared, a `sliced` leaf's histories have length `_MARKER + i`, others are spelled bit by bit."""
     n = len(leaf_structs)
     sliced = set(sliced)
     owned = [i for i in range(n) if i not in sliced and not isinstance(leaf_structs[i], optax.MaskedNode)]
@@ -76,12 +65,8 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
 
 
 def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> dict[str, int]:
-    """The owned leaf that each state path of `rest` belongs to, spelled bit by bit (`discover_entries`).
-
-    For every bit `b` of a position among the `owned` leaves, `paths_of` gives the state paths on the leaves whose
-    position has `b` set and on those where it is clear; a path of one leaf is in exactly one of the two, which
-    says its bit `b`.
-    """
+    """The owned leaf each state path of `rest` belongs to: for every bit `b` of a position among `owned`, a leaf's
+    path is on exactly one of the views holding the leaves with `b` set and with `b` clear."""
     if not rest:
         return {}
     bits = {path: 0 for path in rest}

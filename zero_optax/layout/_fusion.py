@@ -1,5 +1,5 @@
 """Which sliced leaves run as one group and which owned leaves as one stack: leaves whose update runs the same
-program on the same kind of state, read from the inner update's traced programs (`zero_optax.analysis`)."""
+program on the same kind of state."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim >
 partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
 
 
-def labels(treedef, n: int):
+def labels(treedef):
     """The parameter tree with each leaf replaced by its index."""
-    return jax.tree_util.tree_unflatten(treedef, list(range(n)))
+    return jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
 
 
 def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
@@ -41,9 +41,8 @@ def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> Zer
 
 @dataclasses.dataclass(frozen=True)
 class Views:
-    """What tracing views of the sliced leaves needs (`_groups`, `_view_programs`): the config, the parameters'
-    treedef and leaves, stand-ins for the extra arguments, the names `_programs.leaf_programs` gives shared values
-    (filled as programs are read), and whether the update reduces leaves (a joint view: each leaf its own group)."""
+    """What tracing views of the sliced leaves needs (`reductions`: a norm of a group would mix its members, so
+    each leaf is a group of its own)."""
 
     cfg: Config
     treedef: Any
@@ -54,18 +53,14 @@ class Views:
 
 
 FUSE_BYTES = 1 << 14
-"""Sliced leaves of at most this many bytes per device are fused into groups (`_layout.Group`); larger ones keep
-arrays of their own. Fusing a leaf saves its operations (kernel launches, and arrays at the `shard_map` boundary)
-but copies its slots into and out of the group's buffer every step, which for large leaves costs more than it
-saves: `benchmarks/step_time.py` and `benchmarks/first_step.py` chose the size (`benchmarks/RESULTS.md`)."""
+"""Sliced leaves of at most this many bytes per device are fused into groups; larger ones keep arrays of their own
+(a fused leaf is copied into and out of the group's buffer every step: `benchmarks/RESULTS.md`)."""
 
 
 def leaf_programs(traced: _programs.Traced, treedef, entries: tuple[StateEntry, ...],
                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
-    """Each leaf's program in the update traced on the parameters (`_programs.leaf_programs`), its inputs and
-    outputs labelled by leaf (the inner state's through `entries`, its attribution to leaves); key None the
-    shared state's."""
-    leaf_labels = labels(treedef, treedef.num_leaves)
+    """Each leaf's program in the update traced on the parameters; key None the shared state's."""
+    leaf_labels = labels(treedef)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
     return _programs.leaf_programs(traced, sources=(leaf_labels, state_labels, leaf_labels, None),
                                    out_sources=(leaf_labels, state_labels), names=names, collective=reductions)
@@ -85,17 +80,7 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
 
 def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
-    each runs on its slots what it runs on the parameter.
-
-    Small leaves (`FUSE_BYTES`) are candidates for one group when the update traced on the parameters (`traced`)
-    runs the same program on each (`_programs.leaf_programs`: the same operations on the same shared values, a
-    step count's bias correction say) and they have the same axes, dtype and entries. One view of the sliced
-    leaves, each group's first member holding the group's whole length and every other leaf alone at its slots,
-    is traced once: a group is kept if its first member runs its program there; otherwise its members are checked
-    alone, and a leaf whose program on its slots differs from the one on the parameter is refused (the
-    transformation reads the parameters' shapes: a mask computed from `ndim`). With `reductions` (a norm reduces a
-    leaf's coordinates) every leaf is a group of its own: a norm of a group's buffer would mix its members.
-    """
+    each runs on its slots what it runs on the parameter (a candidate group's first member holding it whole)."""
     cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
@@ -111,36 +96,28 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tup
             alone += members
     if any(len(m) > 1 for m in candidates if m[0] in alone):
         found = _view_programs(views, [[i] for i in alone])
-    _check_alone(leaves, alone, programs, found)
+    for i in alone:
+        if i in programs and found.get(i) != programs[i]:
+            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
     groups += [[i] for i in alone]
     out = []
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
+        leaf = leaves[members[0]]  # a lone leaf that one device holds whole keeps its shape, unless offloaded
+        own_shape = len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
-                         _own_shape(cfg, [leaves[i] for i in members])))
+                         leaf.shape if own_shape else None))
     return tuple(out)
 
 
-def _own_shape(cfg: Config, members: list[ParamLeaf]) -> tuple[int, ...] | None:
-    """`Group.shape`: a lone leaf of two or more dimensions that one device holds whole keeps its shape, except in
-    host memory (offload streams 1-D chunks)."""
-    leaf = members[0]
-    return leaf.shape if len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
-        else None
-
-
 STACK_BYTES = 1 << 24
-"""Owned leaves stacked for one vectorised update (`_stacks`) bring at most this many bytes of state, parameters
-and gradients together: the stack is a transient copy of them."""
+"""Owned leaves stacked for one vectorised update bring at most this many bytes (a stack is a transient copy)."""
 
 
 def stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
             programs: dict) -> tuple[tuple[int, ...], ...]:
-    """The owned leaves that one device updates as one stack (`Layout.stacks`): same owner, shape, dtype and state
-    entries, and the same program in the update traced on the parameters, in tree order and cut at
-    `STACK_BYTES`. Each device then runs its view of a stack's first member once, vectorised over the members
-    (`jax.vmap`), instead of once per leaf: one program to compile, however many leaves share it."""
+    """The owned leaves with the same owner, shape, dtype, entries and program, in stacks of `STACK_BYTES`."""
     shared = [j for j, e in enumerate(entries) if e.leaf is None]
     own, _ = _entries_by_leaf(entries)
     keyed: dict[Any, list[int]] = {}
@@ -166,13 +143,6 @@ def stacks(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry
     return tuple(sorted(s for s in stacks if len(s) > 1))
 
 
-def _check_alone(leaves: tuple[ParamLeaf, ...], alone: list[int], programs: dict, found: dict) -> None:
-    """Refuses a leaf whose program on its slots (`found`) differs from the one on the parameter (`programs`)."""
-    for i in alone:
-        if i in programs and found.get(i) != programs[i]:
-            raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
-
-
 def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[StateEntry, ...],
                 histories: dict[int, list[int]], programs: dict) -> list[list[int]]:
     """The sliced leaves keyed by program, axes, dtype and entries: small ones together, large ones alone."""
@@ -187,9 +157,7 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
 
 
 def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tuple[str, ...]]:
-    """The programs (`_programs.leaf_programs`) on one view of the sliced leaves: each group's first member
-    holding all its members' slots, every other leaf masked; key None the shared state's. Refuses, with its own
-    error, an update that cannot run on the view (one that reads the parameters' shapes: `x[:, :]`)."""
+    """The programs on one view of the sliced leaves, each group's first member holding all its members' slots."""
     cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
     labels: list[Any] = [optax.MaskedNode()] * len(leaves)
@@ -220,8 +188,7 @@ def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tu
 
 
 def view_treedef(cfg: Config, layout: Layout, present: set[int], expected: list[int], what: str):
-    """The inner state's treedef on the view holding the leaves `present` (others masked), after checking that its
-    leaves are exactly the entries `expected`, in order."""
+    """The inner state's treedef on the view holding the leaves `present`, whose leaves must be `expected`."""
     structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), cfg.inner_dtype(leaf.dtype)) for leaf in layout.leaves]
     tree = jax.tree_util.tree_unflatten(layout.treedef, _layout.masked_view(structs, present))
     state = jax.eval_shape(cfg.inner.init, tree)

@@ -1,10 +1,5 @@
-"""The inner state's own tree inside a zero1 state, so that optax's tree utilities find its fields.
-
-Each field shared across parameters (step counts, injected hyperparameters) is a `Shared`, which reads as the value
-plain optax holds; each per-parameter field (Adam's `mu`) is a `Sharded` marker without values, since zero1 stores
-those elsewhere. A value `optax.tree.set` puts in place of a `Shared` is stored again (`arrays`) when the state
-next enters `update`, a checkpoint or `gather_state`.
-"""
+"""The inner state's own tree inside a zero1 state, so that optax's tree utilities find its fields: shared fields
+as `Shared`s that read as plain optax's values, per-parameter fields as `Sharded` markers without values."""
 
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ from zero_optax.layout._layout import Layout
 
 @jax.tree_util.register_pytree_node_class
 class Shared:
-    """A shared field, `stored` one copy per device, that reads (and computes) as the value plain optax holds.
-
-    A typed PRNG key is stored as its key data and read as a key of implementation `key_impl`.
-    """
+    """A shared field, `stored` one copy per device, that reads (and computes) as the value plain optax holds; a
+    typed PRNG key is stored as its key data."""
 
     __slots__ = ("key_impl", "stored")
 
@@ -70,17 +63,13 @@ class Shared:
         del copy
         return np.asarray(self.value, dtype)
 
-    def __float__(self) -> float:
-        return float(self.value)
-
-    def __int__(self) -> int:
-        return int(self.value)
-
     def __repr__(self) -> str:
         return f"Shared({self.value!r})" if hasattr(self.stored, "shape") else f"Shared({self.stored!r})"
 
-    def _op(name):  # the arithmetic operators below, on the value
+    def _op(name):  # the operators below, on the value
         return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
+
+    __float__, __int__ = _op("__float__"), _op("__int__")
 
     __add__, __radd__, __sub__, __rsub__ = _op("__add__"), _op("__radd__"), _op("__sub__"), _op("__rsub__")
     __mul__, __rmul__, __truediv__, __rtruediv__ = _op("__mul__"), _op("__rmul__"), _op("__truediv__"), \
@@ -145,8 +134,7 @@ def items(shared: Any) -> list[Any]:
 
 
 def arrays(layout: Layout, shared: Any, rows: int, place=None) -> list[Any]:
-    """The stored arrays of a `tree`: a value `optax.tree.set` put there broadcast to `(rows, *shape)`, then given
-    to `place` if given."""
+    """The stored arrays of a `tree`: a value `optax.tree.set` put there broadcast to `(rows, *shape)` and `place`d."""
     out = []
     values = items(shared)
     if len(values) != len(layout.shared_entries):

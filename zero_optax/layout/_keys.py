@@ -1,7 +1,5 @@
-"""Typed PRNG keys in the inner state (`optax.noisy_sgd`'s), stored as their key data.
-
-A typed key cannot be summed, packed or written by Orbax, so zero1 stores every key of the inner state as its key
-data, one copy per device, and gives the inner transformation typed keys back whenever it runs (`as_data`).
+"""Typed PRNG keys in the inner state (`optax.noisy_sgd`'s), stored as their key data: a typed key cannot be
+summed, packed or written by Orbax.
 
 Examples:
   >>> import jax, jax.numpy as jnp, optax
@@ -53,11 +51,6 @@ def _traced(init_fn: Callable, params: Any) -> tuple[Any, dict[int, str]]:
     return jax.eval_shape(init_data, params), found
 
 
-def positions(init_fn: Callable, params: Any) -> dict[int, str]:
-    """The typed keys `init_fn(params)` puts in its state: leaf position -> implementation name (traced only)."""
-    return _traced(init_fn, params)[1]
-
-
 def impls(init_fn: Callable, params: Any) -> dict[str, str]:
     """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced only)."""
     state, found = _traced(init_fn, params)
@@ -70,18 +63,14 @@ def _unsigned(x: Any) -> bool:
 
 
 def as_data(inner: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
-    """`inner` with every typed key of its state held as key data.
-
-    `update` finds the keys' implementations by tracing `inner.init` on the updates' tree, which is the tree the
-    state was made for.
-    """
+    """`inner` with every typed key of its state held as key data (`update` traces `inner.init` on the updates)."""
     def init_fn(params):
         return jax.tree.map(to_data, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         leaves, treedef = jax.tree.flatten(state)
         # key data is unsigned: a state without unsigned arrays (Adam's) needs no trace of `init`
-        keys = positions(inner.init, updates) if any(_unsigned(x) for x in leaves) else {}
+        keys = _traced(inner.init, updates)[1] if any(_unsigned(x) for x in leaves) else {}
         if not keys:
             return inner.update(updates, state, params, **extra)
         typed = jax.tree.unflatten(treedef, [to_key(x, keys.get(k)) for k, x in enumerate(leaves)])

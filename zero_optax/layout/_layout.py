@@ -1,12 +1,5 @@
-"""The static layout of a zero1 state: its leaves, how each is sharded, and where its state lives.
-
-A `Layout` is hashable static pytree metadata of the state: `update`, `describe`, checkpoints and the offline tools
-read what `init` computed. A *sliced* leaf (`owner` None) gives each device of its ZeRO group `slots =
-ceil(size / group)` consecutive coordinates, stored block-major (one block per tensor-parallel shard), then
-device-major; an *owned* leaf's state lives whole on its owner, packed into per-dtype buffers `[world_size, size]`;
-*shared* entries (step counts) are stored once per device, `[world_size, *shape]`. What a checkpoint records is a
-`StoredLayout`, without the run-time plan; `StoredViews` holds what both answer.
-"""
+"""The static layout of a zero1 state, hashable pytree metadata: its leaves, how each is sharded, where its state
+lives (a *sliced* leaf's across its ZeRO group, an *owned* leaf's whole on its owner, *shared* entries everywhere)."""
 
 from __future__ import annotations
 
@@ -15,7 +8,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
@@ -37,14 +29,10 @@ class Group:
     the concatenation of its slots of every member, updated once on a view of the first member.
 
     Attributes:
-      leaves: the members, in tree order; all have the same ZeRO axes, own axes, dtype and entries.
-      histories: per member, its inner-state entries in state order: the `k`-th entry of every member is stored
-        in the group's `k`-th history array.
+      histories: per member, its inner-state entries; the `k`-th of every member is stored in history array `k`.
       masters: per member, its master-copy entry (empty without `master_dtype`).
-      offsets: where each member starts in a device's part of the buffer.
       size: the length of a device's part, the sum of the members' slots.
-      shape: None, or the leaf's own shape for a lone leaf of 2+ dimensions held whole by one device: XLA
-        updates a donated buffer in place only through its own shape. Only the stored arrays take it.
+      shape: None, or a lone 2+-D leaf's own shape (XLA updates a donated buffer in place only in its own shape).
     """
 
     leaves: tuple[int, ...]
@@ -64,6 +52,7 @@ class Group:
         """The shape of a device's part of the group's stored arrays: `shape`, or `(size,)`."""
         return (self.size,) if self.shape is None else self.shape
 
+
 @dataclasses.dataclass(frozen=True)
 class Layout(StoredViews):
     """Read-only description of a zero1 state; `zero_optax.describe(state)` returns it.
@@ -71,8 +60,7 @@ class Layout(StoredViews):
     Attributes:
       partition: `"flat"`, `"leaf"` or `"auto"`, as given to `zero1` (each leaf says how it is sharded).
       axis_name: the mesh axis (or tuple of axes) the state is sharded over; `world_size`: its device count.
-      replica_sizes: `(name, size)` of the axes the state is replicated over (`replica_axis`); a state restores at
-        any replica count.
+      replica_sizes: `(name, size)` of the axes the state is replicated over (`replica_axis`).
       leaves: the trainable parameter leaves (`ParamLeaf`), in tree-flatten order.
       entries: the inner state's leaves in the full state's flatten order, then the master copies (`StateEntry`).
       treedef: the parameter tree structure; `state_tree`, `state_treedef`: the inner state's, as text and treedef.
@@ -82,10 +70,9 @@ class Layout(StoredViews):
       memory_kind: `"device"`, or `"pinned_host"` with `offload=True` (not part of a checkpoint).
       groups: the sliced leaves grouped by the program their update runs (`Group`): how they are stored.
       stacks: owned leaves each device updates together under `jax.vmap` (one program, shape and owner).
-      joint: whether the sliced leaves' update runs in one view of them all (it reduces coordinates to scalars,
-        computed across the devices, or draws random numbers in their shapes).
-      replicas: `(entry, leaf)` for a sliced leaf's entry that is no history (novograd's per-leaf norm) and that
-        every device computes alike in the joint view: stored as shared state.
+      joint: whether the sliced leaves' update runs in one view of them all (it reduces or draws across leaves).
+      replicas: `(entry, leaf)` for a sliced leaf's entry that is no history (novograd's per-leaf norm), stored as
+        shared state.
     """
 
     partition: str
@@ -111,7 +98,7 @@ class Layout(StoredViews):
         return self._hash
 
     @functools.cached_property
-    def _hash(self) -> int:
+    def _hash(self) -> int:  # (cached: jit hashes the layout, static metadata, at every call)
         return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
                      self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
                      self.groups, self.stacks, self.joint, self.replicas, self.replica_sizes))
@@ -123,8 +110,7 @@ class Layout(StoredViews):
 
     @functools.cached_property
     def stored_at(self) -> dict[int, tuple[int, int, int]]:
-        """Sliced entry (history or master) -> `(group, k, offset)`: it is the `offset..offset+slots` part of each
-        device's part of history `k` of group `group` (`k` = -1: the group's master copy)."""
+        """Sliced entry -> `(group, k, offset)`: where it starts in history `k` of `group` (-1: its master copy)."""
         out = {}
         for g, group in enumerate(self.groups):
             for m, off in enumerate(group.offsets):
@@ -140,26 +126,26 @@ class Layout(StoredViews):
         sliced = sum(leaf.sliced for leaf in self.leaves)
         return tuple(sliced + sum(leaf.owner == r for leaf in self.leaves) for r in range(self.world_size))
 
-    def _bytes(self, rank: int, role: str | None) -> int:
-        total = 0
-        for e in self.entries:
-            if role is not None and e.role != role:
-                continue
-            if role == STATE and self.accumulate == SHARDED and e.leaf is not None and e.path.startswith(ACC_PREFIX):
-                continue  # counted by accumulator_bytes_per_device
-            if e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank:
-                total += e.nbytes
-        return total
+    def _bytes_per_device(self, kind: str) -> tuple[int, ...]:
+        """Per device, the bytes of its entries of `kind`: `"state"`, `"master"` or `"acc"` (sharded accumulators)."""
+        def kind_of(e: StateEntry) -> str:
+            acc = self.accumulate == SHARDED and e.leaf is not None and e.path.startswith(ACC_PREFIX)
+            return "acc" if acc else e.role
+
+        def held(e: StateEntry, rank: int) -> bool:
+            return e.leaf is None or self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == rank
+        return tuple(sum(e.nbytes for e in self.entries if kind_of(e) == kind and held(e, r))
+                     for r in range(self.world_size))
 
     @property
     def state_bytes_per_device(self) -> tuple[int, ...]:
         """Bytes each device needs for the inner optimizer's state, without padding to the largest share."""
-        return tuple(self._bytes(r, STATE) for r in range(self.world_size))
+        return self._bytes_per_device(STATE)
 
     @property
     def master_bytes_per_device(self) -> tuple[int, ...]:
         """Bytes each device needs for master copies (zero without `master_dtype`)."""
-        return tuple(self._bytes(r, MASTER) for r in range(self.world_size))
+        return self._bytes_per_device(MASTER)
 
     @property
     def accumulator_bytes_per_device(self) -> tuple[int, ...]:
@@ -168,12 +154,7 @@ class Layout(StoredViews):
             total = sum(leaf.size * np.dtype(np.promote_types(leaf.dtype, np.float32)).itemsize
                         for leaf in self.leaves)
             return (total,) * self.world_size
-        out = []
-        for r in range(self.world_size):
-            out.append(sum(e.nbytes for e in self.entries if self.accumulate == SHARDED and e.leaf is not None
-                           and e.path.startswith(ACC_PREFIX)
-                           and (self.leaves[e.leaf].sliced or self.leaves[e.leaf].owner == r)))
-        return tuple(out)
+        return self._bytes_per_device("acc")
 
     @property
     def stored_bytes_per_device(self) -> int:
@@ -202,11 +183,6 @@ class Layout(StoredViews):
                      + (f"; accumulate={self.accumulate!r} steps={self.accumulate_steps} accumulator bytes per "
                         f"device: {list(self.accumulator_bytes_per_device)}" if self.accumulate else ""))
         return "\n".join(lines)
-
-
-def abstract(tree):
-    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape and dtype."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def masked_view(values: Sequence[Any], present) -> list[Any]:

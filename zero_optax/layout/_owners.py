@@ -10,7 +10,6 @@ import optax
 
 from zero_optax.core._errors import OwnersError
 from zero_optax.layout._attribution import discover_entries
-from zero_optax.layout._layout import abstract
 
 
 def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
@@ -44,8 +43,7 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
 def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
-    Leaves go largest first to the least-loaded device; ties go to the lower index, so every process computes the
-    same list.
+    Leaves go largest first to the least-loaded device, ties to the lower index.
 
     Args:
       params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
@@ -67,7 +65,7 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     if not isinstance(world_size, int) or world_size < 1:
         raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
     if inner is not None:  # traced abstractly, nothing allocated
-        structs, treedef = jax.tree.flatten(abstract(params))
+        structs, treedef = jax.tree.flatten(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
         entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
         costs = entry_bytes(entries, len(structs))
     else:

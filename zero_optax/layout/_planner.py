@@ -1,9 +1,4 @@
-"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives.
-
-The result is a `Layout`. Deciding it traces the inner transformation a fixed number of times, each linear in the
-number of leaves: its `init` on the real (local) shapes and on the sliced shapes, the coupling analysis and the
-program comparison of its `update`, and the `2 + 2 log2(L)` masked views that attribute state to leaves.
-"""
+"""What `init` decides once, inside `shard_map`: how each parameter leaf is sharded and where its state lives."""
 
 from __future__ import annotations
 
@@ -64,8 +59,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
     """Per leaf: (mesh axes its blocks differ along, number of blocks, ZeRO group size); and the axis sizes."""
     sizes = {a: _compat.axis_size(a) for a in cfg.axes}
     manual = _compat.manual_axes()
-    for a in cfg.axes:
-        manual.setdefault(a, sizes[a])
+    manual.update((a, sizes[a]) for a in cfg.axes if a not in manual)
     vma = _compat.vma_enabled(cfg.axes)
     others = [a for a, s in manual.items() if a not in cfg.axes + cfg.replica_axes and s > 1]
     if not vma and others:
@@ -83,7 +77,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
                 "the parameters replicated over that axis (in_specs P() for them), not zo.as_local(params) or "
                 "per-device values.")
         axes = tuple(a for a in manual if a in varying)
-        if set(cfg.axes) <= set(axes) or (len(cfg.axes) == 1 and cfg.axes[0] in axes):
+        if set(cfg.axes) <= set(axes):
             raise ZeroStructureError(
                 f"The parameter `{path}` differs between the devices of `{cfg.axis_name}` (it is typed varying "
                 "there), but zero1 shards optimizer state over data-parallel axes, whose devices hold identical "
@@ -92,8 +86,7 @@ def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str,
         blocks = math.prod(manual[a] for a in axes)
         group = math.prod(sizes[a] for a in cfg.axes if a not in axes)
         out.append((axes, blocks, group))
-    axis_sizes = tuple((a, manual[a]) for a in manual if a in cfg.axes or any(a in p[0] for p in out))
-    return out, dict(axis_sizes)
+    return out, {a: manual[a] for a in manual if a in cfg.axes or any(a in p[0] for p in out)}
 
 
 REDUCTIONS_HELP = """\
@@ -108,16 +101,8 @@ leaves."""
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:
-    """What the analysis of the inner update decides for the layout.
-
-    Attributes:
-      coupled: the leaves whose coordinates it mixes (they need whole tensors on an owner).
-      joint: whether the sliced leaves run in one view (`Layout.joint`): the update reduces their coordinates to
-        scalars, or draws random numbers in their shapes.
-      invariant: the positions (among the inner state's leaves) of the entries whose new value does not depend on
-        any leaf coordinate by coordinate (novograd's per-leaf norm): in the joint view every device computes the
-        same, so a sliced leaf's such entry is kept, like shared state, on every device.
-    """
+    """What the analysis of the inner update decides: the leaves that need an owner, whether the sliced leaves run
+    in one view (`Layout.joint`), and the inner entries whose new value is not per coordinate (novograd's norm)."""
 
     coupled: frozenset[int]
     joint: bool = False
@@ -126,10 +111,8 @@ class Coupling:
 
 def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entries, keys: dict[str, str]
                     ) -> Coupling:
-    """What the inner update needs (`Coupling`); raises where it mixes two leaves other than through full
-    reductions, draws random numbers into them other than in their own shapes, or (flat) mixes any coordinates or
-    cannot be proven not to. `keys`: the paths of the typed PRNG keys in `state` (`_typed_keys`)."""
-    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    """What the inner update needs (`Coupling`), or a `ZeroCouplingError` where the partition cannot run it."""
+    axis = cfg.axes[0]
     if cfg.partition == FLAT:
         if cfg.assume_elementwise:
             return Coupling(frozenset())
@@ -147,7 +130,7 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
-    labels = _fusion.labels(treedef, n_leaves)
+    labels = _fusion.labels(treedef)
     state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
     try:
         found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
@@ -167,34 +150,25 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
                 f"different leaves would disagree on it.\n{LEAF_HELP.format(axis=axis, partition=cfg.partition)}")
     if cfg.partition == LEAF:
         return Coupling(frozenset(range(n_leaves)))
-    # A leaf with state not per coordinate (novograd's per-leaf scalar) is sliced where every such entry is the
-    # same on every device, computed from the leaf's full reductions in the joint view; else kept whole on an owner
-    # (Adafactor's unfactored `v_row`, which its update never reads through a reduction).
+    # A leaf with state not per coordinate is sliced where that state is computed from the leaf's full reductions
+    # (novograd's per-leaf norm), else kept whole on an owner (Adafactor's unfactored `v_row`).
     invariant = frozenset(k for k, (c, r) in enumerate(zip(found.output_coords[n_leaves:],
                                                             found.output_reductions[n_leaves:]))
                           if not c and entries[k].leaf in r)
-    kept, fixed = _not_per_coordinate(traced, entries, invariant)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
+    kept = frozenset(i for k, i in odd if k not in invariant)  # (they need an owner)
+    fixed = frozenset(i for _, i in odd) - kept
     found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
     if not found_.joint and fixed:  # (without a joint view no device sees every leaf's entry)
         found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept | fixed), state, entries)
     return dataclasses.replace(found_, invariant=invariant)
 
 
-def _not_per_coordinate(traced: _programs.Traced, entries, invariant: frozenset[int]
-                        ) -> tuple[frozenset[int], frozenset[int]]:
-    """The leaves with an inner-state entry not shaped like the leaf (a per-leaf scalar): those with such an entry
-    that is not `invariant` (they need an owner), and the others."""
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
-    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
-    kept = frozenset(i for k, i in odd if k not in invariant)
-    return kept, frozenset(i for _, i in odd) - kept
-
-
 def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
                       ) -> Coupling:
-    """`partition="auto"`: refuses full reductions that owned leaves would have to join (a global norm over a
-    leaf that needs an owner, or a shared state entry computed from an owned leaf's reduction)."""
-    axis = cfg.axis_name if isinstance(cfg.axis_name, str) else cfg.axes[0]
+    """`partition="auto"`: refuses full reductions that owned leaves would have to join."""
+    axis = cfg.axes[0]
     owned_reduced = found.reductions & coupled
     if found.crossing is not None and coupled and found.reductions:
         raise ZeroCouplingError(
@@ -220,17 +194,25 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
     return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
 
 
-def _replicated(found: Coupling, e: StateEntry, k: int, owned: list[bool], slots: list[int]) -> bool:
-    """Whether `e` (inner entry `k`) belongs to a sliced leaf but is no history of its coordinates, and every
-    device computes the same value of it (`Coupling.invariant`, in a joint view): it is then kept as shared state,
-    on every device."""
-    return (found.joint and k in found.invariant and e.leaf is not None and not owned[e.leaf]
-            and e.shape != (slots[e.leaf],))
+def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
+              paths: list[str]) -> tuple[tuple[int, int], ...]:
+    """`Layout.replicas`: the sliced leaves' entries that are no per-coordinate history (not shaped like the slots),
+    which every device computes alike (in a joint view); refuses any other such entry."""
+    out = []
+    for k, e in enumerate(entries):
+        if e.leaf is None or owned[e.leaf] or e.shape == (slots[e.leaf],):
+            continue
+        if not (found.joint and k in found.invariant):
+            raise ZeroCouplingError(
+                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
+                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
+                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
+        out.append((k, e.leaf))
+    return tuple(out)
 
 
 def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
-    """The typed PRNG keys the inner state holds, by path: their implementations (`StateEntry.key_impl`; zero1
-    stores their key data, `_keys`). Refuses a key per parameter, which devices holding slices cannot keep."""
+    """The typed PRNG keys the inner state holds: path -> implementation. Refuses a key per parameter."""
     impls = {} if cfg.typed_init is None else _keys.impls(cfg.typed_init, params)
     if impls:
         masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
@@ -244,23 +226,9 @@ def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
     return impls
 
 
-def _check_slices(real_state, mixed_state) -> None:
-    """Refuses inner transformations whose state on slices is structured differently than on the parameters."""
-    if jax.tree.structure(real_state) != jax.tree.structure(mixed_state):
-        raise ZeroCouplingError(
-            f"zero1: the inner state on coordinate slices has the structure "
-            f"{_names.tree_signature(mixed_state)}, but on the parameters {_names.tree_signature(real_state)}.\n"
-            f"{_fusion.SHAPE_HELP}")
-
-
 def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
-    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too.
-
-    A sliced leaf puts 1/N of its state on every device, the busiest owner included; a small leaf owned instead
-    lands on a device with room (owners are balanced largest first), usually in the padding of the packed buffers,
-    so biases and norms cost nothing next to the matrices Muon owns. The rule depends on the leaves alone, not on
-    the world size, so a checkpoint restores at any world size with the same split.
-    """
+    """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too (a rule of
+    the leaves alone, so that a checkpoint restores at any world size)."""
     if cfg.partition != AUTO or not coupled:
         return set()
     smallest = min(math.prod(real[i].shape) for i in coupled)
@@ -285,21 +253,24 @@ def build_layout(cfg: Config, params) -> Layout:
         real_entries, real_state = _attribution.discover_entries(cfg.inner.init, treedef, real)
     traced, extra = _inner.trace_update(cfg.inner, real_tree, real_state, real_tree)
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
-    _check_owned_placement(cfg, found)
+    if found.joint and cfg.offload:
+        raise ZeroCouplingError(
+            "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
+            "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
+            "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
+            "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
-    dims = _tp_dims(cfg, params, _Owned(owned, tuple(placement), tuple(paths)), real)
+    dims = _tp_dims(cfg, params, owned, placement, paths, real)
     slots = [math.prod(x.shape) if owned[i] else _stored.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
     mixed = [jax.ShapeDtypeStruct(_stored.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
              else jax.ShapeDtypeStruct((slots[i],), x.dtype) for i, x in enumerate(real)]
     entries = real_entries if all(owned) and not any(dims) else \
         _entries_on_slices(cfg, treedef, mixed, real_state, owned)
-    replicas = tuple((k, e.leaf) for k, e in enumerate(entries) if _replicated(found, e, k, owned, slots))
+    replicas = _replicas(cfg, found, entries, owned, slots, paths)
     by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
     entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
-    _check_histories(cfg, entries, owned, slots, paths)
-
     entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
     owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
@@ -318,77 +289,44 @@ def build_layout(cfg: Config, params) -> Layout:
         replicas=replicas, replica_sizes=replica_sizes)
 
 
-def _check_owned_placement(cfg: Config, found: Coupling) -> None:
-    """Refuses offload with a joint view (a chunk cannot compute a full reduction)."""
-    if found.joint and cfg.offload:
-        raise ZeroCouplingError(
-            "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
-            "transformation reduces whole leaves to scalars (a global norm, a trust ratio) or draws random "
-            "numbers in their shapes, which a chunk cannot compute. Use offload=False, or move the global "
-            "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Owned:
-    """Per leaf, what `_tp_dims` reads: whether it is owned, its `_placement`, its path."""
-
-    owned: list[bool]
-    placement: tuple
-    paths: tuple[str, ...]
-
-
-def _tp_dims(cfg: Config, params, leaves: _Owned, real: list) -> list[tuple[tuple[str, ...], ...]]:
-    """Per leaf, its `ParamLeaf.dims`: for an owned leaf sharded over tensor-parallel axes, the mesh axes that cut
-    each of its dimensions, read from the parameters' `PartitionSpec`s (`_specs.declared_specs`, else
-    `zero1(..., param_specs=)`); `()` for every other leaf. Refuses such a leaf where no specs are known, or where
-    its spec does not name exactly the axes its block varies over."""
-    need = [i for i, o in enumerate(leaves.owned) if o and leaves.placement[i][0]]
-    out: list[tuple[tuple[str, ...], ...]] = [()] * len(leaves.owned)
+def _tp_dims(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list
+             ) -> list[tuple[tuple[str, ...], ...]]:
+    """Per leaf, its `ParamLeaf.dims`, read from the parameters' `PartitionSpec`s (declared, else `param_specs`)."""
+    need = [i for i, o in enumerate(owned) if o and placement[i][0]]
+    out: list[tuple[tuple[str, ...], ...]] = [()] * len(owned)
     if not need:
         return out
     specs = _specs.declared() if _specs.declared() is not None else cfg.param_specs
     if specs is None:
         i = need[0]
         why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
-        raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=leaves.paths[i], why=why,
-                                                            axis=leaves.placement[i][0][0]))
+        raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
     per_leaf = jax.tree.leaves(_specs.broadcast_specs(specs, params), is_leaf=lambda x: isinstance(x, P))
     for i in need:
-        spec, axes, ndim = tuple(per_leaf[i]), leaves.placement[i][0], len(real[i].shape)
+        spec, axes, ndim = tuple(per_leaf[i]), placement[i][0], len(real[i].shape)
         cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
         named = [a for c in cut for a in c]
         if len(cut) > ndim or sorted(named) != sorted(axes):
             raise ZeroStructureError(TENSOR_PARALLEL_SPEC_HELP.format(
-                path=leaves.paths[i], spec=P(*spec), shape=tuple(real[i].shape), axes=list(axes)))
+                path=paths[i], spec=P(*spec), shape=tuple(real[i].shape), axes=list(axes)))
         out[i] = tuple(cut) + ((),) * (ndim - len(cut))
     return out
 
 
 def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: list[bool]) -> tuple[StateEntry, ...]:
-    """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices, owned ones whole), after
-    checking that the state is structured as on the parameters (`real_state`)."""
+    """The inner state's entries on the `mixed` tree (sliced leaves as 1-D slices), structured as on the parameters."""
     entries, marked = _attribution.discover_entries(cfg.inner.init, treedef, mixed,
-                                               sliced=[i for i in range(len(mixed)) if not owned[i]])
-    mixed_state = jax.tree.unflatten(jax.tree.structure(marked),
-                                     [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in entries])
-    _check_slices(real_state, mixed_state)
+                                                    sliced=[i for i in range(len(mixed)) if not owned[i]])
+    if jax.tree.structure(real_state) != jax.tree.structure(marked):
+        raise ZeroCouplingError(
+            f"zero1: the inner state on coordinate slices has the structure "
+            f"{_names.tree_signature(marked)}, but on the parameters {_names.tree_signature(real_state)}.\n"
+            f"{_fusion.SHAPE_HELP}")
     return entries
 
 
-def _check_histories(cfg: Config, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
-                     paths: list[str]) -> None:
-    """Refuses a sliced leaf's entry that is not a per-coordinate history (not shaped like its slots)."""
-    for e in entries:
-        if e.leaf is not None and not owned[e.leaf] and e.shape != (slots[e.leaf],):
-            raise ZeroCouplingError(
-                f"zero1: the inner state `{e.path}` of leaf `{paths[e.leaf]}` has shape {e.shape} on a slice of "
-                f"{slots[e.leaf]} coordinates, so it is not a per-coordinate history.\n"
-                f"{FLAT_HELP.format(axis=cfg.axes[0])}")
-
-
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
-    """Every leaf's owner: `cfg.owners` (checked), or balanced over the state bytes each owned leaf brings (its
-    entries, and with `master_dtype` its master copy); None for sliced leaves when balanced."""
+    """Every leaf's owner: `cfg.owners` (checked), or balanced over each owned leaf's state and master bytes."""
     if cfg.owners is not None:
         return list(_owners.check_owners(cfg.owners, len(real), n, paths))
     costs = list(entries)
@@ -398,8 +336,7 @@ def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: l
 
 
 def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str, int]) -> tuple[StateEntry, ...]:
-    """With `master_dtype`, one master-copy entry per leaf (a slice for sliced leaves, the whole parameter for owned
-    ones), after the inner state's."""
+    """With `master_dtype`, one master-copy entry per leaf: a slice for sliced leaves, the whole for owned ones."""
     if cfg.master_dtype is None:
         return ()
     return tuple(StateEntry(MASTER_PREFIX + leaf.path, i, (leaf.slots,) if leaf.sliced else

@@ -22,8 +22,7 @@ _DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_spe
 
 @contextlib.contextmanager
 def declared_specs(specs: Any):
-    """While active, `init` reads the parameters' `PartitionSpec`s from `specs`, which a `shard_map` body cannot
-    know, to gather owned tensor-parallel leaves."""
+    """While active, `init` reads the parameters' `PartitionSpec`s, which a `shard_map` body cannot know, here."""
     token = _DECLARED.set(specs)
     try:
         yield
@@ -39,7 +38,7 @@ def declared() -> Any:
 def context_mesh() -> Any:
     """The mesh of the `jax.set_mesh` context, or None."""
     mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh is None or mesh.empty else mesh
+    return None if mesh.empty else mesh
 
 
 def _spec(axes: tuple[str, ...]) -> P:
@@ -59,9 +58,8 @@ def specs_of(state: ZeroState) -> ZeroState:
                         tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
     buffers = {d: _spec(layout.axes) for d in state.buffers}
     master = None if state.master is None else tuple(groups)
-    local = state.local
-    if local is not None:
-        local = jax.tree_util.tree_unflatten(layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
+    local = None if state.local is None else jax.tree_util.tree_unflatten(
+        layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])
     return ZeroState(inner, buffers, master, layout, local)
 
 
@@ -101,8 +99,7 @@ def broadcast_specs(specs: Any, tree: Any) -> Any:
 
 
 def traced_state(tx, params, param_specs, mesh, declare: Any = None):
-    """`tx.init(params)` inside `shard_map` over `mesh`, traced abstractly (read its structure and layouts only);
-    `init` reads `declare` (by default `param_specs`) as the declared specs."""
+    """`tx.init(params)` inside `shard_map` over `mesh`, traced abstractly, declaring `declare` or `param_specs`."""
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     params = _compat.pure(params)
     specs = broadcast_specs(param_specs, params)
@@ -123,8 +120,7 @@ def traced_state(tx, params, param_specs, mesh, declare: Any = None):
 def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.sharding.Mesh | None = None) -> Any:
     """The `PartitionSpec`s of `tx.init(params)`'s state inside `shard_map`, to pass as its `out_specs`.
 
-    A sliced leaf's state is sharded over the parameter's own axes and the data axes (`P(("model", "data"))`,
-    say), everything else of a zero1 state over the data axes; state outside zero1 is replicated, `P()`.
+    State outside zero1 is replicated, `P()`.
 
     Args:
       tx: the transformation (`zero_optax.zero1(...)`, or a chain holding one).

@@ -13,13 +13,8 @@ from zero_optax.layout._layout import Layout
 
 
 class SlicedState(NamedTuple):
-    """How `ZeroState.inner_state` stores the inner optimizer's state.
-
-    Attributes:
-      shared: the inner state's tree (`_inner_state.tree`): shared fields stored `[N, *shape]`, one copy per device.
-      histories: per group of sliced leaves (`Layout.groups`), per history (Adam's `mu`, `nu`), one array: each
-        device's row is its `slots` of every member (padding zeroed), 1-D or in the leaf's shape (`Group.shape`).
-    """
+    """How `ZeroState.inner_state` stores the inner optimizer's state: its tree (`_inner_state.tree`), and per group
+    of sliced leaves, per history (Adam's `mu`, `nu`), one array."""
 
     shared: Any
     histories: tuple[tuple[jax.Array, ...], ...]
@@ -36,13 +31,10 @@ class ZeroState:
 
     Attributes:
       inner_state: the inner optimizer's state of the sliced leaves and the shared entries, stored by group.
-      buffers: dtype name -> `[N, size]` packed buffer of the owned leaves: row `r` holds the whole state (and
-        master copies) of the leaves device `r` owns, zero-padded. Empty when no leaf is owned.
-      master: None without `master_dtype`; else per group of sliced leaves their master slices, laid out like the
-        group's histories.
+      buffers: dtype name -> `[N, size]` packed buffer: row `r` holds the state of the leaves device `r` owns.
+      master: None without `master_dtype`; else per group of sliced leaves their master slices.
       layout: static description of the partition (see `zero_optax.describe`).
-      local: None unless `accumulate="local"`; else a tree like the parameters of each device's float32 gradient
-        sums, `[1, *shape]` per device.
+      local: None unless `accumulate="local"`; else each device's float32 gradient sums, a tree like the parameters.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -61,13 +53,13 @@ class ZeroState:
     local: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        """A field of the inner state's top level, as plain optax holds it, for code that reads the state by
-        attribute (`optax.contrib.schedule_free_eval_params`)."""
+        """A field of the inner state's top level, as plain optax holds it (for `schedule_free_eval_params`)."""
         top = self.inner_state.shared if not name.startswith("_") and "inner_state" in vars(self) else None
         if name not in getattr(top, "_fields", ()):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         field = getattr(top, name)
-        if any(isinstance(x, _inner_state.Sharded) for x in jax.tree.leaves(field, is_leaf=_is_marker)):
+        markers = jax.tree.leaves(field, is_leaf=lambda x: isinstance(x, _inner_state.Sharded))
+        if any(isinstance(x, _inner_state.Sharded) for x in markers):
             return getattr(GATHER[0](self), name)
         return jax.tree.map(lambda x: x.value if isinstance(x, _inner_state.Shared) else x, field,
                             is_leaf=lambda x: isinstance(x, _inner_state.Shared))
@@ -77,20 +69,13 @@ GATHER: list = []
 """The gather of one state, which `zero_optax.api._transfer` (a layer above) registers for `__getattr__`."""
 
 
-def _is_marker(x: Any) -> bool:
-    return isinstance(x, _inner_state.Sharded)
-
-
+# Other names of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore).
 ZeroFlatState = ZeroState
-"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
-
 ZeroLeafState = ZeroState
-"""Another name of `ZeroState`, so that code written for zero_optax 0.1 imports (its checkpoints do not restore)."""
 
 
 def canonical(state: ZeroState, rows: int | None = None, place=None) -> ZeroState:
-    """`state` with a value `optax.tree.set` put in a shared field stored again: `rows` copies (by default the
-    world size) given to `place` (`_inner_state.arrays`)."""
+    """`state` with a value `optax.tree.set` put in a shared field stored again (`_inner_state.arrays`)."""
     layout, inner = state.layout, state.inner_state
     old = _inner_state.items(inner.shared)
     new = _inner_state.arrays(layout, inner.shared, layout.world_size if rows is None else rows, place)

@@ -1,7 +1,5 @@
-"""What a checkpoint records of a zero1 state, apart from the run-time plan: the leaves (`ParamLeaf`), the state's
-entries (`StateEntry`), the owners' packing, and `StoredLayout`, with the views it shares with `Layout`
-(`StoredViews`); the names every layer shares (partitions, roles, accumulation paths) and the slot rule.
-"""
+"""What a checkpoint records of a zero1 state, apart from the run-time plan: `StoredLayout`, its leaves and entries,
+and the views it shares with `Layout` (`StoredViews`); also the names every layer shares."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ PARTITIONS = (FLAT, LEAF, AUTO)
 
 STATE = "state"
 MASTER = "master"
-# Gradient accumulation: its modes, and the paths of `AccumulateState`'s fields in the inner state's tree.
 SHARDED = "sharded"
 """`accumulate="sharded"`: the accumulators are inner-state histories, sharded like the state (ZeRO-2)."""
 LOCAL = "local"
@@ -34,6 +31,7 @@ WEIGHT_SUM_PATH = ".weight_sum"
 """The shared entry holding the cycle's global weight so far (`AccumulateState.weight_sum`)."""
 MASTER_PREFIX = "<master>"
 """Master-copy entries are named `<master>` followed by the parameter leaf's path."""
+
 
 def slot_count(size: int, group: int) -> int:
     """The coordinates each of `group` devices holds of a sliced leaf of `size` elements: `ceil(size / group)`."""
@@ -53,17 +51,12 @@ class ParamLeaf:
     """One trainable parameter leaf.
 
     Attributes:
-      path: the leaf's key path in the parameter tree (`zero_optax.core._names.key_path`).
       shape: the parameter's shape on one device (inside `shard_map`: its local block).
-      dtype: the parameter dtype name.
       slots: sliced: coordinates each device of the group holds, `ceil(size / group)`; owned: `size`.
       owner: owned: the device index (along the ZeRO axes) that updates this leaf; sliced: None.
-      axes: mesh axes the parameter is sharded over (tensor or expert parallel), in mesh order; its blocks differ
-        along them and each block's state is sharded separately.
-      blocks: the number of distinct blocks, the product of the sizes of `axes`.
+      axes: mesh axes the parameter is sharded over (tensor or expert parallel); its blocks differ along them.
       group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
-      dims: an owned leaf sharded over tensor-parallel axes: per dimension, the mesh axes that cut it (as in its
-        `PartitionSpec`); its owner updates it whole. Empty for every other leaf.
+      dims: a tensor-parallel owned leaf's mesh axes cutting each dimension; empty for every other leaf.
     """
 
     path: str
@@ -95,13 +88,9 @@ class StateEntry:
     """One array the state stores: a leaf of the inner optimizer's state, or a master copy of a parameter.
 
     Attributes:
-      path: key path inside the full inner state tree; master copies are `<master>` + the parameter's path.
-      leaf: index of the parameter leaf whose history this is; None for state shared by all leaves (step counts,
-        schedules, injected hyperparameters), which every device keeps a copy of.
-      shape: shape on one device: `(slots,)` for a sliced leaf's history, the full shape for an owned leaf's and
-        for shared entries.
-      dtype: dtype name.
-      role: `"state"` (the inner optimizer's) or `"master"` (a master copy of the parameter).
+      path: key path inside the full inner state tree (`MASTER_PREFIX` + the parameter's path for master copies).
+      leaf: index of the parameter leaf whose history this is; None for state shared by all leaves (step counts).
+      shape: shape on one device: `(slots,)` for a sliced leaf's history, else the full shape.
       key_impl: a typed PRNG key's implementation (`"threefry2x32"`), stored as its key data; else None.
     """
 
@@ -120,19 +109,14 @@ class StateEntry:
     def nbytes(self) -> int:
         return self.size * np.dtype(self.dtype).itemsize
 
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """Where rank-local arrays live inside per-dtype packed buffers (owned leaves).
-
-    Attributes:
-      offsets: per rank, a mapping from item index to its (dtype, offset) in that rank's buffers.
-      sizes: the buffer length per dtype, the same on every rank (the largest rank's share).
-      used: per rank, the elements it really uses per dtype (the rest is padding).
-    """
+    """Where rank-local arrays live inside per-dtype packed buffers: per rank, item -> `(dtype, offset)`; and the
+    buffer length per dtype, the same on every rank."""
 
     offsets: tuple[dict[int, tuple[str, int]], ...]
     sizes: dict[str, int]
-    used: tuple[dict[str, int], ...]
 
 
 def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
@@ -153,27 +137,23 @@ def runs(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
 
 def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
     """Lays out each rank's `(item, size, dtype)` list, in order, into per-dtype buffers of one common size."""
-    offsets, used = [], []
+    offsets, sizes = [], {}
     for items in groups:
         cursor: dict[str, int] = {}
-        where = {}
+        offsets.append({})
         for item, size, dtype in items:
-            where[item] = (dtype, cursor.get(dtype, 0))
+            offsets[-1][item] = (dtype, cursor.get(dtype, 0))
             cursor[dtype] = cursor.get(dtype, 0) + size
-        offsets.append(where)
-        used.append(cursor)
-    dtypes = sorted({d for u in used for d in u})
-    sizes = {d: max(u.get(d, 0) for u in used) for d in dtypes}
-    return Packing(tuple(offsets), sizes, tuple(used))
+        for dtype, used in cursor.items():
+            sizes[dtype] = max(sizes.get(dtype, 0), used)
+    return Packing(tuple(offsets), dict(sorted(sizes.items())))
 
 
 class StoredViews:
-    """The views `StoredLayout` (what a checkpoint records) and `Layout` (the run-time plan) share, from the fields
-    that describe a stored state (`axis_name`, `world_size`, `leaves`, `entries`)."""
+    """The views `StoredLayout` and `Layout` share, from the fields that describe a stored state."""
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """`axis_name` as a tuple."""
         return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
 
     @property
@@ -260,27 +240,20 @@ class StoredViews:
         return tuple(tuple(r) for r in per_rank)
 
     def rank_entries(self, rank: int) -> tuple[int, ...]:
-        """Indices of the owned entries device `rank` packs: the histories and masters of the leaves it owns."""
+        """Indices of the owned entries device `rank` packs."""
         return self._owned_by_rank[rank]
 
     @functools.cached_property
     def state_packing(self) -> Packing:
-        """Where each rank's owned entries sit in its packed state buffers (linear in devices plus entries)."""
+        """Where each rank's owned entries sit in its packed state buffers."""
         return pack_plan([[(i, self.entries[i].size, self.entries[i].dtype) for i in owned]
                           for owned in self._owned_by_rank])
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredLayout(StoredViews):
-    """What a checkpoint records of a zero1 state: leaves, entries, mesh and partition, none of the run-time plan
-    (treedefs, groups, stacks, memory kind). Built from a checked record, or for another mesh by the offline tools.
-
-    Attributes:
-      partition, axis_name, world_size, leaves, entries, state_tree, master_dtype, accumulate, accumulate_steps,
-      replica_sizes: as `Layout`'s.
-      axis_sizes: `(name, size)` of the mesh axes of `axis_name` and the leaves' `axes`, as far as the record knows
-        them (other axes' sizes only as their product).
-    """
+    """What a checkpoint records of a zero1 state, none of the run-time plan; its fields are as `Layout`'s, except
+    that `axis_sizes` knows only the axes of `axis_name` and the leaves' `axes`."""
 
     partition: str
     axis_name: str | tuple[str, ...]
