@@ -32,11 +32,11 @@ def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sou
     """None if no equation of `fn(*args)` combines values of two labelled leaves and no random value reaches
     parameter data, else the first offending primitive and where it is (`sources`, `out_sources`: as for
     `analyze_leaves`)."""
-    closed, out_shape, args = _programs.traced(fn, args)
-    facts = [_coupling._Fact(frozenset({lab})) if lab is not None else _coupling._CLEAN
-             for lab in _programs.input_labels(closed, sources, args)]
+    traced = _programs.traced(fn, args)
+    in_labels, out_labels = _programs.labels(traced, sources, out_sources)
+    facts = [_coupling._Fact(frozenset({lab})) if lab is not None else _coupling._CLEAN for lab in in_labels]
     try:
-        _coupling._Analysis(strict=False).check(closed, facts, _programs.output_labels(closed, out_sources, out_shape))
+        _coupling._Analysis(strict=False).check(traced.closed, facts, out_labels)
     except CouplingError as e:
         return str(e)
     return None

@@ -116,12 +116,8 @@ def call_body(eqn: Any) -> Any:
 
 
 def collective_kind(eqn: Any) -> str | None:
-    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element, else None.
-
-    A full reduction is `reduce_sum`, `reduce_max` or `reduce_min` with a one-element result, or a `dot_general`
-    of two operands of one shape contracting all their axes in order (`jnp.vdot`). On coordinate slices it is a
-    local reduction (padding set to the identity) followed by `psum`, `pmax` or `pmin` over the devices.
-    """
+    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element (`reduce_*`, or a `dot_general` of
+    two operands of one shape contracting all their axes in order: `jnp.vdot`), else None."""
     name = eqn.primitive.name
     kind = _COLLECTIVE_KINDS.get(name)
     if kind is None or not eqn.outvars or size(eqn.outvars[0]) != 1:

@@ -1,14 +1,10 @@
-"""The inner transformation's programs: traced once, named, and interpreted.
-
-`leaf_programs` names what an update runs on each leaf, as text equal for two leaves (or one leaf in two traces)
-exactly when the same program runs on them, whatever their shapes: the plan groups and stacks leaves by it. The
-rest of the package runs and searches programs only through `evaluate`, `retraced`, `any_equation` and `rewrite`.
+"""The inner transformation's programs: traced once, named per leaf (`leaf_programs`, by which the plan groups and
+stacks leaves), and interpreted: the rest of the package runs and searches programs only through this module.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,40 +33,28 @@ def trace(fn: Callable[..., Any], *args: Any) -> Traced:
 
 
 def traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
+    """`fn` traced on `args`, or `fn` itself if already traced."""
     return fn if isinstance(fn, Traced) else trace(fn, *args)
 
 
-class _Labels:
-    """Opaque (non-pytree) holder of the labels one `sources` leaf expands to."""
-
-    def __init__(self, labels: list[int | None]):
-        self.labels = labels
-
-
-def _expand_sources(sources: Any, tree: Any) -> list[int | None]:
-    """Flattens `sources` (a prefix of `tree`, None being a leaf) to one label per leaf of `tree`."""
-    expanded = jax.tree.map(lambda lab, sub: _Labels([lab] * len(jax.tree.leaves(sub))),
-                            sources, tree, is_leaf=lambda x: x is None)
-    holders = jax.tree.leaves(expanded, is_leaf=lambda x: isinstance(x, _Labels))
-    return [lab for h in holders for lab in h.labels]
-
-
-def input_labels(closed: jcore.ClosedJaxpr, sources: Any, args: tuple[Any, ...]) -> list[int | None]:
-    """One label per input of `closed`, from `sources` (a prefix of `args`)."""
-    labels = _expand_sources(tuple(sources), args)
-    if len(labels) != len(closed.jaxpr.invars):
-        raise ValueError(f"sources give {len(labels)} labels but fn has {len(closed.jaxpr.invars)} array inputs")
-    return [None if lab is None else int(lab) for lab in labels]
-
-
-def output_labels(closed: jcore.ClosedJaxpr, out_sources: Any, out_shape: Any) -> list[int | None] | None:
-    """One label per output of `closed` from `out_sources` (a prefix of `out_shape`), or None."""
+def labels(traced: Traced, sources: Any, out_sources: Any) -> tuple[list[int | None], list[int | None] | None]:
+    """One label per input of `traced` from `sources` (a prefix of its args, None a leaf), and per output from
+    `out_sources` (a prefix of its output), or None without `out_sources`."""
+    jaxpr = traced.closed.jaxpr
+    ins = _expand(tuple(sources), traced.args, len(jaxpr.invars), "sources", "array inputs")
     if out_sources is None:
-        return None
-    labels = _expand_sources(out_sources, out_shape)
-    if len(labels) != len(closed.jaxpr.outvars):
-        raise ValueError(f"out_sources give {len(labels)} labels but fn has {len(closed.jaxpr.outvars)} outputs")
-    return [None if lab is None else int(lab) for lab in labels]
+        return ins, None
+    return ins, _expand(out_sources, traced.out_shape, len(jaxpr.outvars), "out_sources", "outputs")
+
+
+def _expand(sources: Any, tree: Any, count: int, name: str, what: str) -> list[int | None]:
+    """`sources` flattened to one label per leaf of `tree`, checked to be `count` labels."""
+    prefix = jax.tree.structure(sources, is_leaf=lambda x: x is None)
+    found = [lab for lab, sub in zip(prefix.flatten_up_to(sources), prefix.flatten_up_to(tree))
+             for _ in jax.tree.leaves(sub)]
+    if len(found) != count:
+        raise ValueError(f"{name} give {len(found)} labels but fn has {count} {what}")
+    return [None if lab is None else int(lab) for lab in found]
 
 
 # Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
@@ -85,9 +69,8 @@ _SHAPE_PARAMS = frozenset({
 
 
 def signature(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
-    """Appends to `out` what `jaxpr` computes, one entry per equation (sub-jaxprs included, shape-only ones left
-    out): `name[scalar params](operands)`, the operands listed only if one is a known scalar (`known`, by var;
-    `_` for the others), e.g. `mul(_,0.9)`. Elementwise updates have the same signature on a leaf and its slice."""
+    """Appends to `out` one entry per equation of `jaxpr` (sub-jaxprs included, shape-only ones left out), such as
+    `mul(_,0.9)` (`known`: scalar values by var), equal on a leaf and its slice for an elementwise update."""
     for eqn in jaxpr.eqns:
         values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
         name = eqn.primitive.name
@@ -113,15 +96,13 @@ def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out
     """Label (or None: the unlabelled outputs) -> the program `fn` runs on that leaf, for every label no equation
     mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`).
 
-    An equation whose operands carry one label is that leaf's, as its `signature` entry with each operand named by
-    where it comes from: the leaf's values by order of appearance, unlabelled inputs by position, values computed
-    without a label (a schedule) by what computes them, so leaves reading different shared values differ. `names`,
-    shared across calls, names a shared computation alike in several traces. With `collective`, a full reduction of
-    one leaf belongs to its program but its result carries no label (every device computes it).
+    Operands are named by where they come from (the leaf's values by order, unlabelled inputs by position, shared
+    values by what computes them, through `names`, shared across traces), so leaves reading different shared values
+    differ. With `collective`, a full reduction of one leaf is its program's but its result carries no label.
     """
-    closed, out_shape, args = traced(fn, args)
-    walker = _LeafPrograms(closed, {} if names is None else names, collective)
-    return walker.run(input_labels(closed, sources, args), output_labels(closed, out_sources, out_shape))
+    program = traced(fn, args)
+    walker = _LeafPrograms(program.closed, {} if names is None else names, collective)
+    return walker.run(*labels(program, sources, out_sources))
 
 
 class _LeafPrograms:
@@ -264,8 +245,8 @@ def bind(eqn: Any, ins: Sequence[Any], params: dict[str, Any] | None = None) -> 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
              rule: Callable[[Any, list], list | None] | None = None) -> list:
-    """Runs `jaxpr` on `consts` and `args` equation by equation, in the current trace. `rule(eqn, ins)` gives an
-    equation's results (a list), or None to bind it as it is; a rule runs the sub-programs it handles itself."""
+    """Runs `jaxpr` on `consts` and `args` in the current trace; `rule(eqn, ins)` gives an equation's results, or
+    None to bind it as it is."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -280,15 +261,14 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
              branches: Callable | None = None, carry: Callable[[list], list] | None = None) -> list | None:
-    """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace
-    (in `lax.switch`, `lax.while_loop`, `lax.scan`), so that every value is typed where it is computed; None for
-    any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's carry."""
+    """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace,
+    or None for any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's."""
     name, p = eqn.primitive.name, eqn.params
     carry = carry or (lambda values: values)
     if name in _compat.CALLS:
         return run(p[_compat.CALLS[name]], list(ins))
     if name == "cond":
-        fns = [functools.partial(_branch, run, b) for b in p["branches"]]
+        fns = [lambda *xs, b=b: run(b, list(xs)) for b in p["branches"]]
         return lax.switch(ins[0], fns if branches is None else branches(fns, ins[1:]), *ins[1:])
     if name == "while":
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -307,10 +287,6 @@ def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
     return None
 
 
-def _branch(run: Callable[[Any, list], list], program: Any, *xs: Any) -> list:
-    return run(program, list(xs))
-
-
 def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
     """Whether `predicate` holds for an equation of `program` or of a program it holds (in any equation's params)."""
     for eqn in _compat.jaxpr_parts(program)[0].eqns:
@@ -320,9 +296,8 @@ def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
 
 
 def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
-    """`program` with `rule(eqn)` in place of each equation, whose operands and sub-programs (in its params, also
-    in tuples) are rewritten first: `rule` gives an equation, or None to drop one of one operand and one result,
-    whose result is then its operand."""
+    """`program` with `rule(eqn)` (an equation, or None to drop one of one operand, forwarding it) in place of each
+    equation, whose operands and sub-programs are rewritten first."""
     wrapped = getattr(program, "jaxpr", program)
     if wrapped is not program:  # a ClosedJaxpr around a Jaxpr (JAX 0.10, 0.11; JAX 0.12 has one class for both)
         return program.replace(jaxpr=rewrite(wrapped, rule))
@@ -351,8 +326,8 @@ def _rewritten(value: Any, rule: Callable[[Any], Any]) -> Any:
 
 
 def vectorisable(program: Any) -> bool:
-    """Whether `jax.vmap` can run `program`: its batching rules refuse a `pure_callback` that names no
-    `vmap_method` and an ordered `io_callback`."""
+    """Whether `jax.vmap` can run `program` (it refuses a `pure_callback` without `vmap_method`, an ordered
+    `io_callback`)."""
     return not any_equation(program, _unbatchable)
 
 

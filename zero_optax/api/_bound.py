@@ -1,16 +1,13 @@
-"""zero1 bound to a mesh: `init` and `update` on global arrays, eagerly or under `jax.jit` (and so in Flax).
-
-A mesh-bound zero1 runs its own `shard_map` over the mesh: parameters keep their `NamedSharding`s, the state comes
-back sharded over the data axes, updates with the parameters' shardings, and gradients are taken as the global mean
-(XLA reduced them before zero1 sees them). Values the inner transformation closes over that are typed on a mesh with
-`Explicit` axes, which JAX refuses to close a `shard_map` body over (`optax.inject_hyperparams`'s hyperparameters
-under `jax.set_mesh`), enter it as arguments (`_Hoisted`).
+"""zero1 bound to a mesh: `init` and `update` on global arrays, in its own `shard_map` over the mesh, eagerly or under
+`jax.jit`; gradients are taken as the global mean. Values the inner transformation closes over that a `shard_map`
+body may not read (typed on `Explicit` axes) enter it as arguments (`_Hoisted`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Any
 
 import jax
@@ -65,11 +62,10 @@ class Bound:
         self.mean = _engine.Engine(dataclasses.replace(zero.cfg, reduce=None))
         self._fns: dict = {}
         self._specs: dict = {}
-        self._hoisted: _Hoisted | None = None  # found at the first call (`_hoisting`)
+        self._hoisted: _Hoisted | None = None
 
     def _hoisting(self, params, extra: dict | None) -> _Hoisted:
-        """The values the inner transformation closes over that must enter the `shard_map` as arguments, and the
-        engines that read them there (found once: a transformation's closure does not change)."""
+        """The `_Hoisted` values and engines, found once (a transformation's closure does not change)."""
         if self._hoisted is None:
             self._hoisted = _Hoisted.find(self.zero.cfg, params, extra, (self.zero.engine, self.mean))
         return self._hoisted
@@ -82,19 +78,15 @@ class Bound:
             def init(values, params):
                 with hoisted.reading(values):
                     return hoisted.engine.init(params)
-            traced = _specs.traced_state(_Tx(lambda args: init(*args)), (hoisted.values, params),
-                                         (hoisted.specs, specs), self.mesh, declare=specs)
+            stand_in = types.SimpleNamespace(init=lambda args: init(*args))
+            traced = _specs.traced_state(stand_in, (hoisted.values, params), (hoisted.specs, specs), self.mesh,
+                                         declare=specs)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
                                                    out_specs=_specs.tree_specs(traced)))
         with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
             state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
         self._specs[state.layout] = specs
         return state
-
-    @property
-    def zero_init(self):
-        """A stand-in transformation whose `init` is the unbound engine's (for tracing the state's layout)."""
-        return _Tx(self.zero.engine.init)
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
         """`update` on global arrays (with `apply`, the new parameters: `Engine.update`)."""
@@ -142,14 +134,12 @@ class Bound:
         return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
 
 
-# The context the inner transformation is traced in to find and read what it closes over: no mesh, where a value
-# typed on any mesh may be read (a `shard_map` body's manual mesh refuses those typed on `Explicit` axes).
+# No mesh: the context where values typed on any mesh may be read (to find and read what the inner one closes over).
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _must_enter(x: Any) -> bool:
-    """Whether a value the inner transformation closes over must enter the `shard_map` as an argument: an array
-    typed on a mesh with an `Explicit` axis (JAX closes a body over others, resharding those on `Auto` meshes)."""
+    """Whether a closed-over value must enter the `shard_map` as an argument: an array typed on an `Explicit` axis."""
     if not isinstance(x, jax.Array):
         return False
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
@@ -162,8 +152,7 @@ def _stand_in(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _trace(fn, args: tuple):
-    """`fn(*args)` traced on stand-ins of `args` with no context mesh: (the closed jaxpr, the output's shape
-    tree, the flat leaves of `args`)."""
+    """`fn(*args)` traced on stand-ins of `args` with no context mesh: the closed jaxpr, output shapes, flat args."""
     flat, tree = jax.tree.flatten(args)
     with jax.sharding.use_abstract_mesh(_NO_MESH):
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(
@@ -176,12 +165,8 @@ _PLACEMENTS = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 
 
 def _per_device(eqn):
-    """`eqn` as a `shard_map` body runs it: a placement dropped (None), a sharding on a mesh replaced by None.
-
-    Traced where the hoisted values can be read, the program types what derives from them on their mesh
-    (`broadcast_in_dim`'s `sharding`), and a function jitted inside may bring a program traced in an earlier body,
-    resharding onto its mesh: the body's manual mesh refuses both. Per device, the defaults are right (replicated).
-    """
+    """`eqn` as a `shard_map` body runs it: a placement dropped (None), a sharding on a mesh replaced by None (the
+    body's manual mesh refuses both; per device the default, replicated, is right)."""
     if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1:
         return None
     return eqn.replace(params={k: _local(v) for k, v in eqn.params.items()})
@@ -196,18 +181,15 @@ def _local(value: Any) -> Any:
 
 
 def _evaluate(program, args: list, consts=None) -> list:
-    """Evaluates `program` on `args` (with `consts` in place of its own, if given) in the current trace, retracing
-    each program it calls, branches on or loops over, so that every value is typed where it is computed."""
+    """`program` on `args` (and `consts`, if given) in the current trace, its sub-programs retraced."""
     jaxpr, own = _compat.jaxpr_parts(program)
     return _programs.evaluate(jaxpr, own if consts is None else consts, args,
                               lambda eqn, ins: _programs.retraced(eqn, ins, _evaluate))
 
 
 class _Hoisted:
-    """The values an inner transformation closes over that a `shard_map` body may not read (`_must_enter`), and
-    engines whose inner transformation reads them from the body's arguments instead: each call traces the real one
-    with no context mesh and evaluates it per device with those values replaced by the body's (`reading`). A value
-    no object walk reaches (a module global) is not hoisted: JAX then refuses the `shard_map` as before."""
+    """The closed-over values a `shard_map` body may not read (`_must_enter`), and engines whose inner transformation
+    reads them from the body's arguments (`reading`) instead. Values no object walk reaches are not hoisted."""
 
     def __init__(self, cfg: Config, values: list, engines: tuple):
         self.values = values
@@ -227,8 +209,7 @@ class _Hoisted:
 
     @classmethod
     def find(cls, cfg: Config, params, extra: dict | None, engines: tuple) -> _Hoisted:
-        """The values among the constants of the inner `init` and `update` traced once; `engines` (the plain
-        engine and its mean form) where there are none."""
+        """The values among the constants of the inner `init` and `update`; `engines` (plain, mean) where none."""
         inner = cfg.inner if cfg.accumulating is None else cfg.accumulating.inner
         if not _inner.may_reach(inner, _must_enter):  # (spares the common case, numbers, the two traces)
             return cls(cfg, [], engines)
@@ -247,7 +228,7 @@ class _Hoisted:
         return cls(cfg, values, engines)
 
     def placed(self, mesh: jax.sharding.Mesh) -> list:
-        """The values, replicated over `mesh` (the arguments the `shard_map` takes them as)."""
+        """The values, replicated over `mesh`."""
         return [_compat.reshard(v, NamedSharding(mesh, P())) for v in self.values]
 
     @contextlib.contextmanager
@@ -274,8 +255,3 @@ class _Hoisted:
                   for c in _compat.jaxpr_parts(closed)[1]]
         out = _evaluate(closed, flat, consts)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tx:
-    init: Any

@@ -1,8 +1,7 @@
 """A zero1 state's arrays per entry, outside `shard_map`: what checkpoints and `gather_state` read and write.
 
-A group array has one row of `size` elements per device, the concatenation of its members' `slots`; an entry's
-own 1-D array is that member's columns of every row. Both are sharded row by row over the same mesh axes, so
-cutting and joining (`unowned`, `stored`) move no data between devices.
+An entry's 1-D array is its member's columns of every row of its group's array; both are sharded row by row over
+the same mesh axes, so cutting and joining (`unowned`, `stored`) move no data between devices.
 
 Examples:
   >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -31,7 +30,7 @@ from zero_optax.layout._state import SlicedState, ZeroState, canonical, shared_a
 
 
 def _mesh_of(arrays: list[Any]) -> Any:
-    """The mesh of the arrays' shardings, their types' or the context's; None under auto axes (plain slicing)."""
+    """The mesh of the arrays' shardings, their types' or the context's; None under auto axes."""
     for x in arrays:
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
             return getattr(x.sharding, "mesh", None)
@@ -91,13 +90,12 @@ def _cut_row(layout: Layout, group: Group, x: jax.Array) -> list[jax.Array]:
 
 
 def _joined(layout: Layout) -> tuple[int, ...]:
-    """The groups to join: all but a lone 1-D leaf, whose entry's array already is its group's and is stored as is
-    (a restore then holds the state once, not twice)."""
+    """The groups to join: all but a lone 1-D leaf, whose entry's array already is its group's (stored as is)."""
     return tuple(g for g, group in enumerate(layout.groups) if len(group.leaves) > 1 or group.shape is not None)
 
 
 def _group_entries(group: Group) -> list[int]:
-    """The entries stored in `group`'s arrays, in `_cut_all` order: history by history, then the master copies."""
+    """The entries stored in `group`'s arrays, in `_cut_all` order."""
     return [h[k] for k in range(len(group.histories[0])) for h in group.histories] + list(group.masters)
 
 
@@ -107,8 +105,8 @@ def _entry_order(layout: Layout) -> list[int]:
 
 
 def unowned(state: ZeroState) -> dict[int, jax.Array]:
-    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced histories and master
-    copies (`(blocks * group * slots,)`), in device memory."""
+    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced ones (1-D), in device
+    memory."""
     layout = state.layout
     out = shared_arrays(canonical(state))
     if not layout.groups:
@@ -152,8 +150,7 @@ def _join_row(layout: Layout, group: Group, values: list[jax.Array]) -> jax.Arra
 
 
 def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedState, tuple | None]:
-    """The inverse of `unowned`: the inner state and master copies of a state like `template` holding `values`,
-    in the shardings and memory of `template`'s arrays."""
+    """The inverse of `unowned`: the inner state and master copies of a state like `template` holding `values`."""
     layout = template.layout
     shared = _inner_state.tree(layout, [values[j] for j in layout.shared_entries])
     master = template.master is not None
