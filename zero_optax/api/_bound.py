@@ -175,9 +175,7 @@ def _per_device(eqn):
 def _local(value: Any) -> Any:
     if isinstance(value, NamedSharding):
         return value if value.mesh.empty else None
-    if type(value) is tuple:
-        return tuple(_local(v) for v in value)
-    return value
+    return tuple(_local(v) for v in value) if type(value) is tuple else value
 
 
 def _evaluate(program, args: list, consts=None) -> list:
@@ -220,12 +218,8 @@ class _Hoisted:
                 closed_update = _inner.trace_update(inner, params, state, params)[0].closed
         else:
             closed_update = _trace(_inner.update_fn(inner), (params, state, params, extra))[0]
-        values, seen = [], set()
-        for c in (*closed_init.consts, *closed_update.consts):
-            if _must_enter(c) and id(c) not in seen:
-                seen.add(id(c))
-                values.append(c)
-        return cls(cfg, values, engines)
+        values = {id(c): c for c in (*closed_init.consts, *closed_update.consts) if _must_enter(c)}
+        return cls(cfg, list(values.values()), engines)
 
     def placed(self, mesh: jax.sharding.Mesh) -> list:
         """The values, replicated over `mesh`."""

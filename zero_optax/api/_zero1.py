@@ -170,12 +170,10 @@ def zero1(
 def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
     """One optimizer step: the new parameters and state, what `tx.update` followed by `optax.apply_updates` gives.
 
-    For a zero1 transformation (`tx = zo.zero1(...)`, unbound inside `shard_map` or mesh-bound anywhere), each
-    device adds the updates of the coordinates it owns to its own slice of the parameters, and the devices
-    all-gather the *new parameters* instead of the updates (as ZeRO and DeepSpeed do), which saves the separate
-    full-size pass that `optax.apply_updates` makes over the gathered updates. The values are the same: the same
-    additions, on other devices. Under `accumulate_steps > 1` or `offload=True`, and for any other transformation
-    (a chain holding a zero1, plain optax), it runs `tx.update` and `optax.apply_updates`.
+    For a zero1 transformation, each device adds the updates of the coordinates it owns to its own slice of the
+    parameters, and the devices all-gather the *new parameters* instead of the updates (as ZeRO does): the same
+    values without a full-size `optax.apply_updates` pass. Under `accumulate_steps > 1` or `offload=True`, and for
+    any other transformation (a chain holding a zero1, plain optax), it runs `tx.update` and `optax.apply_updates`.
 
     Args:
       tx: a transformation, typically `zo.zero1(...)`.
@@ -232,11 +230,9 @@ def describe(state) -> Layout:
 def as_local(params, axis_name: str | Sequence[str]):
     """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
 
-    Inside `jax.shard_map` (with `check_vma=True`, the default), the gradient with respect to a replicated
-    parameter is already summed over the axis by autodiff, an all-reduce that costs 2x the gradient bytes on the
-    wire, and the result no longer says whether it is a sum or a mean. Differentiating with respect to
-    `as_local(params)` instead leaves each device its own gradient, which zero1 then reduce-scatters (1x), so a
-    ZeRO-1 step moves no more bytes than plain data parallelism.
+    Inside `jax.shard_map` (with `check_vma=True`, the default), autodiff already all-reduces the gradient with
+    respect to a replicated parameter. Differentiating with respect to `as_local(params)` instead leaves each device
+    its own gradient, which zero1 then reduce-scatters, moving half the bytes.
 
     Examples:
       >>> # inside the shard_map'ed step:
