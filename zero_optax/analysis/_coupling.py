@@ -254,6 +254,10 @@ def _fit(var: Any, fact: _Fact) -> _Fact:
     return fact
 
 
+def _literal(atom: Any) -> _Fact:
+    return _Fact(positional=_LITERAL) if prim.size(atom) > 1 else _CLEAN
+
+
 def _key(facts: Sequence[_Fact]) -> list[tuple[Any, ...]]:
     """What a loop's fixed point compares (origins are kept from the first iteration that sets them)."""
     return [(f.labels, f.coords, f.random is None, f.positional is None, f.reduced, f.control) for f in facts]
@@ -288,24 +292,13 @@ class _Analysis:
                 raise self._random(origin, f"reach an output of parameter leaf {out_labels[i]}")
         return outs
 
-    def run(self, jaxpr: Any, facts: Sequence[_Fact]) -> list[_Fact]:
-        """Propagates input facts through `jaxpr` (a Jaxpr or ClosedJaxpr)."""
-        env: dict[Any, _Fact] = {}
-        if isinstance(jaxpr, jcore.ClosedJaxpr):
-            env.update((v, _Fact(positional=_CONSTANT)) for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
-                       if np.size(c) > 1)
-            jaxpr = jaxpr.jaxpr
-        env.update((v, _fit(v, f)) for v, f in zip(jaxpr.invars, facts))
-
-        def read(atom: Any) -> _Fact:
-            if isinstance(atom, jcore.Literal):
-                return _Fact(positional=_LITERAL) if prim.size(atom) > 1 else _CLEAN
-            return env.get(atom, _CLEAN)
-
-        for eqn in jaxpr.eqns:
-            outs = self._equation(eqn, [read(v) for v in eqn.invars])
-            env.update((v, _fit(v, f)) for v, f in zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+    def run(self, program: Any, facts: Sequence[_Fact]) -> list[_Fact]:
+        """Propagates input facts through `program` (`_programs.evaluate` on facts)."""
+        jaxpr, consts = _compat.jaxpr_parts(program)
+        return _programs.evaluate(
+            jaxpr, [_Fact(positional=_CONSTANT) if np.size(c) > 1 else _CLEAN for c in consts],
+            [_fit(v, f) for v, f in zip(jaxpr.invars, facts)],
+            lambda eqn, ins: [_fit(v, f) for v, f in zip(eqn.outvars, self._equation(eqn, ins))], _literal)
 
     def _equation(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:
         """The result facts of one equation."""

@@ -244,14 +244,16 @@ def bind(eqn: Any, ins: Sequence[Any], params: dict[str, Any] | None = None) -> 
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-             rule: Callable[[Any, list], list | None] | None = None) -> list:
+             rule: Callable[[Any, list], list | None] | None = None, literal: Callable | None = None) -> list:
     """Runs `jaxpr` on `consts` and `args` in the current trace; `rule(eqn, ins)` gives an equation's results, or
-    None to bind it as it is."""
+    None to bind it as it is. `literal(atom)` reads a literal, by default as an array (an analysis reads facts)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
     def read(v):
-        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else env[v]
+        if isinstance(v, jcore.Literal):
+            return jnp.asarray(v.val, v.aval.dtype) if literal is None else literal(v)
+        return env[v]
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         outs = None if rule is None else rule(eqn, ins)

@@ -17,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,40 +42,35 @@ def _mesh_of(arrays: list[Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _program(layout: Layout, mesh: Any, op: str, master: bool, traced: bool) -> Any:
-    """`_local` on each device's rows of `mesh`; jitted unless `traced`."""
+def _program(layout: Layout, mesh: Any, op: Callable, master: bool, traced: bool) -> Any:
+    """`op` (`_cut_all` or `_join_all`) on each device's rows of `mesh`; jitted unless `traced`."""
     specs = tuple(_specs.history_spec(layout, layout.leaves[g.first]) for g in layout.groups)
     history_specs = tuple(tuple(s for _ in g.histories[0]) for s, g in zip(specs, layout.groups))
     entry_specs = {j: specs[layout.stored_at[j][0]] for j in _entry_order(layout)}
-    if op == "cut":
+    if op is _cut_all:
         in_specs = (history_specs, specs if master else None)
         out_specs = [entry_specs[j] for j in _entry_order(layout)]
     else:
         joined = _joined(layout)
         in_specs = {j: entry_specs[j] for g in joined for j in _group_entries(layout.groups[g])}
         out_specs = (tuple(history_specs[g] for g in joined), tuple(specs[g] for g in joined) if master else None)
-    fn = functools.partial(_local, layout, op, master)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(functools.partial(op, layout, master), mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
     return mapped if traced else jax.jit(mapped)
 
 
-def _local(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
-    """`_cut_all` (`op` "cut") or `_join_all` ("join") of `inputs`, on one device's rows or on global arrays."""
-    return _cut_all(layout, *inputs) if op == "cut" else _join_all(layout, inputs, master)
-
-
-def _per_device(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
-    """`_local` of `inputs`, inside `shard_map` on their mesh where one is known."""
+def _per_device(layout: Layout, op: Callable, master: bool, inputs: Any) -> Any:
+    """`op` of `inputs`, inside `shard_map` on their mesh where one is known."""
     arrays = jax.tree.leaves(inputs)
     mesh = _mesh_of(arrays)
     if mesh is None:
-        return _local(layout, op, master, inputs)
+        return op(layout, master, inputs)
     traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
     return _program(layout, mesh, op, master, traced)(inputs)
 
 
-def _cut_all(layout: Layout, histories, master) -> list[jax.Array]:
-    """Every group's local row cut into its members' parts, in `_entry_order`."""
+def _cut_all(layout: Layout, _, inputs) -> list[jax.Array]:
+    """Every group's local row (`inputs`: histories, master copies) cut into its members' parts, `_entry_order`."""
+    histories, master = inputs
     out = []
     for g, group in enumerate(layout.groups):
         for x in histories[g]:
@@ -113,7 +109,7 @@ def unowned(state: ZeroState) -> dict[int, jax.Array]:
         return out
     histories = _offload.fetched(state.inner_state.histories)
     master = _offload.fetched(state.master)
-    values = _per_device(layout, "cut", master is not None, (histories, master))
+    values = _per_device(layout, _cut_all, master is not None, (histories, master))
     out.update(zip(_entry_order(layout), values))
     return out
 
@@ -130,7 +126,7 @@ def sliced_shardings(state: ZeroState) -> dict[int, Any]:
     return out
 
 
-def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool):
+def _join_all(layout: Layout, master: bool, values: dict[int, jax.Array]):
     """The stored arrays of the `_joined` groups, joined from their entries'."""
     histories, masters = [], []
     for group in (layout.groups[g] for g in _joined(layout)):
@@ -159,7 +155,7 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
     values = _offload.fetched({j: values[j] for j in _entry_order(layout)})
     joined = _joined(layout)
     inputs = {j: values[j] for g in joined for j in _group_entries(layout.groups[g])}
-    done_h, done_m = _per_device(layout, "join", master, inputs) if joined else ((), None)
+    done_h, done_m = _per_device(layout, _join_all, master, inputs) if joined else ((), None)
     done_h, done_m = dict(zip(joined, done_h)), dict(zip(joined, done_m or ()))
     histories, masters = [], []
     for g, group in enumerate(layout.groups):
