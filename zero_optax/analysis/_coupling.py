@@ -30,15 +30,10 @@ CouplingError = ZeroCouplingError
 
 @dataclasses.dataclass(frozen=True)
 class LeafAnalysis:
-    """What `analyze_leaves` found. Per flattened output of `fn`, `output_taints` are the leaves it depends on,
-    `output_coords` those coordinate by coordinate, `output_reductions` those whose full reductions it depends on.
-
-    Attributes:
-      coupled: leaves whose coordinates the update mixes; `reasons`: per coupled leaf, the first such equation.
-      reductions: with `collective`, leaves a full reduction reduces to a scalar (a collective on slices).
-      crossing: None, or where a scalar reduced from one leaf first meets another leaf (a global norm).
-      draws: with `collective`, leaves whose values meet random numbers drawn in their shape (`optax.add_noise`).
-    """
+    """What `analyze_leaves` found: the leaves whose coordinates the update mixes (`reasons`: the first equation
+    that does, per leaf), those it fully reduces, where a reduction of one leaf first meets another (`crossing`),
+    those meeting random numbers drawn in their shape, and per output the leaves it depends on (`output_taints`),
+    coordinate by coordinate (`output_coords`), through full reductions (`output_reductions`)."""
 
     coupled: frozenset[int]
     reasons: Mapping[int, str]
@@ -108,13 +103,9 @@ def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: 
 
 def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, sources: Any, out_sources: Any = None,
                    collective: bool = False) -> LeafAnalysis:
-    """Which labelled leaves `fn(*args)` mixes the coordinates of (a reduction, a matrix product, a position mask);
-    raises `CouplingError` where it mixes two leaves or random values reach parameter data.
-
-    `sources` (`out_sources`) is a pytree prefix of `args` (of the output) with an int label or None per subtree;
-    random numbers may reach only outputs labelled None (none without `out_sources`). Non-scalar inputs labelled
-    None count as position-dependent; with `collective`, a full reduction of a leaf does not couple it.
-    """
+    """Which labelled leaves `fn(*args)` mixes the coordinates of; `CouplingError` where it mixes two leaves or
+    random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
+    an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
     traced = _programs.traced(fn, args)
     in_labels, out_labels = _programs.labels(traced, sources, out_sources)
     facts = []

@@ -94,12 +94,9 @@ def _bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
 def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out_sources: Any,
                   names: dict[str, str] | None = None, collective: bool = False) -> dict[int | None, tuple[str, ...]]:
     """Label (or None: the unlabelled outputs) -> the program `fn` runs on that leaf, for every label no equation
-    mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`).
-
-    Operands are named by where they come from (the leaf's values by order, unlabelled inputs by position, shared
-    values by what computes them, through `names`, shared across traces), so leaves reading different shared values
-    differ. With `collective`, a full reduction of one leaf is its program's but its result carries no label.
-    """
+    mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`). Operands are named by where
+    they come from (shared values by what computes them, in `names`, shared across traces); with `collective`, a
+    full reduction of one leaf is its program's but its result carries no label."""
     program = traced(fn, args)
     walker = _LeafPrograms(program.closed, {} if names is None else names, collective)
     return walker.run(*labels(program, sources, out_sources))
