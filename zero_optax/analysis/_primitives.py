@@ -9,6 +9,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from zero_optax.core import _compat
+
 # Every output coordinate depends only on the same coordinate of each operand (operands of another size are
 # checked separately).
 ELEMENTWISE = frozenset({
@@ -62,12 +64,8 @@ KERNELS = frozenset({
 CALLBACKS = frozenset({"pure_callback", "io_callback", "buffer_callback"})
 # Effects with no results: nothing flows out of them.
 SINKS = frozenset({"debug_callback", "debug_print"})
-# Call-like primitives: operands and results map 1:1 onto one sub-jaxpr, held by one of `CALL_PARAMS`.
-CALLS = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
-    "remat2", "checkpoint",
-})
-CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Call-like primitives: operands and results map 1:1 onto their one sub-jaxpr.
+CALLS = frozenset(_compat.CALLS) | {"remat2"}
 CONTROL = frozenset({"cond", "while", "scan"})
 KNOWN = ELEMENTWISE | PER_OPERAND_IDENTITY | UNIFORM_PRESERVING | POSITIONAL | RANDOM | SINKS | CALLS | CONTROL
 
@@ -100,14 +98,9 @@ def subjaxprs(params: dict[str, Any]) -> list[Any]:
 def call_body(eqn: Any) -> Any:
     """The sub-jaxpr of a call-like equation whose inputs and outputs are the equation's, or None."""
     name = eqn.primitive.name
-    if name in CALLS:
-        candidates = [eqn.params[k] for k in CALL_PARAMS if k in eqn.params]
-    elif name in KNOWN or name in KERNELS or name in CALLBACKS:
-        return None  # e.g. the reducer of `reduce`, or a Pallas kernel's body, is no call
-    else:  # an unknown higher-order primitive (shard_map, composite, ...): only an exact fit
-        candidates = subjaxprs(eqn.params)
-        if len(candidates) != 1:
-            return None
+    candidates = subjaxprs(eqn.params)
+    if name not in CALLS and (name in KNOWN or name in KERNELS or name in CALLBACKS or len(candidates) != 1):
+        return None  # (`reduce`'s reducer or a kernel's body is no call; an unknown primitive, shard_map, must fit)
     for sub in candidates:
         inner = opened(sub)
         if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
