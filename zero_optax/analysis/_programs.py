@@ -294,12 +294,12 @@ def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
     return False
 
 
-def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
+def rewrite(program: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any] | None = None) -> Any:
     """`program` with `rule(eqn)` (an equation, or None to drop one of one operand, forwarding it) in place of each
-    equation, whose operands and sub-programs are rewritten first."""
+    equation, whose operands, sub-programs and other parameters (`param(value)`, if given) are rewritten first."""
     wrapped = getattr(program, "jaxpr", program)
     if wrapped is not program:  # a ClosedJaxpr around a Jaxpr (JAX 0.10, 0.11; JAX 0.12 has one class for both)
-        return program.replace(jaxpr=rewrite(wrapped, rule))
+        return program.replace(jaxpr=rewrite(wrapped, rule, param))
     forwarded: dict = {}
 
     def read(v):
@@ -307,7 +307,7 @@ def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
     eqns = []
     for eqn in program.eqns:
         eqn = eqn.replace(invars=[read(v) for v in eqn.invars],
-                          params={k: _rewritten(v, rule) for k, v in eqn.params.items()})
+                          params={k: _rewritten(v, rule, param) for k, v in eqn.params.items()})
         new = rule(eqn)
         if new is None:
             forwarded[eqn.outvars[0]] = eqn.invars[0]
@@ -316,12 +316,12 @@ def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
     return program.replace(eqns=eqns, outvars=[read(v) for v in program.outvars])
 
 
-def _rewritten(value: Any, rule: Callable[[Any], Any]) -> Any:
+def _rewritten(value: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any] | None) -> Any:
     if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-        return rewrite(value, rule)
+        return rewrite(value, rule, param)
     if type(value) is tuple:
-        return tuple(_rewritten(v, rule) for v in value)
-    return value
+        return tuple(_rewritten(v, rule, param) for v in value)
+    return value if param is None else param(value)
 
 
 def vectorisable(program: Any) -> bool:

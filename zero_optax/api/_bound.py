@@ -165,17 +165,13 @@ _PLACEMENTS = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 
 
 def _per_device(eqn):
-    """`eqn` as a `shard_map` body runs it: a placement dropped (None), a sharding on a mesh replaced by None (the
-    body's manual mesh refuses both; per device the default, replicated, is right)."""
-    if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1:
-        return None
-    return eqn.replace(params={k: _local(v) for k, v in eqn.params.items()})
+    """`eqn` as a `shard_map` body runs it: a placement dropped (None; the body's manual mesh refuses it)."""
+    return None if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1 else eqn
 
 
 def _local(value: Any) -> Any:
-    if isinstance(value, NamedSharding):
-        return value if value.mesh.empty else None
-    return tuple(_local(v) for v in value) if type(value) is tuple else value
+    """A parameter as a `shard_map` body runs it: a sharding on a mesh, which the body refuses, replaced by None."""
+    return None if isinstance(value, NamedSharding) and not value.mesh.empty else value
 
 
 def _evaluate(program, args: list, consts=None) -> list:
@@ -244,7 +240,7 @@ class _Hoisted:
         if self._reading is None:
             raise RuntimeError("zero1 (mesh-bound): the inner transformation was called outside its shard_map.")
         closed, out_shape, flat = _trace(fn, args)
-        closed = _programs.rewrite(closed, _per_device)
+        closed = _programs.rewrite(closed, _per_device, _local)
         consts = [self._reading[self._index[id(c)]] if id(c) in self._index else c
                   for c in _compat.jaxpr_parts(closed)[1]]
         out = _evaluate(closed, flat, consts)
