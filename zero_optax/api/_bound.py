@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -70,21 +71,23 @@ class Bound:
             self._hoisted = _Hoisted.find(self.zero.cfg, params, extra, (self.zero.engine, self.mean))
         return self._hoisted
 
-    def init(self, params):
+    def init(self, params, full_state=None):
+        """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
         specs = param_specs(params, self.mesh)
         hoisted = self._hoisting(params, None)
-        key = ("init", _key(params, specs))
+        key = ("init", _key(params, specs), jax.tree.structure(full_state))
         if key not in self._fns:
-            def init(values, params):
+            def init(values, params, full_state):
                 with hoisted.reading(values):
-                    return hoisted.engine.init(params)
-            stand_in = types.SimpleNamespace(init=lambda args: init(*args))
+                    return hoisted.engine.build(params, full_state)
+            stand_in = types.SimpleNamespace(init=lambda args: init(*args, None))
             traced = _specs.traced_state(stand_in, (hoisted.values, params), (hoisted.specs, specs), self.mesh,
                                          declare=specs)
-            self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
+            self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs, P()),
                                                    out_specs=_specs.tree_specs(traced)))
+        full_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), NamedSharding(self.mesh, P())), full_state)
         with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
-            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
+            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh), full_state)
         self._specs[state.layout] = specs
         return state
 

@@ -54,7 +54,8 @@ def _program(layout: Layout, mesh: Any, op: Callable, master: bool, traced: bool
         joined = _joined(layout)
         in_specs = {j: entry_specs[j] for g in joined for j in _group_entries(layout.groups[g])}
         out_specs = (tuple(history_specs[g] for g in joined), tuple(specs[g] for g in joined) if master else None)
-    mapped = jax.shard_map(functools.partial(op, layout, master), mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(functools.partial(op, layout, master), mesh=mesh, in_specs=(in_specs,),
+                           out_specs=out_specs, check_vma=False)
     return mapped if traced else jax.jit(mapped)
 
 
