@@ -65,16 +65,16 @@ class Bound:
         self._specs: dict = {}
         self._hoisted: _Hoisted | None = None
 
-    def _hoisting(self, params, extra: dict | None) -> _Hoisted:
+    def _hoisting(self, params) -> _Hoisted:
         """The `_Hoisted` values and engines, found once (a transformation's closure does not change)."""
         if self._hoisted is None:
-            self._hoisted = _Hoisted.find(self.zero.cfg, params, extra, (self.zero.engine, self.mean))
+            self._hoisted = _Hoisted.find(self.zero.cfg, params, (self.zero.engine, self.mean))
         return self._hoisted
 
     def init(self, params, full_state=None):
         """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
         specs = param_specs(params, self.mesh)
-        hoisted = self._hoisting(params, None)
+        hoisted = self._hoisting(params)
         key = ("init", _key(params, specs), jax.tree.structure(full_state))
         if key not in self._fns:
             def init(values, params, full_state):
@@ -115,7 +115,7 @@ class Bound:
         if specs is None or params is not None:
             found = param_specs(params if params is not None else grads, self.mesh)
             specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
-        hoisted = self._hoisting(params if params is not None else grads, extra)
+        hoisted = self._hoisting(params if params is not None else grads)
         state_specs = _specs.specs_of(state)
         extra_specs = jax.tree.map(lambda _: P(), extra)
         with_params = params is not None
@@ -205,18 +205,15 @@ class _Hoisted:
         self.mean = _engine.Engine(dataclasses.replace(cfg, reduce=None))
 
     @classmethod
-    def find(cls, cfg: Config, params, extra: dict | None, engines: tuple) -> _Hoisted:
+    def find(cls, cfg: Config, params, engines: tuple) -> _Hoisted:
         """The values among the constants of the inner `init` and `update`; `engines` (plain, mean) where none."""
         inner = cfg.inner if cfg.accumulating is None else cfg.accumulating.inner
         if not _inner.may_reach(inner, _must_enter):  # (spares the common case, numbers, the two traces)
             return cls(cfg, [], engines)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)), params)
         closed_init, state, _ = _trace(inner.init, (params,))
-        if extra is None:  # (at init: the update's extra arguments are found as the analyses find them)
-            with jax.sharding.use_abstract_mesh(_NO_MESH):
-                closed_update = _inner.trace_update(inner, params, state, params)[0].closed
-        else:
-            closed_update = _trace(_inner.update_fn(inner), (params, state, params, extra))[0]
+        with jax.sharding.use_abstract_mesh(_NO_MESH):  # (the update's extra arguments found as the analyses find them)
+            closed_update = _inner.trace_update(inner, params, state, params)[0].closed
         values = {id(c): c for c in (*closed_init.consts, *closed_update.consts) if _must_enter(c)}
         return cls(cfg, list(values.values()), engines)
 
