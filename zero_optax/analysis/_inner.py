@@ -40,11 +40,8 @@ def reachable(root: Any) -> Iterator[Any]:
         yield x
         if isinstance(x, jax.Array):
             continue
-        if isinstance(x, dict):
-            stack.extend(x.values())
-            continue
-        if isinstance(x, (tuple, list, set, frozenset)):
-            stack.extend(x)
+        if isinstance(x, (dict, tuple, list, set, frozenset)):
+            stack.extend(x.values() if isinstance(x, dict) else x)
             continue
         if isinstance(x, types.FunctionType):
             stack.extend(inspect.getclosurevars(x).nonlocals.values())

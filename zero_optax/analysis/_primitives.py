@@ -80,11 +80,6 @@ def size(atom: Any) -> int:
     return math.prod(shape(atom))
 
 
-def opened(program: Any) -> jcore.Jaxpr:
-    """The Jaxpr of a ClosedJaxpr (an open Jaxpr as it is)."""
-    return program.jaxpr if isinstance(program, jcore.ClosedJaxpr) else program
-
-
 def subjaxprs(params: dict[str, Any]) -> list[Any]:
     """Every sub-jaxpr in an equation's params (ClosedJaxpr or Jaxpr, possibly in tuples), as found."""
     found: list[Any] = []
@@ -102,7 +97,7 @@ def call_body(eqn: Any) -> Any:
     if name not in CALLS and (name in KNOWN or name in KERNELS or name in CALLBACKS or len(candidates) != 1):
         return None  # (`reduce`'s reducer or a kernel's body is no call; an unknown primitive, shard_map, must fit)
     for sub in candidates:
-        inner = opened(sub)
+        inner = _compat.jaxpr_parts(sub)[0]
         if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
             return sub
     return None

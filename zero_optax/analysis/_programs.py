@@ -85,10 +85,10 @@ def _bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
     """`signature` of `eqn`'s sub-jaxprs; a call's body knows the scalar operands `values` of the call."""
     body = prim.call_body(eqn)
     for sub in prim.subjaxprs(eqn.params):
-        inner = known_consts(sub)
+        jaxpr, inner = _compat.jaxpr_parts(sub)[0], known_consts(sub)
         if sub is body:
-            inner.update((v, x) for v, x in zip(prim.opened(sub).invars, values) if x is not None)
-        signature(prim.opened(sub), inner, out)
+            inner.update((v, x) for v, x in zip(jaxpr.invars, values) if x is not None)
+        signature(jaxpr, inner, out)
 
 
 def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out_sources: Any,
@@ -167,7 +167,7 @@ class _LeafPrograms:
 
     def _inline(self, eqn: Any, body: Any) -> None:
         """A call (a jit over a whole tree): its equations, as if written in place."""
-        sub = prim.opened(body)
+        sub = _compat.jaxpr_parts(body)[0]
         self.name.update((v, "c?") for v in sub.constvars)
         self.name.update((v, f"k{x}") for v, x in known_consts(body).items())
         for inner, outer in zip(sub.invars, eqn.invars):
@@ -227,10 +227,9 @@ def _scalar_repr(value: Any) -> str | None:
 
 
 def known_consts(program: Any) -> dict[Any, str]:
-    """The scalar constants of a ClosedJaxpr, by constvar."""
-    if not isinstance(program, jcore.ClosedJaxpr):
-        return {}
-    found = ((v, _scalar_repr(c)) for v, c in zip(program.jaxpr.constvars, program.consts))
+    """The scalar constants of a program, by constvar."""
+    jaxpr, consts = _compat.jaxpr_parts(program)
+    found = ((v, _scalar_repr(c)) for v, c in zip(jaxpr.constvars, consts))
     return {v: x for v, x in found if x is not None}
 
 
