@@ -95,7 +95,7 @@ def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: 
               scalar_leaves: frozenset[int] = frozenset()) -> Slices:
     """What `fn` needs on coordinate slices; `CouplingError` where it mixes coordinates other than by full
     reductions outside control flow (`untainted`, `scalar_leaves`: as for `_coordinate_facts`)."""
-    closed, _, args = _programs.traced(fn, args)
+    closed = _programs.trace(fn, *args).closed
     analysis = _Analysis(strict=True, collective=True)
     outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
     return Slices(bool(analysis.reduced or analysis.draws), tuple(bool(f.coords) for f in outs))
@@ -106,7 +106,7 @@ def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, source
     """Which labelled leaves `fn(*args)` mixes the coordinates of; `CouplingError` where it mixes two leaves or
     random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
     an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
-    traced = _programs.traced(fn, args)
+    traced = _programs.trace(fn, *args)
     in_labels, out_labels = _programs.labels(traced, sources, out_sources)
     facts = []
     for var, lab in zip(traced.closed.jaxpr.invars, in_labels):

@@ -26,15 +26,12 @@ class Traced(NamedTuple):
     args: tuple[Any, ...]
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> Traced:
-    """Traces `fn(*args)` to a jaxpr that every analysis accepts in place of `fn` (with no args)."""
+def trace(fn: Callable[..., Any] | Traced, *args: Any) -> Traced:
+    """`fn(*args)` traced, which every analysis accepts in place of `fn` (with no args); `fn` if already traced."""
+    if isinstance(fn, Traced):
+        return fn
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     return Traced(closed, out_shape, args)
-
-
-def traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
-    """`fn` traced on `args`, or `fn` itself if already traced."""
-    return fn if isinstance(fn, Traced) else trace(fn, *args)
 
 
 def labels(traced: Traced, sources: Any, out_sources: Any) -> tuple[list[int | None], list[int | None] | None]:
@@ -97,7 +94,7 @@ def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out
     mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`). Operands are named by where
     they come from (shared values by what computes them, in `names`, shared across traces); with `collective`, a
     full reduction of one leaf is its program's but its result carries no label."""
-    program = traced(fn, args)
+    program = trace(fn, *args)
     walker = _LeafPrograms(program.closed, {} if names is None else names, collective)
     return walker.run(*labels(program, sources, out_sources))
 
