@@ -110,26 +110,22 @@ class Bound:
             raise ZeroStructureError(
                 f"zero1 update expected the ZeroState returned by this transformation's init, got "
                 f"{type(state).__name__}.")
-        layout = state.layout
-        specs = self._specs.get(layout)
-        if specs is None or params is not None:
-            found = param_specs(params if params is not None else grads, self.mesh)
-            specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
-        hoisted = self._hoisting(params if params is not None else grads)
-        state_specs = _specs.specs_of(state)
-        extra_specs = jax.tree.map(lambda _: P(), extra)
         with_params = params is not None
-        key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
+        specs = self._specs.get(state.layout)
+        if specs is None or with_params:
+            found = param_specs(params if with_params else grads, self.mesh)
+            specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
+        hoisted = self._hoisting(params if with_params else grads)
+        state_specs = _specs.specs_of(state)
+        key = ("update", state.layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
         if key not in self._fns:
             def run(values, grads, state, params, extra):
                 with hoisted.reading(values):
                     return hoisted.mean.update(grads, state, params, apply=apply, **extra)
 
-            # On a one-device mesh nothing varies: untyped (check_vma=False), the step needs no collective at all,
-            # where typed values would have to be retyped replicated by one-device collectives (copies on XLA:CPU).
+            # One device: untyped (check_vma=False), so that no one-device collective retypes values (XLA:CPU copies).
             self._fns[key] = jax.jit(jax.shard_map(
-                run, mesh=self.mesh,
-                in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), extra_specs),
+                run, mesh=self.mesh, in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), P()),
                 out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
         grads = placed(grads, specs, self.mesh)
         params = placed(params, specs, self.mesh) if with_params else None
