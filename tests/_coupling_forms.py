@@ -19,7 +19,7 @@ def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: boo
     (`iota`, a non-scalar constant) couples; so do random numbers reaching such data or an output. `collective`
     accepts full reductions (`collective_kind`) outside control flow.
     """
-    closed, _, _ = _programs.traced(fn, args)
+    closed, _, _ = _programs.trace(fn, *args)
     try:
         _coupling._Analysis(strict=True, collective=collective).check(closed, _coupling._coordinate_facts(closed),
                                                                         None)
@@ -32,11 +32,11 @@ def find_leaf_coupling(fn: Callable[..., Any], *args: Any, sources: Any, out_sou
     """None if no equation of `fn(*args)` combines values of two labelled leaves and no random value reaches
     parameter data, else the first offending primitive and where it is (`sources`, `out_sources`: as for
     `analyze_leaves`)."""
-    closed, out_shape, args = _programs.traced(fn, args)
-    facts = [_coupling._Fact(frozenset({lab})) if lab is not None else _coupling._CLEAN
-             for lab in _programs.input_labels(closed, sources, args)]
+    traced = _programs.trace(fn, *args)
+    in_labels, out_labels = _programs.labels(traced, sources, out_sources)
+    facts = [_coupling._Fact(frozenset({lab})) if lab is not None else _coupling._CLEAN for lab in in_labels]
     try:
-        _coupling._Analysis(strict=False).check(closed, facts, _programs.output_labels(closed, out_sources, out_shape))
+        _coupling._Analysis(strict=False).check(traced.closed, facts, out_labels)
     except CouplingError as e:
         return str(e)
     return None
@@ -46,6 +46,6 @@ def program_signature(fn: Callable[..., Any], *args: Any) -> list[str]:
     """What `fn(*args)` computes (`_programs.signature`): equal on a parameter and on a slice of it for an
     elementwise optimizer, different where the update depends on shapes (a mask from `ndim`, `1 / g.size`)."""
     out: list[str] = []
-    closed, _, _ = _programs.traced(fn, args)
+    closed, _, _ = _programs.trace(fn, *args)
     _programs.signature(closed.jaxpr, _programs.known_consts(closed), out)
     return out

@@ -1,11 +1,6 @@
-"""What a partition may do: proofs, from the inner update's jaxpr, that it does not couple values one device
-updates apart.
-
-Slicing coordinates is exact only for an update elementwise in its non-scalar inputs (`on_slices`, which accepts full
-reductions and draws in a leaf's shape, run as collectives); owning leaves only for one that never mixes two leaves
-(`analyze_leaves`, which also names the leaves whose coordinates it mixes). Both propagate a `_Fact` per value
-through every equation, into calls and control flow, conservatively: random numbers reaching parameter data are
-refused, and an unknown primitive mixes what it consumes and makes position-dependent results.
+"""What a partition may do: proofs, from the inner update's jaxpr, that it does not couple values that devices
+update apart (`on_slices` for coordinate slices, `analyze_leaves` for owned leaves). Both propagate a `_Fact` per
+value through every equation conservatively: an unknown primitive mixes what it consumes.
 """
 
 from __future__ import annotations
@@ -35,17 +30,10 @@ CouplingError = ZeroCouplingError
 
 @dataclasses.dataclass(frozen=True)
 class LeafAnalysis:
-    """What `analyze_leaves` found. Per flattened output of `fn`, `output_taints` are the leaves it depends on,
-    `output_coords` those coordinate by coordinate, `output_reductions` those whose full reductions it depends on.
-
-    Attributes:
-      coupled: leaves whose coordinates the update mixes (they need whole tensors).
-      reasons: per coupled leaf, the first equation that mixes its coordinates, described.
-      reductions: with `collective`, leaves a full reduction sums (maxes, mins) to a scalar: a collective on slices.
-      crossing: None, or where a scalar reduced from one leaf first meets another leaf (a global norm): those
-        reductions must then run on every device.
-      draws: with `collective`, leaves whose values meet random numbers drawn in their shape (`optax.add_noise`).
-    """
+    """What `analyze_leaves` found: the leaves whose coordinates the update mixes (`reasons`: the first equation
+    that does, per leaf), those it fully reduces, where a reduction of one leaf first meets another (`crossing`),
+    those meeting random numbers drawn in their shape, and per output the leaves it depends on (`output_taints`),
+    coordinate by coordinate (`output_coords`), through full reductions (`output_reductions`)."""
 
     coupled: frozenset[int]
     reasons: Mapping[int, str]
@@ -59,16 +47,9 @@ class LeafAnalysis:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Origin:
-    """Where a random or position-dependent value was made.
-
-    Attributes:
-      what: what the value is, as a phrase (`"draws random numbers"`).
-      eqns: the enclosing equations ending with the one that made it; empty for an input or constant.
-      number: for a random value, whether it holds random numbers rather than a PRNG key.
-      aligned: for random numbers, whether only elementwise operations followed `random_bits`: meeting a leaf
-        elementwise, each number pairs with the coordinate plain optax pairs it with, which a device holding a
-        slice reproduces by drawing the whole leaf and keeping its slice.
-    """
+    """Where a random or position-dependent value was made: `what` it is (a phrase), the enclosing `eqns` ending with
+    the one that made it, whether it holds random `number`s (not a key), and whether only elementwise operations
+    followed `random_bits` (`aligned`: a device holding a slice reproduces it by drawing the whole leaf)."""
 
     what: str
     eqns: tuple[Any, ...] = ()
@@ -95,21 +76,16 @@ _SHARED = _Origin("non-scalar shared state (an input without a parameter label, 
 
 def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int] = frozenset(),
                       scalar_leaves: frozenset[int] = frozenset()) -> list[_Fact]:
-    """One label for every non-scalar input but the `untainted` ones (a PRNG key's data), and for the
-    `scalar_leaves` (one-element parameter data, which random numbers may meet as they meet other leaves)."""
+    """One label for every non-scalar input but the `untainted` ones (a PRNG key's data) and for the
+    `scalar_leaves` (one-element parameter data)."""
     tainted, scalar = _Fact(frozenset({0}), frozenset({0})), _Fact(frozenset({0}))
     return [tainted if prim.size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
             for k, v in enumerate(closed.jaxpr.invars)]
 
 
 class Slices(NamedTuple):
-    """What an update elementwise but for full reductions and draws in a leaf's shape needs on slices.
-
-    Attributes:
-      joint: whether it has any: it then needs every leaf's slice at once (collectives, one key split over all).
-      coordinate_outputs: per flattened output, whether it depends on inputs coordinate by coordinate (one that
-        does not, such as novograd's per-leaf norm, is the same on every device holding a slice).
-    """
+    """What an update needs on slices: `joint`, whether it has full reductions or draws in a leaf's shape (every
+    leaf's slice at once); per flattened output, whether it depends on inputs coordinate by coordinate."""
 
     joint: bool
     coordinate_outputs: tuple[bool, ...]
@@ -117,10 +93,9 @@ class Slices(NamedTuple):
 
 def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: frozenset[int] = frozenset(),
               scalar_leaves: frozenset[int] = frozenset()) -> Slices:
-    """What `fn` needs on coordinate slices; raises `CouplingError`, naming the operation, where it mixes
-    coordinates other than by full reductions outside control flow. `untainted`, `scalar_leaves`: positions among
-    the flattened inputs (`_coordinate_facts`)."""
-    closed, _, args = _programs.traced(fn, args)
+    """What `fn` needs on coordinate slices; `CouplingError` where it mixes coordinates other than by full
+    reductions outside control flow (`untainted`, `scalar_leaves`: as for `_coordinate_facts`)."""
+    closed = _programs.trace(fn, *args).closed
     analysis = _Analysis(strict=True, collective=True)
     outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
     return Slices(bool(analysis.reduced or analysis.draws), tuple(bool(f.coords) for f in outs))
@@ -128,23 +103,20 @@ def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: 
 
 def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, sources: Any, out_sources: Any = None,
                    collective: bool = False) -> LeafAnalysis:
-    """Which labelled leaves `fn(*args)` mixes the coordinates of (a reduction, a matrix product, a position mask);
-    raises `CouplingError` where it mixes two leaves or random values reach parameter data.
-
-    `sources` (`out_sources`) is a pytree prefix of `args` (of the output) with an int label or None per subtree;
-    random numbers may reach only outputs labelled None (none without `out_sources`). Non-scalar inputs labelled
-    None count as position-dependent; with `collective`, a full reduction of a leaf does not couple it.
-    """
-    closed, out_shape, args = _programs.traced(fn, args)
+    """Which labelled leaves `fn(*args)` mixes the coordinates of; `CouplingError` where it mixes two leaves or
+    random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
+    an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
+    traced = _programs.trace(fn, *args)
+    in_labels, out_labels = _programs.labels(traced, sources, out_sources)
     facts = []
-    for var, lab in zip(closed.jaxpr.invars, _programs.input_labels(closed, sources, args)):
+    for var, lab in zip(traced.closed.jaxpr.invars, in_labels):
         big = prim.size(var) > 1
         if lab is None:
             facts.append(_Fact(positional=_SHARED) if big else _CLEAN)
         else:
             facts.append(_Fact(frozenset({lab}), frozenset({lab}) if big else _NONE))
     analysis = _Analysis(strict=False, collective=collective)
-    outs = analysis.check(closed, facts, _programs.output_labels(closed, out_sources, out_shape))
+    outs = analysis.check(traced.closed, facts, out_labels)
     return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs),
                         frozenset(analysis.reduced), analysis.crossing, tuple(f.reduced for f in outs),
                         frozenset(analysis.draws), tuple(f.coords for f in outs))
@@ -188,9 +160,8 @@ def _user_frames(eqn: Any) -> list[str]:
 
 
 def _describe(eqns: Sequence[Any], reason: str) -> str:
-    """Names the primitive of `eqns[-1]` (a chain of enclosing equations) and where it came from: the innermost
-    user frame of the innermost equation that has one (inside a `jax.jit` only jax frames), and the innermost
-    `update` function's frame where it differs, which names the transformation."""
+    """`eqns[-1]`'s primitive (`eqns`: a chain of enclosing equations), its innermost user frame and, where it
+    differs, the innermost `update` function's frame (which names the transformation)."""
     frames = next((f for f in map(_user_frames, reversed(eqns)) if f), [])
     where = ""
     if frames:
@@ -274,17 +245,19 @@ def _fit(var: Any, fact: _Fact) -> _Fact:
     return fact
 
 
+def _literal(atom: Any) -> _Fact:
+    return _Fact(positional=_LITERAL) if prim.size(atom) > 1 else _CLEAN
+
+
 def _key(facts: Sequence[_Fact]) -> list[tuple[Any, ...]]:
     """What a loop's fixed point compares (origins are kept from the first iteration that sets them)."""
     return [(f.labels, f.coords, f.random is None, f.positional is None, f.reduced, f.control) for f in facts]
 
 
 class _Analysis:
-    """Forward propagation of facts over a jaxpr. Mixing two labels, or random values meeting parameter data,
-    raises `CouplingError`; mixing a leaf's coordinates raises if `strict`, else is recorded in `reasons`. With
-    `collective`, a full reduction of coordinate-wise values outside control flow is a collective on slices: its
-    scalar carries no label (`reduced` records whose reductions it depends on, `crossing` where it meets another
-    leaf)."""
+    """Forward propagation of facts over a jaxpr: mixing two labels, or random values meeting parameter data,
+    raises; mixing a leaf's coordinates raises if `strict`, else is recorded in `reasons`. With `collective`, a full
+    reduction outside control flow is a collective on slices, whose scalar carries no label."""
 
     def __init__(self, strict: bool, collective: bool = False):
         self.strict = strict
@@ -310,24 +283,13 @@ class _Analysis:
                 raise self._random(origin, f"reach an output of parameter leaf {out_labels[i]}")
         return outs
 
-    def run(self, jaxpr: Any, facts: Sequence[_Fact]) -> list[_Fact]:
-        """Propagates input facts through `jaxpr` (a Jaxpr or ClosedJaxpr)."""
-        env: dict[Any, _Fact] = {}
-        if isinstance(jaxpr, jcore.ClosedJaxpr):
-            env.update((v, _Fact(positional=_CONSTANT)) for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
-                       if np.size(c) > 1)
-            jaxpr = jaxpr.jaxpr
-        env.update((v, _fit(v, f)) for v, f in zip(jaxpr.invars, facts))
-
-        def read(atom: Any) -> _Fact:
-            if isinstance(atom, jcore.Literal):
-                return _Fact(positional=_LITERAL) if prim.size(atom) > 1 else _CLEAN
-            return env.get(atom, _CLEAN)
-
-        for eqn in jaxpr.eqns:
-            outs = self._equation(eqn, [read(v) for v in eqn.invars])
-            env.update((v, _fit(v, f)) for v, f in zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+    def run(self, program: Any, facts: Sequence[_Fact]) -> list[_Fact]:
+        """Propagates input facts through `program` (`_programs.evaluate` on facts)."""
+        jaxpr, consts = _compat.jaxpr_parts(program)
+        return _programs.evaluate(
+            jaxpr, [_Fact(positional=_CONSTANT) if np.size(c) > 1 else _CLEAN for c in consts],
+            [_fit(v, f) for v, f in zip(jaxpr.invars, facts)],
+            lambda eqn, ins: [_fit(v, f) for v, f in zip(eqn.outvars, self._equation(eqn, ins))], _literal)
 
     def _equation(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:
         """The result facts of one equation."""
@@ -372,9 +334,8 @@ class _Analysis:
         return [out] * len(eqn.outvars)
 
     def _drawn(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> _Fact:
-        """`out` for an equation consuming random values, still `_Origin.aligned` if elementwise in them. Aligned
-        numbers meeting a leaf where every device runs (`_in_control`) in a collective analysis give that leaf's
-        data (the draw recorded), which slices reproduce; any other meeting with parameter data is refused."""
+        """`out` for an equation consuming random values, still `aligned` if elementwise in them; only aligned numbers
+        meeting a leaf where every device runs, in a collective analysis, are accepted (a draw)."""
         randoms = [v for v, f in zip(eqn.invars, facts) if f.random is not None]
         aligned = out.random.aligned and (eqn.primitive.name == "random_bits" or (
             all(f.random is None or f.random.aligned for f in facts)
@@ -389,8 +350,8 @@ class _Analysis:
         raise self._random(out.random, f"meet parameter-derived values in `{eqn.primitive.name}`")
 
     def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
-        """Whether `eqn` is a full reduction that runs as a collective on slices: outside control flow (the
-        evaluator reduces only there), of values neither random nor position-dependent."""
+        """Whether `eqn` is a full reduction of values neither random nor position-dependent, outside control
+        flow (where alone the evaluator reduces)."""
         if not self.collective or prim.collective_kind(eqn) is None or out.random is not None or out.control:
             return False
         if any(f.positional is not None for f in facts):
@@ -398,8 +359,7 @@ class _Analysis:
         return not self._in_control()
 
     def _in_control(self) -> bool:
-        """Whether the equation at hand runs in a loop, or in a branch that devices holding different slices may
-        not all take: no collective can run there."""
+        """Whether the equation at hand runs in a loop, or in a branch devices may not all take (no collective)."""
         return self._split > 0 or any(e.primitive.name in ("while", "scan") for e in self._stack)
 
     def _check_coordinates(self, eqn: Any, facts: Sequence[_Fact], coords: Taint) -> None:
@@ -498,8 +458,8 @@ class _Analysis:
             carry = new
 
     def _scan(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:
-        """Iterates the carry facts to a fixed point over `consts + carry + xs`. Scanning over or stacking a
-        parameter-derived array mixes coordinates along that axis; stacked results may depend on their position."""
+        """Iterates the carry facts to a fixed point; scanning over or stacking a parameter-derived array mixes
+        coordinates along that axis."""
         nc, nk = _compat.scan_counts(eqn)
         consts, carry, xs = facts[:nc], facts[nc:nc + nk], facts[nc + nk:]
         xs_coords = _join(xs).coords

@@ -1,15 +1,14 @@
 """The inner transformation read as Python objects, and its update traced once for every analysis.
 
-optax exposes neither the keyword-only arguments an update requires (`GradientTransformationExtraArgs` forwards
-`**extra_args`) nor the arrays a transformation closes over before it is traced, so both are found here by a walk
-over the objects reachable from it (closures, defaults, partials, bound methods, attributes). Every walk stops
-after `LIMIT` objects; nothing else in the package reads closures or bound methods.
+optax exposes neither the keyword-only arguments an update requires nor the arrays a transformation closes over, so
+both are found by a bounded walk over the objects reachable from it; nothing else reads closures or bound methods.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,13 +25,12 @@ LIMIT = 20_000
 
 OPAQUE = (str, bytes, int, float, complex, type(None), np.ndarray, np.generic, type, types.ModuleType,
           types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
-"""Objects `reachable` neither looks into nor yields: they hold no arrays or functions of their own, or (classes,
-modules) only shared ones."""
+"""Objects `reachable` neither looks into nor yields (they hold no arrays or functions of their own)."""
 
 
 def reachable(root: Any) -> Iterator[Any]:
     """Every object reachable from `root`, each once, `root` first; `OPAQUE` ones left out, JAX arrays not looked
-    into. A caller that needs a bound stops iterating."""
+    into."""
     stack, seen = [root], set()
     while stack:
         x = stack.pop()
@@ -42,11 +40,8 @@ def reachable(root: Any) -> Iterator[Any]:
         yield x
         if isinstance(x, jax.Array):
             continue
-        if isinstance(x, dict):
-            stack.extend(x.values())
-            continue
-        if isinstance(x, (tuple, list, set, frozenset)):
-            stack.extend(x)
+        if isinstance(x, (dict, tuple, list, set, frozenset)):
+            stack.extend(x.values() if isinstance(x, dict) else x)
             continue
         if isinstance(x, types.FunctionType):
             stack.extend(inspect.getclosurevars(x).nonlocals.values())
@@ -62,22 +57,16 @@ def reachable(root: Any) -> Iterator[Any]:
             stack.extend(getattr(x, name, None) for name in ((slots,) if isinstance(slots, str) else slots))
 
 
-def may_reach(root: Any, predicate: Callable[[Any], bool], limit: int = LIMIT) -> bool:
-    """Whether an object for which `predicate` holds may be reachable from `root`: True also when the walk stops
-    after `limit` objects."""
-    for count, x in enumerate(reachable(root), 1):
-        if count > limit or predicate(x):
-            return True
-    return False
+def may_reach(root: Any, predicate: Callable[[Any], bool]) -> bool:
+    """Whether an object for which `predicate` holds may be reachable from `root` (True past `LIMIT` objects)."""
+    return any(count > LIMIT or predicate(x) for count, x in enumerate(reachable(root), 1))
 
 
-def required_keywords(update: Callable, limit: int = LIMIT) -> tuple[str, ...]:
-    """The keyword-only arguments without a default of the functions reachable from `update` (a chain's members),
-    in the order found: the extra arguments it may require (`value=` of `optax.contrib.reduce_on_plateau`)."""
+def required_keywords(update: Callable) -> tuple[str, ...]:
+    """The keyword-only arguments without a default of the functions reachable from `update`, in the order found
+    (`value=` of `optax.contrib.reduce_on_plateau`)."""
     found: dict[str, None] = {}
-    for count, x in enumerate(reachable(update), 1):
-        if count > limit:
-            break
+    for x in itertools.islice(reachable(update), LIMIT):
         if isinstance(x, types.FunctionType):
             found.update((p.name, None) for p in inspect.signature(x).parameters.values()
                          if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty)
@@ -90,9 +79,8 @@ def update_fn(inner) -> Callable:
 
 
 def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[str, jax.ShapeDtypeStruct]]:
-    """The inner update traced once on the real shapes (`update_fn`), with scalar stand-ins for the keyword
-    arguments it requires (`required_keywords`), and those stand-ins. A name no update requires goes to updates
-    taking `**extra_args`, which ignore it. Refuses results structured unlike the inputs."""
+    """The inner update traced on the real shapes (`update_fn`) with scalar stand-ins for the keyword arguments it
+    requires, and those stand-ins; refuses results structured unlike the inputs."""
     extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
     try:
         traced = _programs.trace(update_fn(inner), grads, state, params, extra)

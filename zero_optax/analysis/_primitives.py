@@ -9,6 +9,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from zero_optax.core import _compat
+
 # Every output coordinate depends only on the same coordinate of each operand (operands of another size are
 # checked separately).
 ELEMENTWISE = frozenset({
@@ -62,12 +64,8 @@ KERNELS = frozenset({
 CALLBACKS = frozenset({"pure_callback", "io_callback", "buffer_callback"})
 # Effects with no results: nothing flows out of them.
 SINKS = frozenset({"debug_callback", "debug_print"})
-# Call-like primitives: operands and results map 1:1 onto one sub-jaxpr, held by one of `CALL_PARAMS`.
-CALLS = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
-    "remat2", "checkpoint",
-})
-CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Call-like primitives: operands and results map 1:1 onto their one sub-jaxpr.
+CALLS = frozenset(_compat.CALLS) | {"remat2"}
 CONTROL = frozenset({"cond", "while", "scan"})
 KNOWN = ELEMENTWISE | PER_OPERAND_IDENTITY | UNIFORM_PRESERVING | POSITIONAL | RANDOM | SINKS | CALLS | CONTROL
 
@@ -80,11 +78,6 @@ def shape(atom: Any) -> tuple[int, ...]:
 
 def size(atom: Any) -> int:
     return math.prod(shape(atom))
-
-
-def opened(program: Any) -> jcore.Jaxpr:
-    """The Jaxpr of a ClosedJaxpr (an open Jaxpr as it is)."""
-    return program.jaxpr if isinstance(program, jcore.ClosedJaxpr) else program
 
 
 def subjaxprs(params: dict[str, Any]) -> list[Any]:
@@ -100,28 +93,19 @@ def subjaxprs(params: dict[str, Any]) -> list[Any]:
 def call_body(eqn: Any) -> Any:
     """The sub-jaxpr of a call-like equation whose inputs and outputs are the equation's, or None."""
     name = eqn.primitive.name
-    if name in CALLS:
-        candidates = [eqn.params[k] for k in CALL_PARAMS if k in eqn.params]
-    elif name in KNOWN or name in KERNELS or name in CALLBACKS:
-        return None  # e.g. the reducer of `reduce`, or a Pallas kernel's body, is no call
-    else:  # an unknown higher-order primitive (shard_map, composite, ...): only an exact fit
-        candidates = subjaxprs(eqn.params)
-        if len(candidates) != 1:
-            return None
+    candidates = subjaxprs(eqn.params)
+    if name not in CALLS and (name in KNOWN or name in KERNELS or name in CALLBACKS or len(candidates) != 1):
+        return None  # (`reduce`'s reducer or a kernel's body is no call; an unknown primitive, shard_map, must fit)
     for sub in candidates:
-        inner = opened(sub)
+        inner = _compat.jaxpr_parts(sub)[0]
         if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
             return sub
     return None
 
 
 def collective_kind(eqn: Any) -> str | None:
-    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element, else None.
-
-    A full reduction is `reduce_sum`, `reduce_max` or `reduce_min` with a one-element result, or a `dot_general`
-    of two operands of one shape contracting all their axes in order (`jnp.vdot`). On coordinate slices it is a
-    local reduction (padding set to the identity) followed by `psum`, `pmax` or `pmin` over the devices.
-    """
+    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element (`reduce_*`, or a `dot_general` of
+    two operands of one shape contracting all their axes in order: `jnp.vdot`), else None."""
     name = eqn.primitive.name
     kind = _COLLECTIVE_KINDS.get(name)
     if kind is None or not eqn.outvars or size(eqn.outvars[0]) != 1:

@@ -1,14 +1,10 @@
-"""The inner transformation's programs: traced once, named, and interpreted.
-
-`leaf_programs` names what an update runs on each leaf, as text equal for two leaves (or one leaf in two traces)
-exactly when the same program runs on them, whatever their shapes: the plan groups and stacks leaves by it. The
-rest of the package runs and searches programs only through `evaluate`, `retraced`, `any_equation` and `rewrite`.
+"""The inner transformation's programs: traced once, named per leaf (`leaf_programs`, by which the plan groups and
+stacks leaves), and interpreted: the rest of the package runs and searches programs only through this module.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,47 +26,32 @@ class Traced(NamedTuple):
     args: tuple[Any, ...]
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> Traced:
-    """Traces `fn(*args)` to a jaxpr that every analysis accepts in place of `fn` (with no args)."""
+def trace(fn: Callable[..., Any] | Traced, *args: Any) -> Traced:
+    """`fn(*args)` traced, which every analysis accepts in place of `fn` (with no args); `fn` if already traced."""
+    if isinstance(fn, Traced):
+        return fn
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     return Traced(closed, out_shape, args)
 
 
-def traced(fn: Callable[..., Any] | Traced, args: tuple[Any, ...]) -> Traced:
-    return fn if isinstance(fn, Traced) else trace(fn, *args)
-
-
-class _Labels:
-    """Opaque (non-pytree) holder of the labels one `sources` leaf expands to."""
-
-    def __init__(self, labels: list[int | None]):
-        self.labels = labels
-
-
-def _expand_sources(sources: Any, tree: Any) -> list[int | None]:
-    """Flattens `sources` (a prefix of `tree`, None being a leaf) to one label per leaf of `tree`."""
-    expanded = jax.tree.map(lambda lab, sub: _Labels([lab] * len(jax.tree.leaves(sub))),
-                            sources, tree, is_leaf=lambda x: x is None)
-    holders = jax.tree.leaves(expanded, is_leaf=lambda x: isinstance(x, _Labels))
-    return [lab for h in holders for lab in h.labels]
-
-
-def input_labels(closed: jcore.ClosedJaxpr, sources: Any, args: tuple[Any, ...]) -> list[int | None]:
-    """One label per input of `closed`, from `sources` (a prefix of `args`)."""
-    labels = _expand_sources(tuple(sources), args)
-    if len(labels) != len(closed.jaxpr.invars):
-        raise ValueError(f"sources give {len(labels)} labels but fn has {len(closed.jaxpr.invars)} array inputs")
-    return [None if lab is None else int(lab) for lab in labels]
-
-
-def output_labels(closed: jcore.ClosedJaxpr, out_sources: Any, out_shape: Any) -> list[int | None] | None:
-    """One label per output of `closed` from `out_sources` (a prefix of `out_shape`), or None."""
+def labels(traced: Traced, sources: Any, out_sources: Any) -> tuple[list[int | None], list[int | None] | None]:
+    """One label per input of `traced` from `sources` (a prefix of its args, None a leaf), and per output from
+    `out_sources` (a prefix of its output), or None without `out_sources`."""
+    jaxpr = traced.closed.jaxpr
+    ins = _expand(tuple(sources), traced.args, len(jaxpr.invars), "sources", "array inputs")
     if out_sources is None:
-        return None
-    labels = _expand_sources(out_sources, out_shape)
-    if len(labels) != len(closed.jaxpr.outvars):
-        raise ValueError(f"out_sources give {len(labels)} labels but fn has {len(closed.jaxpr.outvars)} outputs")
-    return [None if lab is None else int(lab) for lab in labels]
+        return ins, None
+    return ins, _expand(out_sources, traced.out_shape, len(jaxpr.outvars), "out_sources", "outputs")
+
+
+def _expand(sources: Any, tree: Any, count: int, name: str, what: str) -> list[int | None]:
+    """`sources` flattened to one label per leaf of `tree`, checked to be `count` labels."""
+    prefix = jax.tree.structure(sources, is_leaf=lambda x: x is None)
+    found = [lab for lab, sub in zip(prefix.flatten_up_to(sources), prefix.flatten_up_to(tree))
+             for _ in jax.tree.leaves(sub)]
+    if len(found) != count:
+        raise ValueError(f"{name} give {len(found)} labels but fn has {count} {what}")
+    return [None if lab is None else int(lab) for lab in found]
 
 
 # Primitives that only move or reshape values; their count differs between a scalar leaf and its 1-element slice.
@@ -85,9 +66,8 @@ _SHAPE_PARAMS = frozenset({
 
 
 def signature(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
-    """Appends to `out` what `jaxpr` computes, one entry per equation (sub-jaxprs included, shape-only ones left
-    out): `name[scalar params](operands)`, the operands listed only if one is a known scalar (`known`, by var;
-    `_` for the others), e.g. `mul(_,0.9)`. Elementwise updates have the same signature on a leaf and its slice."""
+    """Appends to `out` one entry per equation of `jaxpr` (sub-jaxprs included, shape-only ones left out), such as
+    `mul(_,0.9)` (`known`: scalar values by var), equal on a leaf and its slice for an elementwise update."""
     for eqn in jaxpr.eqns:
         values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
         name = eqn.primitive.name
@@ -102,26 +82,21 @@ def _bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
     """`signature` of `eqn`'s sub-jaxprs; a call's body knows the scalar operands `values` of the call."""
     body = prim.call_body(eqn)
     for sub in prim.subjaxprs(eqn.params):
-        inner = known_consts(sub)
+        jaxpr, inner = _compat.jaxpr_parts(sub)[0], known_consts(sub)
         if sub is body:
-            inner.update((v, x) for v, x in zip(prim.opened(sub).invars, values) if x is not None)
-        signature(prim.opened(sub), inner, out)
+            inner.update((v, x) for v, x in zip(jaxpr.invars, values) if x is not None)
+        signature(jaxpr, inner, out)
 
 
 def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out_sources: Any,
                   names: dict[str, str] | None = None, collective: bool = False) -> dict[int | None, tuple[str, ...]]:
     """Label (or None: the unlabelled outputs) -> the program `fn` runs on that leaf, for every label no equation
-    mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`).
-
-    An equation whose operands carry one label is that leaf's, as its `signature` entry with each operand named by
-    where it comes from: the leaf's values by order of appearance, unlabelled inputs by position, values computed
-    without a label (a schedule) by what computes them, so leaves reading different shared values differ. `names`,
-    shared across calls, names a shared computation alike in several traces. With `collective`, a full reduction of
-    one leaf belongs to its program but its result carries no label (every device computes it).
-    """
-    closed, out_shape, args = traced(fn, args)
-    walker = _LeafPrograms(closed, {} if names is None else names, collective)
-    return walker.run(input_labels(closed, sources, args), output_labels(closed, out_sources, out_shape))
+    mixes with another (`sources`, `out_sources`: as for `_coupling.analyze_leaves`). Operands are named by where
+    they come from (shared values by what computes them, in `names`, shared across traces); with `collective`, a
+    full reduction of one leaf is its program's but its result carries no label."""
+    program = trace(fn, *args)
+    walker = _LeafPrograms(program.closed, {} if names is None else names, collective)
+    return walker.run(*labels(program, sources, out_sources))
 
 
 class _LeafPrograms:
@@ -189,7 +164,7 @@ class _LeafPrograms:
 
     def _inline(self, eqn: Any, body: Any) -> None:
         """A call (a jit over a whole tree): its equations, as if written in place."""
-        sub = prim.opened(body)
+        sub = _compat.jaxpr_parts(body)[0]
         self.name.update((v, "c?") for v in sub.constvars)
         self.name.update((v, f"k{x}") for v, x in known_consts(body).items())
         for inner, outer in zip(sub.invars, eqn.invars):
@@ -249,10 +224,9 @@ def _scalar_repr(value: Any) -> str | None:
 
 
 def known_consts(program: Any) -> dict[Any, str]:
-    """The scalar constants of a ClosedJaxpr, by constvar."""
-    if not isinstance(program, jcore.ClosedJaxpr):
-        return {}
-    found = ((v, _scalar_repr(c)) for v, c in zip(program.jaxpr.constvars, program.consts))
+    """The scalar constants of a program, by constvar."""
+    jaxpr, consts = _compat.jaxpr_parts(program)
+    found = ((v, _scalar_repr(c)) for v, c in zip(jaxpr.constvars, consts))
     return {v: x for v, x in found if x is not None}
 
 
@@ -263,14 +237,16 @@ def bind(eqn: Any, ins: Sequence[Any], params: dict[str, Any] | None = None) -> 
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-             rule: Callable[[Any, list], list | None] | None = None) -> list:
-    """Runs `jaxpr` on `consts` and `args` equation by equation, in the current trace. `rule(eqn, ins)` gives an
-    equation's results (a list), or None to bind it as it is; a rule runs the sub-programs it handles itself."""
+             rule: Callable[[Any, list], list | None] | None = None, literal: Callable | None = None) -> list:
+    """Runs `jaxpr` on `consts` and `args` in the current trace; `rule(eqn, ins)` gives an equation's results, or
+    None to bind it as it is. `literal(atom)` reads a literal, by default as an array (an analysis reads facts)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
     def read(v):
-        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else env[v]
+        if isinstance(v, jcore.Literal):
+            return jnp.asarray(v.val, v.aval.dtype) if literal is None else literal(v)
+        return env[v]
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         outs = None if rule is None else rule(eqn, ins)
@@ -280,15 +256,14 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
              branches: Callable | None = None, carry: Callable[[list], list] | None = None) -> list | None:
-    """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace
-    (in `lax.switch`, `lax.while_loop`, `lax.scan`), so that every value is typed where it is computed; None for
-    any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's carry."""
+    """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace,
+    or None for any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's."""
     name, p = eqn.primitive.name, eqn.params
     carry = carry or (lambda values: values)
     if name in _compat.CALLS:
         return run(p[_compat.CALLS[name]], list(ins))
     if name == "cond":
-        fns = [functools.partial(_branch, run, b) for b in p["branches"]]
+        fns = [lambda *xs, b=b: run(b, list(xs)) for b in p["branches"]]
         return lax.switch(ins[0], fns if branches is None else branches(fns, ins[1:]), *ins[1:])
     if name == "while":
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -307,10 +282,6 @@ def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
     return None
 
 
-def _branch(run: Callable[[Any, list], list], program: Any, *xs: Any) -> list:
-    return run(program, list(xs))
-
-
 def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
     """Whether `predicate` holds for an equation of `program` or of a program it holds (in any equation's params)."""
     for eqn in _compat.jaxpr_parts(program)[0].eqns:
@@ -319,13 +290,12 @@ def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
     return False
 
 
-def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
-    """`program` with `rule(eqn)` in place of each equation, whose operands and sub-programs (in its params, also
-    in tuples) are rewritten first: `rule` gives an equation, or None to drop one of one operand and one result,
-    whose result is then its operand."""
+def rewrite(program: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any] | None = None) -> Any:
+    """`program` with `rule(eqn)` (an equation, or None to drop one of one operand, forwarding it) in place of each
+    equation, whose operands, sub-programs and other parameters (`param(value)`, if given) are rewritten first."""
     wrapped = getattr(program, "jaxpr", program)
     if wrapped is not program:  # a ClosedJaxpr around a Jaxpr (JAX 0.10, 0.11; JAX 0.12 has one class for both)
-        return program.replace(jaxpr=rewrite(wrapped, rule))
+        return program.replace(jaxpr=rewrite(wrapped, rule, param))
     forwarded: dict = {}
 
     def read(v):
@@ -333,7 +303,7 @@ def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
     eqns = []
     for eqn in program.eqns:
         eqn = eqn.replace(invars=[read(v) for v in eqn.invars],
-                          params={k: _rewritten(v, rule) for k, v in eqn.params.items()})
+                          params={k: _rewritten(v, rule, param) for k, v in eqn.params.items()})
         new = rule(eqn)
         if new is None:
             forwarded[eqn.outvars[0]] = eqn.invars[0]
@@ -342,17 +312,17 @@ def rewrite(program: Any, rule: Callable[[Any], Any]) -> Any:
     return program.replace(eqns=eqns, outvars=[read(v) for v in program.outvars])
 
 
-def _rewritten(value: Any, rule: Callable[[Any], Any]) -> Any:
+def _rewritten(value: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any] | None) -> Any:
     if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-        return rewrite(value, rule)
+        return rewrite(value, rule, param)
     if type(value) is tuple:
-        return tuple(_rewritten(v, rule) for v in value)
-    return value
+        return tuple(_rewritten(v, rule, param) for v in value)
+    return value if param is None else param(value)
 
 
 def vectorisable(program: Any) -> bool:
-    """Whether `jax.vmap` can run `program`: its batching rules refuse a `pure_callback` that names no
-    `vmap_method` and an ordered `io_callback`."""
+    """Whether `jax.vmap` can run `program` (it refuses a `pure_callback` without `vmap_method`, an ordered
+    `io_callback`)."""
     return not any_equation(program, _unbatchable)
 
 

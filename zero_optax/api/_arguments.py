@@ -21,8 +21,7 @@ _REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
 
 
 def config(inner: optax.GradientTransformation, mesh: jax.sharding.Mesh | None, options: dict[str, Any]) -> Config:
-    """`zero1`'s arguments (`options`: every keyword argument of `zero1` but `mesh`) as a `Config`, each checked
-    (`ZeroError` naming the argument)."""
+    """`zero1`'s keyword arguments but `mesh` (`options`) as a `Config`, each checked (`ZeroError` naming it)."""
     o = types.SimpleNamespace(**options)
     _check_partition(o.partition, o.owners)
     if o.reduce not in _REDUCE_CHOICES or isinstance(o.reduce, int) and not isinstance(o.reduce, bool):
@@ -94,8 +93,7 @@ def _check_on_mesh(axes: tuple[str, ...], name: str, mesh) -> None:
 
 
 def _data_axes(axis_name, mesh) -> tuple[str, ...]:
-    """`axis_name` as a tuple of distinct axis names, after checking that `mesh` (if given) is a mesh with them
-    all."""
+    """`axis_name` as a tuple of distinct axis names, checked to be on `mesh` (if given)."""
     axes = _axis_names(axis_name, "axis_name", "the name of the data mesh axis")
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}.")
@@ -104,8 +102,7 @@ def _data_axes(axis_name, mesh) -> tuple[str, ...]:
 
 
 def _check_quantize(quantize, reduce, master_dtype, axes: tuple[str, ...]) -> None:
-    """Refuses a `quantize` that is no `zo.Quantize`, names axes zero1 does not communicate over, quantizes
-    parameters without master copies, or gradients that zero1 does not reduce by reduce-scatters."""
+    """Refuses a `quantize` that is no `zo.Quantize` or does not fit the other arguments."""
     if quantize is None:
         return
     if not isinstance(quantize, _quantize.Quantize):
@@ -129,8 +126,7 @@ def _check_quantize(quantize, reduce, master_dtype, axes: tuple[str, ...]) -> No
 
 
 def _replica_axes(replica_axis, axes: tuple[str, ...], mesh) -> tuple[str, ...]:
-    """`replica_axis` as a tuple of distinct axis names (empty for None), disjoint from the ZeRO `axes` and on
-    `mesh` (if given)."""
+    """`replica_axis` as a tuple of distinct axis names (empty for None), disjoint from `axes`, on `mesh`."""
     if replica_axis is None:
         return ()
     replicas = _axis_names(replica_axis, "replica_axis", "None, the name of a mesh axis")

@@ -1,19 +1,17 @@
-"""zero1 bound to a mesh: `init` and `update` on global arrays, eagerly or under `jax.jit` (and so in Flax).
-
-A mesh-bound zero1 runs its own `shard_map` over the mesh: parameters keep their `NamedSharding`s, the state comes
-back sharded over the data axes, updates with the parameters' shardings, and gradients are taken as the global mean
-(XLA reduced them before zero1 sees them). Values the inner transformation closes over that are typed on a mesh with
-`Explicit` axes, which JAX refuses to close a `shard_map` body over (`optax.inject_hyperparams`'s hyperparameters
-under `jax.set_mesh`), enter it as arguments (`_Hoisted`).
+"""zero1 bound to a mesh: `init` and `update` on global arrays, in its own `shard_map` over the mesh, eagerly or under
+`jax.jit`; gradients are taken as the global mean. Values the inner transformation closes over that a `shard_map`
+body may not read (typed on `Explicit` axes) enter it as arguments (`_Hoisted`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -65,36 +63,33 @@ class Bound:
         self.mean = _engine.Engine(dataclasses.replace(zero.cfg, reduce=None))
         self._fns: dict = {}
         self._specs: dict = {}
-        self._hoisted: _Hoisted | None = None  # found at the first call (`_hoisting`)
+        self._hoisted: _Hoisted | None = None
 
-    def _hoisting(self, params, extra: dict | None) -> _Hoisted:
-        """The values the inner transformation closes over that must enter the `shard_map` as arguments, and the
-        engines that read them there (found once: a transformation's closure does not change)."""
+    def _hoisting(self, params) -> _Hoisted:
+        """The `_Hoisted` values and engines, found once (a transformation's closure does not change)."""
         if self._hoisted is None:
-            self._hoisted = _Hoisted.find(self.zero.cfg, params, extra, (self.zero.engine, self.mean))
+            self._hoisted = _Hoisted.find(self.zero.cfg, params, (self.zero.engine, self.mean))
         return self._hoisted
 
-    def init(self, params):
+    def init(self, params, full_state=None):
+        """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
         specs = param_specs(params, self.mesh)
-        hoisted = self._hoisting(params, None)
-        key = ("init", _key(params, specs))
+        hoisted = self._hoisting(params)
+        key = ("init", _key(params, specs), jax.tree.structure(full_state))
         if key not in self._fns:
-            def init(values, params):
+            def init(values, params, full_state):
                 with hoisted.reading(values):
-                    return hoisted.engine.init(params)
-            traced = _specs.traced_state(_Tx(lambda args: init(*args)), (hoisted.values, params),
-                                         (hoisted.specs, specs), self.mesh, declare=specs)
-            self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs),
+                    return hoisted.engine.init(params, full_state)
+            stand_in = types.SimpleNamespace(init=lambda args: init(*args, None))
+            traced = _specs.traced_state(stand_in, (hoisted.values, params), (hoisted.specs, specs), self.mesh,
+                                         declare=specs)
+            self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs, P()),
                                                    out_specs=_specs.tree_specs(traced)))
+        full_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), NamedSharding(self.mesh, P())), full_state)
         with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
-            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh))
+            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh), full_state)
         self._specs[state.layout] = specs
         return state
-
-    @property
-    def zero_init(self):
-        """A stand-in transformation whose `init` is the unbound engine's (for tracing the state's layout)."""
-        return _Tx(self.zero.engine.init)
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
         """`update` on global arrays (with `apply`, the new parameters: `Engine.update`)."""
@@ -115,26 +110,22 @@ class Bound:
             raise ZeroStructureError(
                 f"zero1 update expected the ZeroState returned by this transformation's init, got "
                 f"{type(state).__name__}.")
-        layout = state.layout
-        specs = self._specs.get(layout)
-        if specs is None or params is not None:
-            found = param_specs(params if params is not None else grads, self.mesh)
-            specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
-        hoisted = self._hoisting(params if params is not None else grads, extra)
-        state_specs = _specs.specs_of(state)
-        extra_specs = jax.tree.map(lambda _: P(), extra)
         with_params = params is not None
-        key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
+        specs = self._specs.get(state.layout)
+        if specs is None or with_params:
+            found = param_specs(params if with_params else grads, self.mesh)
+            specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
+        hoisted = self._hoisting(params if with_params else grads)
+        state_specs = _specs.specs_of(state)
+        key = ("update", state.layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
         if key not in self._fns:
             def run(values, grads, state, params, extra):
                 with hoisted.reading(values):
                     return hoisted.mean.update(grads, state, params, apply=apply, **extra)
 
-            # On a one-device mesh nothing varies: untyped (check_vma=False), the step needs no collective at all,
-            # where typed values would have to be retyped replicated by one-device collectives (copies on XLA:CPU).
+            # One device: untyped (check_vma=False), so that no one-device collective retypes values (XLA:CPU copies).
             self._fns[key] = jax.jit(jax.shard_map(
-                run, mesh=self.mesh,
-                in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), extra_specs),
+                run, mesh=self.mesh, in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), P()),
                 out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
         grads = placed(grads, specs, self.mesh)
         params = placed(params, specs, self.mesh) if with_params else None
@@ -142,14 +133,12 @@ class Bound:
         return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
 
 
-# The context the inner transformation is traced in to find and read what it closes over: no mesh, where a value
-# typed on any mesh may be read (a `shard_map` body's manual mesh refuses those typed on `Explicit` axes).
+# No mesh: the context where values typed on any mesh may be read (to find and read what the inner one closes over).
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _must_enter(x: Any) -> bool:
-    """Whether a value the inner transformation closes over must enter the `shard_map` as an argument: an array
-    typed on a mesh with an `Explicit` axis (JAX closes a body over others, resharding those on `Auto` meshes)."""
+    """Whether a closed-over value must enter the `shard_map` as an argument: an array typed on an `Explicit` axis."""
     if not isinstance(x, jax.Array):
         return False
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
@@ -162,8 +151,7 @@ def _stand_in(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _trace(fn, args: tuple):
-    """`fn(*args)` traced on stand-ins of `args` with no context mesh: (the closed jaxpr, the output's shape
-    tree, the flat leaves of `args`)."""
+    """`fn(*args)` traced on stand-ins of `args` with no context mesh: the closed jaxpr, output shapes, flat args."""
     flat, tree = jax.tree.flatten(args)
     with jax.sharding.use_abstract_mesh(_NO_MESH):
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(
@@ -176,38 +164,25 @@ _PLACEMENTS = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 
 
 def _per_device(eqn):
-    """`eqn` as a `shard_map` body runs it: a placement dropped (None), a sharding on a mesh replaced by None.
-
-    Traced where the hoisted values can be read, the program types what derives from them on their mesh
-    (`broadcast_in_dim`'s `sharding`), and a function jitted inside may bring a program traced in an earlier body,
-    resharding onto its mesh: the body's manual mesh refuses both. Per device, the defaults are right (replicated).
-    """
-    if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1:
-        return None
-    return eqn.replace(params={k: _local(v) for k, v in eqn.params.items()})
+    """`eqn` as a `shard_map` body runs it: a placement dropped (None; the body's manual mesh refuses it)."""
+    return None if eqn.primitive.name in _PLACEMENTS and len(eqn.invars) == len(eqn.outvars) == 1 else eqn
 
 
 def _local(value: Any) -> Any:
-    if isinstance(value, NamedSharding):
-        return value if value.mesh.empty else None
-    if type(value) is tuple:
-        return tuple(_local(v) for v in value)
-    return value
+    """A parameter as a `shard_map` body runs it: a sharding on a mesh, which the body refuses, replaced by None."""
+    return None if isinstance(value, NamedSharding) and not value.mesh.empty else value
 
 
 def _evaluate(program, args: list, consts=None) -> list:
-    """Evaluates `program` on `args` (with `consts` in place of its own, if given) in the current trace, retracing
-    each program it calls, branches on or loops over, so that every value is typed where it is computed."""
+    """`program` on `args` (and `consts`, if given) in the current trace, its sub-programs retraced."""
     jaxpr, own = _compat.jaxpr_parts(program)
     return _programs.evaluate(jaxpr, own if consts is None else consts, args,
                               lambda eqn, ins: _programs.retraced(eqn, ins, _evaluate))
 
 
 class _Hoisted:
-    """The values an inner transformation closes over that a `shard_map` body may not read (`_must_enter`), and
-    engines whose inner transformation reads them from the body's arguments instead: each call traces the real one
-    with no context mesh and evaluates it per device with those values replaced by the body's (`reading`). A value
-    no object walk reaches (a module global) is not hoisted: JAX then refuses the `shard_map` as before."""
+    """The closed-over values a `shard_map` body may not read (`_must_enter`), and engines whose inner transformation
+    reads them from the body's arguments (`reading`) instead. Values no object walk reaches are not hoisted."""
 
     def __init__(self, cfg: Config, values: list, engines: tuple):
         self.values = values
@@ -226,28 +201,20 @@ class _Hoisted:
         self.mean = _engine.Engine(dataclasses.replace(cfg, reduce=None))
 
     @classmethod
-    def find(cls, cfg: Config, params, extra: dict | None, engines: tuple) -> _Hoisted:
-        """The values among the constants of the inner `init` and `update` traced once; `engines` (the plain
-        engine and its mean form) where there are none."""
+    def find(cls, cfg: Config, params, engines: tuple) -> _Hoisted:
+        """The values among the constants of the inner `init` and `update`; `engines` (plain, mean) where none."""
         inner = cfg.inner if cfg.accumulating is None else cfg.accumulating.inner
         if not _inner.may_reach(inner, _must_enter):  # (spares the common case, numbers, the two traces)
             return cls(cfg, [], engines)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)), params)
         closed_init, state, _ = _trace(inner.init, (params,))
-        if extra is None:  # (at init: the update's extra arguments are found as the analyses find them)
-            with jax.sharding.use_abstract_mesh(_NO_MESH):
-                closed_update = _inner.trace_update(inner, params, state, params)[0].closed
-        else:
-            closed_update = _trace(_inner.update_fn(inner), (params, state, params, extra))[0]
-        values, seen = [], set()
-        for c in (*closed_init.consts, *closed_update.consts):
-            if _must_enter(c) and id(c) not in seen:
-                seen.add(id(c))
-                values.append(c)
-        return cls(cfg, values, engines)
+        with jax.sharding.use_abstract_mesh(_NO_MESH):  # (the update's extra arguments found as the analyses find them)
+            closed_update = _inner.trace_update(inner, params, state, params)[0].closed
+        values = {id(c): c for c in (*closed_init.consts, *closed_update.consts) if _must_enter(c)}
+        return cls(cfg, list(values.values()), engines)
 
     def placed(self, mesh: jax.sharding.Mesh) -> list:
-        """The values, replicated over `mesh` (the arguments the `shard_map` takes them as)."""
+        """The values, replicated over `mesh`."""
         return [_compat.reshard(v, NamedSharding(mesh, P())) for v in self.values]
 
     @contextlib.contextmanager
@@ -269,13 +236,8 @@ class _Hoisted:
         if self._reading is None:
             raise RuntimeError("zero1 (mesh-bound): the inner transformation was called outside its shard_map.")
         closed, out_shape, flat = _trace(fn, args)
-        closed = _programs.rewrite(closed, _per_device)
+        closed = _programs.rewrite(closed, _per_device, _local)
         consts = [self._reading[self._index[id(c)]] if id(c) in self._index else c
                   for c in _compat.jaxpr_parts(closed)[1]]
         out = _evaluate(closed, flat, consts)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tx:
-    init: Any

@@ -1,8 +1,5 @@
-"""Flax's `nnx.Optimizer` and `TrainState`, stepping through `zero_optax.apply_gradients`.
-
-Flax's classes call `tx.update` then `optax.apply_updates`: a zero1 step all-gathers the updates, then adds them in
-a full-size pass. These classes call `apply_gradients`, which updates each device's slice and all-gathers the new
-parameters (the same values). For any other transformation they step exactly as their Flax parents do.
+"""Flax's `nnx.Optimizer` and `TrainState`, stepping through `zero_optax.apply_gradients` (which all-gathers new
+parameters, not updates); for any other transformation they step exactly as their Flax parents do.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.nnx import filterlib
 from flax.training import train_state
 
-from zero_optax.api._zero1 import apply_gradients, find_zero1
+from zero_optax.api._zero1 import apply_gradients
+from zero_optax.layout import _handle
 
 M = tp.TypeVar("M")
 
@@ -98,11 +96,8 @@ class ZeroTrainState(train_state.TrainState):
 
 
 def _on_mesh(tx: optax.GradientTransformation, step):
-    """`step` replicated on `tx`'s mesh if `tx` is a mesh-bound zero1, else as it is.
-
-    Flax creates counters on the default device; the first jitted step returns them on the mesh, so the second
-    would compile again."""
-    zero = find_zero1(tx)
+    """`step` replicated on `tx`'s mesh if `tx` is a mesh-bound zero1 (where jitted steps leave it), else as it is."""
+    zero = _handle.find(tx)
     if zero is None or zero.mesh is None:
         return step
     return jax.device_put(jnp.asarray(step), jax.sharding.NamedSharding(zero.mesh, jax.sharding.PartitionSpec()))

@@ -1,8 +1,7 @@
 """A zero1 state's arrays per entry, outside `shard_map`: what checkpoints and `gather_state` read and write.
 
-A group array has one row of `size` elements per device, the concatenation of its members' `slots`; an entry's
-own 1-D array is that member's columns of every row. Both are sharded row by row over the same mesh axes, so
-cutting and joining (`unowned`, `stored`) move no data between devices.
+An entry's 1-D array is its member's columns of every row of its group's array; both are sharded row by row over
+the same mesh axes, so cutting and joining (`unowned`, `stored`) move no data between devices.
 
 Examples:
   >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -18,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ from zero_optax.layout._state import SlicedState, ZeroState, canonical, shared_a
 
 
 def _mesh_of(arrays: list[Any]) -> Any:
-    """The mesh of the arrays' shardings, their types' or the context's; None under auto axes (plain slicing)."""
+    """The mesh of the arrays' shardings, their types' or the context's; None under auto axes."""
     for x in arrays:
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
             return getattr(x.sharding, "mesh", None)
@@ -42,40 +42,36 @@ def _mesh_of(arrays: list[Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _program(layout: Layout, mesh: Any, op: str, master: bool, traced: bool) -> Any:
-    """`_local` on each device's rows of `mesh`; jitted unless `traced`."""
+def _program(layout: Layout, mesh: Any, op: Callable, master: bool, traced: bool) -> Any:
+    """`op` (`_cut_all` or `_join_all`) on each device's rows of `mesh`; jitted unless `traced`."""
     specs = tuple(_specs.history_spec(layout, layout.leaves[g.first]) for g in layout.groups)
     history_specs = tuple(tuple(s for _ in g.histories[0]) for s, g in zip(specs, layout.groups))
     entry_specs = {j: specs[layout.stored_at[j][0]] for j in _entry_order(layout)}
-    if op == "cut":
+    if op is _cut_all:
         in_specs = (history_specs, specs if master else None)
         out_specs = [entry_specs[j] for j in _entry_order(layout)]
     else:
         joined = _joined(layout)
         in_specs = {j: entry_specs[j] for g in joined for j in _group_entries(layout.groups[g])}
         out_specs = (tuple(history_specs[g] for g in joined), tuple(specs[g] for g in joined) if master else None)
-    fn = functools.partial(_local, layout, op, master)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(functools.partial(op, layout, master), mesh=mesh, in_specs=(in_specs,),
+                           out_specs=out_specs, check_vma=False)
     return mapped if traced else jax.jit(mapped)
 
 
-def _local(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
-    """`_cut_all` (`op` "cut") or `_join_all` ("join") of `inputs`, on one device's rows or on global arrays."""
-    return _cut_all(layout, *inputs) if op == "cut" else _join_all(layout, inputs, master)
-
-
-def _per_device(layout: Layout, op: str, master: bool, inputs: Any) -> Any:
-    """`_local` of `inputs`, inside `shard_map` on their mesh where one is known."""
+def _per_device(layout: Layout, op: Callable, master: bool, inputs: Any) -> Any:
+    """`op` of `inputs`, inside `shard_map` on their mesh where one is known."""
     arrays = jax.tree.leaves(inputs)
     mesh = _mesh_of(arrays)
     if mesh is None:
-        return _local(layout, op, master, inputs)
+        return op(layout, master, inputs)
     traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
     return _program(layout, mesh, op, master, traced)(inputs)
 
 
-def _cut_all(layout: Layout, histories, master) -> list[jax.Array]:
-    """Every group's local row cut into its members' parts, in `_entry_order`."""
+def _cut_all(layout: Layout, _, inputs) -> list[jax.Array]:
+    """Every group's local row (`inputs`: histories, master copies) cut into its members' parts, `_entry_order`."""
+    histories, master = inputs
     out = []
     for g, group in enumerate(layout.groups):
         for x in histories[g]:
@@ -91,13 +87,12 @@ def _cut_row(layout: Layout, group: Group, x: jax.Array) -> list[jax.Array]:
 
 
 def _joined(layout: Layout) -> tuple[int, ...]:
-    """The groups to join: all but a lone 1-D leaf, whose entry's array already is its group's and is stored as is
-    (a restore then holds the state once, not twice)."""
+    """The groups to join: all but a lone 1-D leaf, whose entry's array already is its group's (stored as is)."""
     return tuple(g for g, group in enumerate(layout.groups) if len(group.leaves) > 1 or group.shape is not None)
 
 
 def _group_entries(group: Group) -> list[int]:
-    """The entries stored in `group`'s arrays, in `_cut_all` order: history by history, then the master copies."""
+    """The entries stored in `group`'s arrays, in `_cut_all` order."""
     return [h[k] for k in range(len(group.histories[0])) for h in group.histories] + list(group.masters)
 
 
@@ -107,15 +102,15 @@ def _entry_order(layout: Layout) -> list[int]:
 
 
 def unowned(state: ZeroState) -> dict[int, jax.Array]:
-    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced histories and master
-    copies (`(blocks * group * slots,)`), in device memory."""
+    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced ones (1-D), in device
+    memory."""
     layout = state.layout
     out = shared_arrays(canonical(state))
     if not layout.groups:
         return out
     histories = _offload.fetched(state.inner_state.histories)
     master = _offload.fetched(state.master)
-    values = _per_device(layout, "cut", master is not None, (histories, master))
+    values = _per_device(layout, _cut_all, master is not None, (histories, master))
     out.update(zip(_entry_order(layout), values))
     return out
 
@@ -132,7 +127,7 @@ def sliced_shardings(state: ZeroState) -> dict[int, Any]:
     return out
 
 
-def _join_all(layout: Layout, values: dict[int, jax.Array], master: bool):
+def _join_all(layout: Layout, master: bool, values: dict[int, jax.Array]):
     """The stored arrays of the `_joined` groups, joined from their entries'."""
     histories, masters = [], []
     for group in (layout.groups[g] for g in _joined(layout)):
@@ -152,8 +147,7 @@ def _join_row(layout: Layout, group: Group, values: list[jax.Array]) -> jax.Arra
 
 
 def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedState, tuple | None]:
-    """The inverse of `unowned`: the inner state and master copies of a state like `template` holding `values`,
-    in the shardings and memory of `template`'s arrays."""
+    """The inverse of `unowned`: the inner state and master copies of a state like `template` holding `values`."""
     layout = template.layout
     shared = _inner_state.tree(layout, [values[j] for j in layout.shared_entries])
     master = template.master is not None
@@ -162,7 +156,7 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
     values = _offload.fetched({j: values[j] for j in _entry_order(layout)})
     joined = _joined(layout)
     inputs = {j: values[j] for g in joined for j in _group_entries(layout.groups[g])}
-    done_h, done_m = _per_device(layout, "join", master, inputs) if joined else ((), None)
+    done_h, done_m = _per_device(layout, _join_all, master, inputs) if joined else ((), None)
     done_h, done_m = dict(zip(joined, done_h)), dict(zip(joined, done_m or ()))
     histories, masters = [], []
     for g, group in enumerate(layout.groups):

@@ -5,18 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.api import _per_entry, _bound
-from zero_optax.layout import _keys, _specs
+from zero_optax.api import _per_entry
+from zero_optax.layout import _handle, _keys
 from zero_optax.step import _offload
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import MASTER
 from zero_optax.layout._state import GATHER, ZeroState, find_states, is_state
-from zero_optax.api._zero1 import zero1_of
 
 
 def _require_global(state: ZeroState, what: str) -> Layout:
@@ -152,16 +149,7 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
       >>> zo.describe(state).world_size
       1
     """
-    zero = zero1_of(tx, "zo.scatter_state")
+    zero = _handle.zero1_of(tx, "zo.scatter_state")
     params = _compat.pure(params)
     inner_state = jax.tree.map(_keys.to_data, inner_state)
-    if not zero.outside():
-        return zero.engine.init(params, inner_state)
-    bound = zero.bound
-    specs = _bound.param_specs(params, bound.mesh)
-    out = _specs.tree_specs(_specs.traced_state(bound.zero_init, params, specs, bound.mesh))
-    fn = jax.jit(jax.shard_map(zero.engine.init, mesh=bound.mesh, in_specs=(specs, P()), out_specs=out))
-    inner_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), jax.sharding.NamedSharding(bound.mesh, P())),
-                               inner_state)
-    with _specs.declared_specs(specs):
-        return fn(_bound.placed(params, specs, bound.mesh), inner_state)
+    return zero.bound.init(params, inner_state) if zero.outside() else zero.engine.init(params, inner_state)

@@ -20,10 +20,9 @@ from zero_optax.layout._stored import SHARDED
 from zero_optax.layout._state import ZeroState, canonical, find_states
 
 class _NoParameterTrees:
-    """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree
-    shaped like the parameters (their state is stored sliced and packed; its inner state's per-parameter fields
-    are `Sharded` markers without values), so `tree_map_params` maps its function over nothing and hands the
-    state whole to `transform_non_params`, if given. `zo.state_specs` gives a zero1 state's shardings."""
+    """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree shaped
+    like the parameters, so `tree_map_params` hands it whole to `transform_non_params` (`zo.state_specs` gives its
+    shardings)."""
 
     def __repr__(self) -> str:
         return "<zero1: no parameter-shaped trees>"
@@ -33,11 +32,7 @@ NO_PARAMETER_TREES = _NoParameterTrees()
 
 
 class Zero1:
-    """The object behind a zero1 transformation: `tx.init` and `tx.update` are its bound methods.
-
-    Functions that need zero1's own view of a transformation (`zero_optax.scatter_state`, `zero_optax.state_specs`)
-    find it with `zero1_of(tx, ...)` (or `find_zero1(tx)`), which `zero1` records it for.
-    """
+    """The object behind a zero1 transformation (`tx.init`, `tx.update` are its bound methods; `_handle` finds it)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh | None):
         self.cfg = cfg
@@ -60,12 +55,11 @@ class Zero1:
 
     @property
     def gathers_parameters(self) -> bool:
-        """Whether `apply_gradients` can gather new parameters: not under accumulation or offload, whose steps
-        gather the updates (`zero_optax.apply_gradients` then applies them)."""
+        """Whether `apply_gradients` can gather new parameters (not under accumulation or offload)."""
         return self.cfg.accumulating is None and not self.cfg.offload
 
     def apply_gradients(self, grads, state, params, *, weight=None, **extra_args):
-        """`zero_optax.apply_gradients` for this transformation (`gathers_parameters`): new parameters and state."""
+        """`zero_optax.apply_gradients` for this transformation: new parameters and state."""
         return self._step(grads, state, params, weight, True, extra_args)
 
     def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
@@ -173,25 +167,13 @@ def zero1(
     return tx
 
 
-def find_zero1(tx) -> Zero1 | None:
-    """The `Zero1` behind `tx` if `zero1` returned `tx` (not a chain that holds one), else None."""
-    return _handle.find(tx)
-
-
-def zero1_of(tx, what: str) -> Zero1:
-    """The `Zero1` behind `tx`; `NotZero1Error` (naming the caller, `what`) for any other transformation."""
-    return _handle.zero1_of(tx, what)
-
-
 def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
     """One optimizer step: the new parameters and state, what `tx.update` followed by `optax.apply_updates` gives.
 
-    For a zero1 transformation (`tx = zo.zero1(...)`, unbound inside `shard_map` or mesh-bound anywhere), each
-    device adds the updates of the coordinates it owns to its own slice of the parameters, and the devices
-    all-gather the *new parameters* instead of the updates (as ZeRO and DeepSpeed do), which saves the separate
-    full-size pass that `optax.apply_updates` makes over the gathered updates. The values are the same: the same
-    additions, on other devices. Under `accumulate_steps > 1` or `offload=True`, and for any other transformation
-    (a chain holding a zero1, plain optax), it runs `tx.update` and `optax.apply_updates`.
+    For a zero1 transformation, each device adds the updates of the coordinates it owns to its own slice of the
+    parameters, and the devices all-gather the *new parameters* instead of the updates (as ZeRO does): the same
+    values without a full-size `optax.apply_updates` pass. Under `accumulate_steps > 1` or `offload=True`, and for
+    any other transformation (a chain holding a zero1, plain optax), it runs `tx.update` and `optax.apply_updates`.
 
     Args:
       tx: a transformation, typically `zo.zero1(...)`.
@@ -215,7 +197,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     """
     if params is None:
         raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
-    zero = find_zero1(tx)
+    zero = _handle.find(tx)
     if zero is not None and zero.gathers_parameters:
         return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
@@ -248,11 +230,9 @@ def describe(state) -> Layout:
 def as_local(params, axis_name: str | Sequence[str]):
     """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
 
-    Inside `jax.shard_map` (with `check_vma=True`, the default), the gradient with respect to a replicated
-    parameter is already summed over the axis by autodiff, an all-reduce that costs 2x the gradient bytes on the
-    wire, and the result no longer says whether it is a sum or a mean. Differentiating with respect to
-    `as_local(params)` instead leaves each device its own gradient, which zero1 then reduce-scatters (1x), so a
-    ZeRO-1 step moves no more bytes than plain data parallelism.
+    Inside `jax.shard_map` (with `check_vma=True`, the default), autodiff already all-reduces the gradient with
+    respect to a replicated parameter. Differentiating with respect to `as_local(params)` instead leaves each device
+    its own gradient, which zero1 then reduce-scatters, moving half the bytes.
 
     Examples:
       >>> # inside the shard_map'ed step:
