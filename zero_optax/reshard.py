@@ -106,19 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ZeroError and StoreError are ValueErrors
         status, message = 1, "error: " + " ".join(str(e).split())
     except KeyboardInterrupt:
-        status, message = 130, f"interrupted; {_interrupted(args.dst)}"
+        left = (f"nothing was written to {os.path.abspath(args.dst)}." if "://" not in args.dst else
+                f"{args.dst} holds no finished checkpoint (no reader takes it for one); run again with --force to "
+                "replace what was written.")
+        status, message = 130, f"interrupted; {left}"
     bar.close()
     if message is not None:
         print(f"{PROG}: {message}", file=sys.stderr)
     return status
-
-
-def _interrupted(dst: str) -> str:
-    """What an interrupted run leaves at `dst`, for its last message."""
-    if "://" not in dst:
-        return f"nothing was written to {os.path.abspath(dst)}."
-    return (f"{dst} holds no finished checkpoint (no reader takes it for one); run again with --force to replace "
-            "what was written.")
 
 
 class _CallableModule(types.ModuleType):

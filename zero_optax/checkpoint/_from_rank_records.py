@@ -1,12 +1,11 @@
 """Rank-local records into a zero1 state (`zo.state_from_rank_records`): where `zo.reshard_explicit` leads.
 
-Device `r` of block `b` of a sliced leaf reads the record of rank `r` in a group of the leaf's size that holds the
-block's key (`_names.block_key`); shared entries come from the records' clocks. Every record is checked before any
-array is built.
+Every record is checked before any array is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,12 +75,11 @@ def _shared(layout: StoredViews, records: list[RankRecord]) -> dict[int, np.ndar
     return out
 
 
+@dataclasses.dataclass
 class _Records(_regions.Regions):
     """Any region of the target's stored arrays, from checked records (the target has no owned leaves)."""
 
-    def __init__(self, layout: StoredViews, slices: dict, shared: dict[int, np.ndarray]):
-        super().__init__(layout, shared)
-        self.slices = slices
+    slices: dict[tuple[int, int, int], ParamSlice]
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         e = self.target.entries[j]
@@ -145,7 +143,7 @@ def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Seq
     if layout.accumulate == LOCAL and _regions.micro_step(layout, shared):
         raise _Error(f"{WHERE}: the records were taken mid-cycle of accumulate=\"local\", whose per-device sums "
                      "they do not hold; take them at a cycle boundary.")
-    regions = _Records(layout, slices, shared)
+    regions = _Records(layout, shared, slices)
     specs = _arrays.stored_arrays(layout, 0)
     arrays = [_restore.build(a, _restore.concrete_sharding(s.sharding, f"{WHERE}: the target's array {a.name}"),
                              regions.region)

@@ -1,21 +1,22 @@
 """Offline resharding of a zero1 checkpoint item directory onto another mesh (`zo.reshard`), exactly.
 
-Every array of the new layout is written chunk by chunk from `_regions.Remap`, so memory does not grow with the
-checkpoint. The output is zarr3 over OCDBT written by TensorStore alone (`"storage": "tensorstore"`): Orbax's own
-metadata can only come from whole `jax.Array`s. It appears atomically: on a local file system by a rename
-(`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
+Every array of the new layout is written chunk by chunk from `_regions.Remap`, as zarr3 over OCDBT by TensorStore
+alone (Orbax's own metadata can only come from whole `jax.Array`s). The result appears atomically: by a rename on a
+local file system (`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from zero_optax.checkpoint import (_arrays, _commit, _install, _offline_target, _paths, _record, _regions, _restore,
                                    _schema, _shapes, _store)
+from zero_optax.checkpoint._store import Region
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._stored import LEAF, StoredLayout
 
@@ -34,36 +35,27 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
 
 def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
     """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
-    leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
-    if owners is not None and not isinstance(owners, (list, tuple)):
+    if owners is None:
+        return [None] * len(layouts)
+    if not isinstance(owners, (list, tuple)):
         raise ZeroCheckpointError(f"`owners` must be a list, got {type(owners).__name__}.")
-    if owners is not None and all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+    if all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+        leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
         if len(leaf_states) != 1:
             raise ZeroCheckpointError(
                 f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; give one "
                 "item (a list or None) per state.")
         owners = [owners if k == leaf_states[0] else None for k in range(len(layouts))]
-    owners = [None] * len(layouts) if owners is None else list(owners)
     if len(owners) != len(layouts):
         raise ZeroCheckpointError(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 "
                                   "states.")
     for k, o in enumerate(owners):
-        if o is None:
-            continue
-        if layouts[k].partition != LEAF:
+        if o is not None and layouts[k].partition != LEAF:
             raise ZeroCheckpointError(f"`owners[{k}]` is given, but state {k} uses the {layouts[k].partition} "
                                       "partition, which has no owners to choose.")
-        if not isinstance(o, (list, tuple)):
+        if o is not None and not isinstance(o, (list, tuple)):
             raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
-    return owners
-
-
-def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
-            specs: _offline_target.Specs, owners: Sequence[int] | None, where: str) -> StoredLayout:
-    """The layout of saved state `saved` on the target mesh."""
-    where = f"{where}: state {saved.index}"
-    n, sizes = _offline_target.target_sizes(saved.layout, world_size, axis_sizes, where)
-    return _offline_target.new_layout(saved.layout, n, sizes, owners, specs, where)
+    return list(owners)
 
 
 def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
@@ -83,18 +75,9 @@ def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
     return (fit(layout.leaves[e.leaf].slots),)
 
 
-def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Region]:
     """The chunk-sized regions of an array, in order."""
-    if any(d == 0 for d in shape):
-        return
-    if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
-        for lo in range(0, shape[0], chunks[0]):
-            yield ((lo, min(lo + chunks[0], shape[0])),) + tuple((0, d) for d in shape[1:])
-        return
-    for r in range(0, shape[0], chunks[0]):
-        for lo in range(0, shape[1], chunks[1]):
-            yield ((r, min(r + chunks[0], shape[0])), (lo, min(lo + chunks[1], shape[1]))) + tuple(
-                (0, d) for d in shape[2:])
+    return itertools.product(*[[(lo, min(lo + c, d)) for lo in range(0, d, c)] for d, c in zip(shape, chunks)])
 
 
 def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
@@ -109,7 +92,7 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
             remap = _regions.Remap(old, lay, store.read, values, f"state {old.index}", spec)
             for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
+                writer.create(a.name, a.shape, a.dtype, chunks, None if i else {_shapes.KEY: _shapes.describe(lay)})
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _chunk_regions(a.shape, chunks):
@@ -179,7 +162,8 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     saved, store, shared = load(src)
     per_state = _owners_per_state(owners, [s.layout for s in saved.states])
     specs = [_offline_target.specs_by_path(param_specs, set(s.layout.paths)) for s in saved.states]
-    layouts = [_layout(s, world_size, axis_sizes, p, o, str(src)) for s, p, o in zip(saved.states, specs, per_state)]
+    layouts = [_offline_target.new_layout(s.layout, world_size, axis_sizes, o, p, f"{src}: state {s.index}")
+               for s, p, o in zip(saved.states, specs, per_state)]
     if not _paths.is_local(dst):
         if force and dst.exists():
             _commit.retract(dst)

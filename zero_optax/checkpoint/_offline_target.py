@@ -60,8 +60,7 @@ def check_axis_sizes(axis_sizes: Any) -> dict[str, int]:
 
 
 def specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
-    """`param_specs` (a mapping of leaf paths such as `"['w']"`, or a pytree of `PartitionSpec`s shaped like the
-    parameters) as leaf path -> spec."""
+    """`param_specs` (a mapping of leaf paths, or a pytree of `PartitionSpec`s like the parameters) by leaf path."""
     if param_specs is None:
         return {}
     if isinstance(param_specs, Mapping) and param_specs and all(isinstance(k, str) and k in paths
@@ -80,8 +79,7 @@ def specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
 
 def target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None, where: str
                  ) -> tuple[int, dict[str, int]]:
-    """The target's world size and axis sizes: `axis_sizes` as given (every ZeRO axis named), or else the saved
-    mesh axes with the ZeRO axes at `world_size` (`zo.reshard` has checked that one of the two is given)."""
+    """The target's world size and axis sizes: `axis_sizes`, or the saved ones with the ZeRO axes at `world_size`."""
     zero = old.axes
     if axis_sizes is None:
         experts = [x.path for x in old.leaves if set(x.axes) & set(zero)]
@@ -102,15 +100,12 @@ def target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str
     return n, dict(axis_sizes)
 
 
-def new_layout(old: StoredLayout, n: int, sizes: dict[str, int], owners: Sequence[int] | None, specs: Specs,
-               where: str) -> StoredLayout:
-    """`old` on a mesh of `n` devices along its ZeRO axes and axis sizes `sizes`: sliced leaves cut anew
-    (`_tp_blocks.target_blocks`), owned leaves given `owners` (default: balanced as `zero1` does)."""
-    owned = [not x.sliced for x in old.leaves]
-    if owners is None:
-        owners = _owners.owners_for_entries(old.entries, owned, n)
-    else:
-        owners = _owners.check_owners(owners, len(old.leaves), n, old.paths)
+def new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None,
+               owners: Sequence[int] | None, specs: Specs, where: str) -> StoredLayout:
+    """`old` on the target mesh: sliced leaves cut anew, owned leaves given `owners` (default: balanced)."""
+    n, sizes = target_sizes(old, world_size, axis_sizes, where)
+    owners = (_owners.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
+              else _owners.check_owners(owners, len(old.leaves), n, old.paths))
     zero = old.axes
     leaves = []
     for x, o in zip(old.leaves, owners):
@@ -133,8 +128,7 @@ def new_layout(old: StoredLayout, n: int, sizes: dict[str, int], owners: Sequenc
 
 def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
                 ) -> ParamLeaf:
-    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`: its state is the whole tensor; its blocks (`dims`)
-    are cut over the target's axes that cut it by `spec`, else as saved (an axis of size 1 only where saved)."""
+    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`, its blocks cut as `spec` says, else as saved."""
     whole = old.whole_shape(x)
     if spec is not None:
         cut = _tp_blocks.spec_entries(spec)

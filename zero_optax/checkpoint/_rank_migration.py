@@ -1,8 +1,7 @@
 """Rank-local records of zero1 states: read from a checkpoint, and migrated between data-parallel groups.
 
-A `RankRecord` is what one device of one data-parallel group holds of one zero1 state. `reshard_explicit` moves
-each parameter from its own group of records to a new one, exactly, with numpy only, so that parameters whose
-groups differ (tensor-parallel, expert) move together.
+`reshard_explicit` moves each parameter from its own group of records to a new one, exactly, with numpy only, so
+that parameters whose groups differ (tensor-parallel, expert) move together.
 """
 
 from __future__ import annotations
@@ -131,8 +130,8 @@ def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -
     return None
 
 
-def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The records `m.sources` names, checked to hold the parameter and to be one per rank of one group."""
+def _sources(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
+    """The records `m.sources` names: one per rank of one group, agreeing on clocks, buffers, shape and dtypes."""
     for s in m.sources:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
             raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
@@ -151,11 +150,6 @@ def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> li
             raise _Error(f"{where}: records[{seen[rec.rank]}] and records[{s}] both hold rank {rec.rank}: repeated "
                          "source ranks.")
         seen[rec.rank] = s
-    return group
-
-
-def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> None:
-    """Refuses sources of one parameter that differ in clocks, buffer names, shape, or a buffer's dtype or size."""
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
@@ -178,6 +172,7 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
                              f"parameter of {size} elements on {len(group)} ranks has "
                              f"({slot_count(size, len(group))},).")
+    return sorted(group, key=lambda rec: rec.rank)
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
@@ -207,42 +202,38 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
       [[0.0], [1.0], [2.0]]
     """
     out: dict[Hashable, RankRecord] = {}
-    placed: dict[Hashable, tuple[int, int, int]] = {}  # target -> (rank, world size, migration index)
+    first: dict[Hashable, int] = {}  # target -> the migration that created it
     owned: dict[tuple, int] = {}
     for i, m in enumerate(migrations):
         n, t = m.target_world_size, m.target_rank
+        where = f"migrations[{i}] (`{m.param}`)"
         if not isinstance(n, (int, np.integer)) or n < 1 or not isinstance(t, (int, np.integer)) or not 0 <= t < n:
-            raise _Error(f"migrations[{i}] (`{m.param}`): target rank {t!r} is out of range for target world size "
-                         f"{n!r}.")
+            raise _Error(f"{where}: target rank {t!r} is out of range for target world size {n!r}.")
         if not m.sources:
-            raise _Error(f"migrations[{i}] (`{m.param}`): no source records are named.")
+            raise _Error(f"{where}: no source records are named.")
         key = t if m.target is None else m.target
         for own in ((key, m.param), (m.param, tuple(sorted(m.sources)), t)):
             if own in owned:
                 raise _Error(f"migrations[{owned[own]}] and migrations[{i}] both place `{m.param}` at target "
                              f"{key!r} (rank {t}): duplicate target ownership.")
             owned[own] = i
-        if key in placed and placed[key][:2] != (t, n):
-            r0, n0, j = placed[key]
-            raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
-                         f"of {n}: one target record has one placement.")
-        where = f"migrations[{i}] (`{m.param}`)"
-        group = _source_group(where, m, records)
-        _check_sources_agree(where, m, group)
-        group.sort(key=lambda rec: rec.rank)
+        if key in out and (out[key].rank, out[key].world_size) != (t, n):
+            raise _Error(f"migrations[{first[key]}] puts target {key!r} at rank {out[key].rank} of "
+                         f"{out[key].world_size}, but migrations[{i}] at rank {t} of {n}: one target record has one "
+                         "placement.")
+        group = _sources(where, m, records)
         if key in out and (diff := clock_difference(out[key].clocks, group[0].clocks)):
-            raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
+            raise _Error(f"migrations[{first[key]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")
         src = group[0].params[m.param]
         size = math.prod(src.shape)
         s_new = slot_count(size, n)
         buffers = {}
-        for name, first in src.buffers.items():
-            history = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
-            buffers[name] = _regions.recut(lambda lo, hi, h=history: h[lo:hi], size, t * s_new, (t + 1) * s_new,
-                                         first.dtype)
+        for name in src.buffers:
+            h = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
+            buffers[name] = _regions.recut(lambda lo, hi, h=h: h[lo:hi], size, t * s_new, (t + 1) * s_new, h.dtype)
         if key not in out:
-            placed[key] = (t, n, i)
+            first[key] = i
             out[key] = RankRecord(t, n, {}, {c: np.array(v, copy=True) for c, v in group[0].clocks.items()})
         out[key].params[m.param] = ParamSlice(tuple(src.shape), buffers)  # type: ignore[index]
     return out

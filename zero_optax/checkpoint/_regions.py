@@ -1,10 +1,7 @@
 """Any region of a state's arrays on a new mesh, computed exactly from the arrays saved on the old one.
 
-The saved state and the target have the same leaves and entries (`_match`); the mesh, slots and owners may differ.
-Nothing is replayed or summed: a sliced history is cut again coordinate by coordinate (through `_tp_blocks` where
-its blocks changed), an owned entry is read from its old owner's row, a shared entry is the value every saved row
-holds. `Remap.region` serves a restore onto a new mesh (a region per device) and the offline `zo.reshard` (a region
-per stored chunk).
+Nothing is replayed or summed: a sliced history is cut again (through `_tp_blocks` where its blocks changed), an
+owned entry is read from its old owner's row, a shared entry is the value every saved row holds.
 
 Examples:
   >>> import numpy as np
@@ -16,6 +13,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -80,8 +78,7 @@ def micro_step(layout: StoredViews, shared: dict[int, np.ndarray]) -> int:
 
 def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: int,
           dtype: Any = np.float64) -> np.ndarray:
-    """Elements `[start, stop)` of a zero-padded history of `size` coordinates, from `read(lo, hi)` of its
-    coordinates."""
+    """Elements `[start, stop)` of a zero-padded history of `size` coordinates, from `read(lo, hi)`."""
     hi = min(stop, size)
     if start >= hi:
         return aligned_zeros(stop - start, dtype)
@@ -93,12 +90,13 @@ def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: i
     return out
 
 
+@dataclasses.dataclass
 class Regions:
     """Any region of a target's stored arrays; a subclass says where histories (`_history`) and packed buffers
     (`_buffer`) come from."""
 
-    def __init__(self, target: StoredViews, shared: dict[int, np.ndarray]):
-        self.target, self.shared = target, shared
+    target: StoredViews
+    shared: dict[int, np.ndarray]
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""
@@ -117,8 +115,7 @@ class Regions:
 
 
 class Remap(Regions):
-    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state
-    `saved`, read by `read`; `specs` (leaf path -> PartitionSpec) settle dimensions the blocks cannot tell."""
+    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state."""
 
     def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
@@ -170,8 +167,8 @@ class Remap(Regions):
         return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     def _block(self, name: str, base: int, old_block: int, size: int, lo: int, hi: int, dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of one block's new padded history. A range reaching the block's end also reads the
-        saved padding and refuses it if not zero: the record's leaf shape then misdescribes the history."""
+        """Elements `[lo, hi)` of one block's new padded history; refuses saved padding that is not zero (the
+        record's leaf shape then misdescribes the history)."""
         if hi < size or lo >= size:
             return recut(lambda a, c: self.read(name, ((base + a, base + c),)), size, lo, hi, dtype)
         got = self.read(name, ((base + lo, base + old_block),))
@@ -186,14 +183,13 @@ class Remap(Regions):
 
     def _recut(self, read: Callable[[int, int, int], np.ndarray], cut: _tp_blocks.Recut, b: int, lo: int, hi: int,
                dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of target block `b`'s padded history: the rows they cover, cut out of the saved
-        blocks they overlap (whole saved rows read at once)."""
+        """Elements `[lo, hi)` of target block `b`'s padded history, cut out of the saved blocks it overlaps."""
         out = aligned_zeros(hi - lo, dtype)
         shape, saved = cut.target.shape, cut.saved.shape
         top = min(hi, math.prod(shape))
         if lo >= top:
             return out
-        if cut.identity:  # the same block, stored another way (sliced on one side, owned on the other)
+        if cut.identity:  # the same block, sliced on one side and owned on the other
             out[:top - lo] = read(b, lo, top)
             return out
         row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])
