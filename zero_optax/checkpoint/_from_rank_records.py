@@ -58,8 +58,7 @@ def _slices(layout: StoredViews, records: list[RankRecord]) -> dict[tuple[int, i
 def _shared(layout: StoredViews, records: list[RankRecord]) -> dict[int, np.ndarray]:
     """Entry index -> value of every shared entry, from the records' clocks (which must agree)."""
     for rec in records[1:]:
-        diff = clock_difference(records[0].clocks, rec.clocks)
-        if diff:
+        if diff := clock_difference(records[0].clocks, rec.clocks):
             raise _Error(f"{WHERE}: the records' clocks differ ({diff}); records of one state share them.")
     out = {}
     for j, e in enumerate(layout.entries):

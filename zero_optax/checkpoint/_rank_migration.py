@@ -153,8 +153,7 @@ def _sources(where: str, m: Migration, records: Sequence[RankRecord]) -> list[Ra
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
-        diff = clock_difference(group[0].clocks, rec.clocks)
-        if diff:
+        if diff := clock_difference(group[0].clocks, rec.clocks):
             raise _Error(f"{where}: clocks differ between sources records[{first}] and records[{s}]: {diff}.")
         b = rec.params[m.param]
         if set(b.buffers) != set(a.buffers):

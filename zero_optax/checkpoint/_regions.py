@@ -123,8 +123,6 @@ class Remap(Regions):
         self.saved, self.read = saved, read
         self.cuts = _tp_blocks.recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
-        self.old_pack = saved.layout.state_packing
-        self.new_pack = target.state_packing
         if target.accumulate == LOCAL and (step := micro_step(saved.layout, shared)):
             raise ZeroCheckpointError(
                 f"This checkpoint was taken {step} micro-batches into an accumulation cycle of "
@@ -162,7 +160,7 @@ class Remap(Regions):
         if old.sliced:
             name, width = self.names[(j, None)], old.group * old.slots
             return lambda b, lo, hi: self.read(name, ((b * width + lo, b * width + hi),))
-        d, at = self.old_pack.offsets[old.owner][j]
+        d, at = self.saved.layout.state_packing.offsets[old.owner][j]
         name, row = self.names[(None, d)], (old.owner, old.owner + 1)
         return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
@@ -209,17 +207,12 @@ class Remap(Regions):
         (r0, r1), (c0, c1) = region
         out = aligned_zeros((r1 - r0, c1 - c0), d)
         for t in range(r0, r1):
-            for j, (dj, off) in self.new_pack.offsets[t].items():
+            for j, (dj, off) in self.target.state_packing.offsets[t].items():
                 e = self.target.entries[j]
                 lo, hi = max(off, c0), min(off + e.size, c1)
                 if dj != d or lo >= hi:
                     continue
-                cut = self.cuts[e.leaf]
-                if cut is not None:  # sliced when saved: the whole tensor from its blocks
-                    out[t - r0, lo - c0:hi - c0] = self._recut(self._saved(j), cut, 0, lo - off, hi - off, d)
-                    continue
-                owner = self.saved.layout.leaves[e.leaf].owner
-                _, at = self.old_pack.offsets[owner][j]
-                src = self.names[(None, d)]
-                out[t - r0, lo - c0:hi - c0] = self.read(src, ((owner, owner + 1), (at + lo - off, at + hi - off)))[0]
+                read, cut = self._saved(j), self.cuts[e.leaf]  # cut: None where owned when saved too
+                out[t - r0, lo - c0:hi - c0] = (read(0, lo - off, hi - off) if cut is None
+                                                else self._recut(read, cut, 0, lo - off, hi - off, d))
         return out

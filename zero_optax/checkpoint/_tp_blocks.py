@@ -157,15 +157,11 @@ def target_blocks(saved: Blocks, sizes: Mapping[str, int], spec: Sequence[Any] |
     """A sliced leaf's axes and block shape on a mesh of axis sizes `sizes`: the saved axes, or `spec`'s, that the
     target has; a resized axis cuts the dimension `spec` names, else the only one it divides."""
     k1 = dict(saved.axes)
-    if spec is None:
-        cuts = {a: None for a in k1}
-    else:
-        cuts = spec_dims(spec)
-        missing = sorted(set(k1) - set(cuts))
-        if missing:
-            raise ZeroCheckpointError(
-                f"{where}: `param_specs` gives leaf `{path}` the spec {tuple(spec)}, but its saved blocks differ "
-                f"along {missing}; give the spec the parameter was trained with.")
+    cuts = dict.fromkeys(k1) if spec is None else spec_dims(spec)
+    if missing := sorted(set(k1) - set(cuts)):
+        raise ZeroCheckpointError(
+            f"{where}: `param_specs` gives leaf `{path}` the spec {tuple(spec)}, but its saved blocks differ "
+            f"along {missing}; give the spec the parameter was trained with.")
     axes = tuple(a for a in sizes if a in cuts and sizes[a] > 1)
     shape = list(saved.shape)
     for a in dict.fromkeys([*k1, *axes]):
