@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from zero_optax.checkpoint._offline import parse_axis_sizes
 from zero_optax.checkpoint._offline import reshard as _reshard_fn
-from zero_optax.checkpoint._offline_target import parse_axis_sizes
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30

@@ -20,8 +20,7 @@ Read and checked:
 Re-cut for another mesh:
 * `_regions`: any region of a state's arrays on a new mesh, from the arrays saved on the old one.
 * `_tp_blocks`: a sliced leaf's tensor-parallel or expert blocks on one mesh, cut again for another.
-* `_offline`: `zo.reshard`, converting an item directory offline.
-* `_offline_target`: `zo.reshard`'s target layout, from the mesh's axis sizes.
-* `_rank_migration`: rank-local records and their explicit migration (`load_rank_records`, `reshard_explicit`).
-* `_from_rank_records`: rank-local records into a zero1 state (`state_from_rank_records`).
+* `_offline`: `zo.reshard`, converting an item directory offline to a mesh given by its axis sizes.
+* `_rank_migration`: rank-local records, their explicit migration and the state they build (`load_rank_records`,
+  `reshard_explicit`, `state_from_rank_records`).
 """

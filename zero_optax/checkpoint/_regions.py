@@ -194,8 +194,6 @@ class Remap(Regions):
         r0, r1 = lo // row, -(-top // row)
         rows = np.zeros((r1 - r0, *shape[1:]), dtype)
         for source, (s_rows, *s_rest), (t_rows, *t_rest) in cut.sources(b, ((r0, r1), *((0, d) for d in shape[1:]))):
-            if any(x >= y for x, y in (s_rows, *s_rest)):
-                continue
             got = read(source, s_rows[0] * saved_row, s_rows[1] * saved_row)
             got = got.reshape((s_rows[1] - s_rows[0], *saved[1:]))[(slice(None), *(slice(*x) for x in s_rest))]
             rows[(slice(t_rows[0] - r0, t_rows[1] - r0), *(slice(*x) for x in t_rest))] = got
