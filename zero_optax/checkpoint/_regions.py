@@ -132,9 +132,8 @@ class Remap(Regions):
                 "accumulate=\"sharded\", whose accumulators reshard.")
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-        new = self.target.leaves[self.target.entries[j].leaf]
-        old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
-        cut = self.cuts[self.target.entries[j].leaf]
+        i = self.target.entries[j].leaf  # the same leaf index in the saved layout (`_match`)
+        new, old, cut = self.target.leaves[i], self.saved.layout.leaves[i], self.cuts[i]
         new_block = new.group * new.slots
         start, stop = span
         pieces = []
