@@ -15,8 +15,8 @@ from zero_optax.checkpoint._rank_migration import (
     RankRecord,
     load_rank_records,
     reshard_explicit,
+    state_from_rank_records,
 )
-from zero_optax.checkpoint._from_rank_records import state_from_rank_records
 from zero_optax.checkpoint._offline import reshard
 from zero_optax.core._errors import (
     OwnersError,

@@ -3,10 +3,8 @@
     python -m zero_optax.reshard SRC DST --world-size 4 [--owners auto|FILE.json] [--force]
     python -m zero_optax.reshard SRC DST --axis-sizes data=2,model=4 [--param-specs SPECS.json] [...]
 
-`SPECS.json` maps leaf paths to PartitionSpecs (`{"['w']": [null, "model"]}`); the owners `FILE.json` holds one
-list of device indices per leaf-partition state (or one list for the only one). Bad input exits with status 1 (2
-for bad usage) and one line on stderr, and writes nothing. Importing this module keeps `zero_optax.reshard(...)`
-callable (the module forwards calls), since importing a submodule replaces the package attribute of its name.
+Bad input exits with status 1 (2 for bad usage) and one line on stderr, and writes nothing. The module forwards
+calls, so `zero_optax.reshard(...)` stays callable once importing this submodule has replaced the package attribute.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from zero_optax.checkpoint._offline import parse_axis_sizes
 from zero_optax.checkpoint._offline import reshard as _reshard_fn
-from zero_optax.checkpoint._offline_target import parse_axis_sizes
 
 PROG = "python -m zero_optax.reshard"
 LARGE_BYTES = 1 << 30
@@ -66,13 +64,6 @@ class _Progress:
             self.bar = None
 
 
-def _fixed_mmap_threshold() -> None:
-    """Lets freed chunk buffers return to the OS: glibc's sliding mmap threshold would keep TensorStore's 16 MiB
-    buffers in per-thread arenas (glibc only; this process is ours alone)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
 def _json_file(arg: str, flag: str):
     """The JSON file a flag names, or a ValueError naming it."""
     try:
@@ -94,31 +85,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--owners", default="auto", help="'auto' (balanced) or a JSON file of leaf owners")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
     args = parser.parse_args(argv)
+    # A fixed glibc mmap threshold (M_MMAP_THRESHOLD) lets freed 16 MiB chunk buffers return to the OS instead of
+    # staying in per-thread arenas; this process is ours alone.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
     bar = _Progress()
-    _fixed_mmap_threshold()
     try:
         _reshard_fn(args.src, args.dst, args.world_size,
                     axis_sizes=None if args.axis_sizes is None else parse_axis_sizes(args.axis_sizes),
                     param_specs=None if args.param_specs is None else _json_file(args.param_specs, "--param-specs"),
                     owners=None if args.owners == "auto" else _json_file(args.owners, "--owners"),
                     force=args.force, progress=bar)
-        status, message = 0, None
+        return 0
     except (ValueError, OSError) as e:  # ZeroError and StoreError are ValueErrors
         status, message = 1, "error: " + " ".join(str(e).split())
     except KeyboardInterrupt:
-        status, message = 130, f"interrupted; {_interrupted(args.dst)}"
-    bar.close()
-    if message is not None:
-        print(f"{PROG}: {message}", file=sys.stderr)
+        left = (f"nothing was written to {os.path.abspath(args.dst)}." if "://" not in args.dst else
+                f"{args.dst} holds no finished checkpoint (no reader takes it for one); run again with --force to "
+                "replace what was written.")
+        status, message = 130, f"interrupted; {left}"
+    finally:
+        bar.close()
+    print(f"{PROG}: {message}", file=sys.stderr)
     return status
-
-
-def _interrupted(dst: str) -> str:
-    """What an interrupted run leaves at `dst`, for its last message."""
-    if "://" not in dst:
-        return f"nothing was written to {os.path.abspath(dst)}."
-    return (f"{dst} holds no finished checkpoint (no reader takes it for one); run again with --force to replace "
-            "what was written.")
 
 
 class _CallableModule(types.ModuleType):

@@ -1,28 +1,41 @@
 """Offline resharding of a zero1 checkpoint item directory onto another mesh (`zo.reshard`), exactly.
 
-Every array of the new layout is written chunk by chunk from `_regions.Remap`, so memory does not grow with the
-checkpoint. The output is zarr3 over OCDBT written by TensorStore alone (`"storage": "tensorstore"`): Orbax's own
-metadata can only come from whole `jax.Array`s. It appears atomically: on a local file system by a rename
-(`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
+Every array of the new layout is written chunk by chunk from `_regions.Remap`, as zarr3 over OCDBT by TensorStore
+alone (Orbax's own metadata can only come from whole `jax.Array`s). The result appears atomically: by a rename on a
+local file system (`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
+
+Examples:
+  >>> from zero_optax.checkpoint import _offline
+  >>> _offline.parse_axis_sizes("data=2,model=4")
+  {'data': 2, 'model': 4}
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from zero_optax.checkpoint import (_arrays, _commit, _install, _offline_target, _paths, _record, _regions, _restore,
-                                   _schema, _shapes, _store)
+from zero_optax.checkpoint import (_arrays, _commit, _install, _paths, _record, _regions, _restore, _schema, _shapes,
+                                   _store, _tp_blocks)
+from zero_optax.checkpoint._store import Region
+from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._stored import LEAF, StoredLayout
+from zero_optax.layout import _owners
+from zero_optax.layout._stored import LEAF, ParamLeaf, StoredLayout, slot_count
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
 CHUNK_ELEMENTS = 1 << 22
 """The most elements one chunk of the output holds."""
+Specs = dict[str, Sequence[Any]]
+"""Leaf path -> its PartitionSpec (a sequence with one entry per dimension: None, an axis or a tuple of axes)."""
 
 
 def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.ndarray]]]:
@@ -32,38 +45,149 @@ def load(src: Any) -> tuple[_schema.Saved, _store.ItemArrays, list[dict[int, np.
     return saved, *_restore.checked_arrays(path, saved)
 
 
+def _check_world_size(world_size: Any) -> int:
+    """`world_size` (or an axis size) checked: a positive int up to `_schema.MAX_WORLD_SIZE`."""
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ZeroCheckpointError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if world_size > _schema.MAX_WORLD_SIZE:
+        raise ZeroCheckpointError(f"`world_size` must be at most {_schema.MAX_WORLD_SIZE}, got {world_size}.")
+    return int(world_size)
+
+
+def parse_axis_sizes(text: str) -> dict[str, int]:
+    """`"data=2,model=4"` as `{"data": 2, "model": 4}` (the command line's `--axis-sizes`)."""
+    out = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        if not name.strip() or not size.strip().isdigit():
+            raise ZeroCheckpointError(f"`--axis-sizes` must look like data=2,model=4; `{item}` is not NAME=SIZE.")
+        out[name.strip()] = int(size)
+    return out
+
+
+def _check_axis_sizes(axis_sizes: Any) -> dict[str, int]:
+    """`axis_sizes` checked: a non-empty mapping of axis names to sizes."""
+    if not isinstance(axis_sizes, Mapping) or not axis_sizes:
+        raise ZeroCheckpointError(f"`axis_sizes` must be a non-empty mapping of mesh axis names to sizes, such "
+                                  f"as {{'data': 2, 'model': 4}}; got {axis_sizes!r}.")
+    for name, size in axis_sizes.items():
+        if not isinstance(name, str) or not name:
+            raise ZeroCheckpointError(f"`axis_sizes` names an axis {name!r}; axis names are non-empty strings.")
+        _check_world_size(size)
+    return {a: int(k) for a, k in axis_sizes.items()}
+
+
+def _specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
+    """`param_specs` (a mapping of leaf paths, or a pytree of `PartitionSpec`s like the parameters) by leaf path."""
+    if isinstance(param_specs, Mapping) and all(isinstance(k, str) and k in paths for k in param_specs):
+        return {k: tuple(v) for k, v in param_specs.items()}
+    flat = jax.tree.leaves_with_path(param_specs, is_leaf=lambda x: isinstance(x, P) or x is None)
+    out = {_names.key_path(path): tuple(spec) for path, spec in flat if spec is not None}
+    unknown = sorted(set(out) - paths)
+    if unknown:
+        raise ZeroCheckpointError(
+            f"`param_specs` names {unknown[:3]}, which are not parameter leaves of the checkpoint (they are "
+            f"{sorted(paths)[:5]}...); give a pytree of PartitionSpecs shaped like the parameters, or a mapping "
+            "of these leaf paths.")
+    return out
+
+
+def _target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None, where: str
+                 ) -> tuple[int, dict[str, int]]:
+    """The target's world size and axis sizes: `axis_sizes`, or the saved ones with the ZeRO axes at `world_size`."""
+    zero = old.axes
+    if axis_sizes is None:
+        experts = [x.path for x in old.leaves if set(x.axes) & set(zero)]
+        if experts and len(zero) > 1:
+            raise ZeroCheckpointError(
+                f"{where}: leaf `{experts[0]}` is sharded over a ZeRO axis (an expert parameter), so the new size "
+                f"of each of {list(zero)} is needed: pass `axis_sizes` (`--axis-sizes`) instead of `world_size`.")
+        return world_size, dict(old.axis_sizes) | ({zero[0]: world_size} if len(zero) == 1 else {})
+    missing = [a for a in zero if a not in axis_sizes]
+    if missing:
+        raise ZeroCheckpointError(f"`axis_sizes` must give the size of every ZeRO axis of {where}; it lacks "
+                                  f"{missing}.")
+    n = math.prod(axis_sizes[a] for a in zero)
+    if world_size is not None and world_size != n:
+        raise ZeroCheckpointError(f"`world_size` is {world_size}, but `axis_sizes` makes the ZeRO axes {list(zero)} "
+                                  f"{n} devices; give one of the two.")
+    return n, dict(axis_sizes)
+
+
+def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str, int] | None,
+               owners: Sequence[int] | None, specs: Specs, where: str) -> StoredLayout:
+    """`old` on the target mesh: sliced leaves cut anew, owned leaves given `owners` (default: balanced)."""
+    n, sizes = _target_sizes(old, world_size, axis_sizes, where)
+    owners = (_owners.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
+              else _owners.check_owners(owners, len(old.leaves), n, old.paths))
+    zero = old.axes
+    leaves = []
+    for x, o in zip(old.leaves, owners):
+        if not x.sliced:
+            leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, specs.get(x.path), where), group=n, owner=o))
+            continue
+        saved = _tp_blocks.leaf_blocks(old, x, where)
+        cut, shape = _tp_blocks.target_blocks(saved, sizes, specs.get(x.path), x.path, where)
+        axes = tuple(a for a in sizes if a in cut or a in x.axes)  # size-1 axes stay where they were
+        group = math.prod(sizes[a] for a in zero if a not in axes) if all(a in sizes for a in zero) else n
+        blocks = math.prod(sizes[a] for a in axes)
+        leaves.append(dataclasses.replace(x, shape=shape, axes=axes, blocks=blocks, group=group,
+                                          slots=slot_count(math.prod(shape), group)))
+    entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
+                    if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
+    used = {a for x in leaves for a in x.axes} | set(zero)
+    axis_sizes = tuple((a, k) for a, k in sizes.items() if a in used)
+    return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=axis_sizes)
+
+
+def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
+                ) -> ParamLeaf:
+    """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`, its blocks cut as `spec` says, else as saved."""
+    whole = old.whole_shape(x)
+    if spec is not None:
+        cut = _tp_blocks.spec_entries(spec)
+        cut += [()] * (len(whole) - len(cut))
+    else:
+        cut = list(x.dims) or [()] * len(whole)
+    dims = tuple(tuple(a for a in c if a not in old.axes and a in sizes and (sizes[a] > 1 or a in x.axes))
+                 for c in cut)
+    if not any(dims):
+        return dataclasses.replace(x, shape=whole, axes=(), blocks=1, dims=(), slots=math.prod(whole))
+    k = [math.prod(sizes[a] for a in c) for c in dims]
+    if len(dims) != len(whole) or any(w % m for w, m in zip(whole, k)):
+        raise ZeroCheckpointError(
+            f"{where}: owned leaf `{x.path}` of shape {list(whole)} is to be cut over {[list(c) for c in dims]} "
+            f"into {k} blocks per dimension, which do not divide it; give the target mesh axis sizes that divide "
+            "the parameter, or `param_specs` with the spec it trains with.")
+    shape = tuple(w // m for w, m in zip(whole, k))
+    axes = tuple(a for a in sizes if any(a in c for c in dims))
+    return dataclasses.replace(x, shape=shape, axes=axes, blocks=math.prod(sizes[a] for a in axes), dims=dims,
+                               slots=math.prod(shape))
+
+
 def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
     """`owners` (None, one list for the only leaf-partition state, or one item per state) as one item per state."""
-    leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
-    if owners is not None and not isinstance(owners, (list, tuple)):
+    if owners is None:
+        return [None] * len(layouts)
+    if not isinstance(owners, (list, tuple)):
         raise ZeroCheckpointError(f"`owners` must be a list, got {type(owners).__name__}.")
-    if owners is not None and all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+    if all(isinstance(o, (int, np.integer)) and not isinstance(o, bool) for o in owners):
+        leaf_states = [k for k, x in enumerate(layouts) if x.partition == LEAF]
         if len(leaf_states) != 1:
             raise ZeroCheckpointError(
                 f"`owners` is one list, but the checkpoint has {len(leaf_states)} leaf-partition states; give one "
                 "item (a list or None) per state.")
         owners = [owners if k == leaf_states[0] else None for k in range(len(layouts))]
-    owners = [None] * len(layouts) if owners is None else list(owners)
     if len(owners) != len(layouts):
         raise ZeroCheckpointError(f"`owners` has {len(owners)} items, but the checkpoint has {len(layouts)} zero1 "
                                   "states.")
     for k, o in enumerate(owners):
-        if o is None:
-            continue
-        if layouts[k].partition != LEAF:
+        if o is not None and layouts[k].partition != LEAF:
             raise ZeroCheckpointError(f"`owners[{k}]` is given, but state {k} uses the {layouts[k].partition} "
                                       "partition, which has no owners to choose.")
-        if not isinstance(o, (list, tuple)):
+        if o is not None and not isinstance(o, (list, tuple)):
             raise ZeroCheckpointError(f"`owners[{k}]` must be a list of device indices or None, got {o!r}.")
-    return owners
-
-
-def _layout(saved: _schema.SavedState, world_size: int | None, axis_sizes: dict[str, int] | None,
-            specs: _offline_target.Specs, owners: Sequence[int] | None, where: str) -> StoredLayout:
-    """The layout of saved state `saved` on the target mesh."""
-    where = f"{where}: state {saved.index}"
-    n, sizes = _offline_target.target_sizes(saved.layout, world_size, axis_sizes, where)
-    return _offline_target.new_layout(saved.layout, n, sizes, owners, specs, where)
+    return list(owners)
 
 
 def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
@@ -83,22 +207,13 @@ def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
     return (fit(layout.leaves[e.leaf].slots),)
 
 
-def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]):
+def _chunk_regions(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Region]:
     """The chunk-sized regions of an array, in order."""
-    if any(d == 0 for d in shape):
-        return
-    if len(shape) == 1 or math.prod(chunks) == math.prod(shape):
-        for lo in range(0, shape[0], chunks[0]):
-            yield ((lo, min(lo + chunks[0], shape[0])),) + tuple((0, d) for d in shape[1:])
-        return
-    for r in range(0, shape[0], chunks[0]):
-        for lo in range(0, shape[1], chunks[1]):
-            yield ((r, min(r + chunks[0], shape[0])), (lo, min(lo + chunks[1], shape[1]))) + tuple(
-                (0, d) for d in shape[2:])
+    return itertools.product(*[[(lo, min(lo + c, d)) for lo in range(0, d, c)] for d, c in zip(shape, chunks)])
 
 
 def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: list[dict[int, np.ndarray]],
-           layouts: list[StoredLayout], specs: list[_offline_target.Specs], progress: Progress | None) -> None:
+           layouts: list[StoredLayout], specs: list[Specs], progress: Progress | None) -> None:
     """Writes every array of `layouts` into `dst`, then the record, then the commit file."""
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
@@ -109,7 +224,7 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
             remap = _regions.Remap(old, lay, store.read, values, f"state {old.index}", spec)
             for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks, _shapes.zarr_attributes(lay) if i == 0 else None)
+                writer.create(a.name, a.shape, a.dtype, chunks, None if i else {_shapes.KEY: _shapes.describe(lay)})
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _chunk_regions(a.shape, chunks):
@@ -164,9 +279,9 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     """
     src, dst = _paths.as_path(src_dir), _paths.as_path(dst_dir)
     if world_size is not None:
-        world_size = _offline_target.check_world_size(world_size)
+        world_size = _check_world_size(world_size)
     if axis_sizes is not None:
-        axis_sizes = _offline_target.check_axis_sizes(axis_sizes)
+        axis_sizes = _check_axis_sizes(axis_sizes)
     if dst.exists() and not force:
         raise _install.already_exists(dst)
     if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
@@ -178,8 +293,9 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
                                   "(every axis, e.g. {'data': 2, 'model': 4}).")
     saved, store, shared = load(src)
     per_state = _owners_per_state(owners, [s.layout for s in saved.states])
-    specs = [_offline_target.specs_by_path(param_specs, set(s.layout.paths)) for s in saved.states]
-    layouts = [_layout(s, world_size, axis_sizes, p, o, str(src)) for s, p, o in zip(saved.states, specs, per_state)]
+    specs = [_specs_by_path(param_specs, set(s.layout.paths)) for s in saved.states]
+    layouts = [_new_layout(s.layout, world_size, axis_sizes, o, p, f"{src}: state {s.index}")
+               for s, p, o in zip(saved.states, specs, per_state)]
     if not _paths.is_local(dst):
         if force and dst.exists():
             _commit.retract(dst)

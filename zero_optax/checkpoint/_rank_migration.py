@@ -1,8 +1,8 @@
-"""Rank-local records of zero1 states: read from a checkpoint, and migrated between data-parallel groups.
+"""Rank-local records of zero1 states: read from a checkpoint, migrated between groups, and built into a state.
 
-A `RankRecord` is what one device of one data-parallel group holds of one zero1 state. `reshard_explicit` moves
-each parameter from its own group of records to a new one, exactly, with numpy only, so that parameters whose
-groups differ (tensor-parallel, expert) move together.
+`reshard_explicit` moves each parameter from its own group of records to a new one, exactly, with numpy only, so
+that parameters whose groups differ (tensor-parallel, expert) move together. `state_from_rank_records` checks every
+record before it builds any array.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ import dataclasses
 import math
 import os
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _regions, _offline
+from zero_optax.checkpoint import _arrays, _offline, _regions, _restore, _tree
+from zero_optax.checkpoint._store import aligned_empty
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
-from zero_optax.layout._stored import slot_count
+from zero_optax.layout._stored import LOCAL, StoredViews, slot_count
+
+WHERE = "state_from_rank_records"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +135,8 @@ def clock_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -
     return None
 
 
-def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
-    """The records `m.sources` names, checked to hold the parameter and to be one per rank of one group."""
+def _sources(where: str, m: Migration, records: Sequence[RankRecord]) -> list[RankRecord]:
+    """The records `m.sources` names: one per rank of one group, agreeing on clocks, buffers, shape and dtypes."""
     for s in m.sources:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
             raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
@@ -151,16 +155,10 @@ def _source_group(where: str, m: Migration, records: Sequence[RankRecord]) -> li
             raise _Error(f"{where}: records[{seen[rec.rank]}] and records[{s}] both hold rank {rec.rank}: repeated "
                          "source ranks.")
         seen[rec.rank] = s
-    return group
-
-
-def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> None:
-    """Refuses sources of one parameter that differ in clocks, buffer names, shape, or a buffer's dtype or size."""
     first, a = m.sources[0], group[0].params[m.param]
     size = math.prod(a.shape)
     for s, rec in zip(m.sources, group):
-        diff = clock_difference(group[0].clocks, rec.clocks)
-        if diff:
+        if diff := clock_difference(group[0].clocks, rec.clocks):
             raise _Error(f"{where}: clocks differ between sources records[{first}] and records[{s}]: {diff}.")
         b = rec.params[m.param]
         if set(b.buffers) != set(a.buffers):
@@ -178,6 +176,7 @@ def _check_sources_agree(where: str, m: Migration, group: list[RankRecord]) -> N
                 raise _Error(f"{where}: buffer structure differs: `{name}` in records[{s}] has shape {x.shape}, but a "
                              f"parameter of {size} elements on {len(group)} ranks has "
                              f"({slot_count(size, len(group))},).")
+    return sorted(group, key=lambda rec: rec.rank)
 
 
 def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migration]) -> dict[Hashable, RankRecord]:
@@ -207,42 +206,167 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
       [[0.0], [1.0], [2.0]]
     """
     out: dict[Hashable, RankRecord] = {}
-    placed: dict[Hashable, tuple[int, int, int]] = {}  # target -> (rank, world size, migration index)
+    first: dict[Hashable, int] = {}  # target -> the migration that created it
     owned: dict[tuple, int] = {}
     for i, m in enumerate(migrations):
         n, t = m.target_world_size, m.target_rank
+        where = f"migrations[{i}] (`{m.param}`)"
         if not isinstance(n, (int, np.integer)) or n < 1 or not isinstance(t, (int, np.integer)) or not 0 <= t < n:
-            raise _Error(f"migrations[{i}] (`{m.param}`): target rank {t!r} is out of range for target world size "
-                         f"{n!r}.")
+            raise _Error(f"{where}: target rank {t!r} is out of range for target world size {n!r}.")
         if not m.sources:
-            raise _Error(f"migrations[{i}] (`{m.param}`): no source records are named.")
+            raise _Error(f"{where}: no source records are named.")
         key = t if m.target is None else m.target
         for own in ((key, m.param), (m.param, tuple(sorted(m.sources)), t)):
             if own in owned:
                 raise _Error(f"migrations[{owned[own]}] and migrations[{i}] both place `{m.param}` at target "
                              f"{key!r} (rank {t}): duplicate target ownership.")
             owned[own] = i
-        if key in placed and placed[key][:2] != (t, n):
-            r0, n0, j = placed[key]
-            raise _Error(f"migrations[{j}] puts target {key!r} at rank {r0} of {n0}, but migrations[{i}] at rank {t} "
-                         f"of {n}: one target record has one placement.")
-        where = f"migrations[{i}] (`{m.param}`)"
-        group = _source_group(where, m, records)
-        _check_sources_agree(where, m, group)
-        group.sort(key=lambda rec: rec.rank)
+        if key in out and (out[key].rank, out[key].world_size) != (t, n):
+            raise _Error(f"migrations[{first[key]}] puts target {key!r} at rank {out[key].rank} of "
+                         f"{out[key].world_size}, but migrations[{i}] at rank {t} of {n}: one target record has one "
+                         "placement.")
+        group = _sources(where, m, records)
         if key in out and (diff := clock_difference(out[key].clocks, group[0].clocks)):
-            raise _Error(f"migrations[{placed[key][2]}] and migrations[{i}] fill target {key!r} from sources whose "
+            raise _Error(f"migrations[{first[key]}] and migrations[{i}] fill target {key!r} from sources whose "
                          f"clocks differ: {diff}.")
         src = group[0].params[m.param]
         size = math.prod(src.shape)
         s_new = slot_count(size, n)
         buffers = {}
-        for name, first in src.buffers.items():
-            history = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
-            buffers[name] = _regions.recut(lambda lo, hi, h=history: h[lo:hi], size, t * s_new, (t + 1) * s_new,
-                                         first.dtype)
+        for name in src.buffers:
+            h = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
+            buffers[name] = _regions.recut(lambda lo, hi, h=h: h[lo:hi], size, t * s_new, (t + 1) * s_new, h.dtype)
         if key not in out:
-            placed[key] = (t, n, i)
+            first[key] = i
             out[key] = RankRecord(t, n, {}, {c: np.array(v, copy=True) for c, v in group[0].clocks.items()})
         out[key].params[m.param] = ParamSlice(tuple(src.shape), buffers)  # type: ignore[index]
     return out
+
+
+def _slices(layout: StoredViews, records: list[RankRecord]) -> dict[tuple[int, int, int], ParamSlice]:
+    """`(leaf, block, rank)` -> the `ParamSlice` that device holds, checked against the layout."""
+    by_rank: dict[tuple[int, int], list[RankRecord]] = {}
+    for rec in records:
+        by_rank.setdefault((rec.world_size, rec.rank), []).append(rec)
+    out = {}
+    for i, leaf in enumerate(layout.leaves):
+        histories = {e.path: e for e in layout.entries if e.leaf == i}
+        for b in range(leaf.blocks):
+            key = _names.block_key(leaf.path, b, leaf.blocks)
+            for r in range(leaf.group):
+                found = [rec for rec in by_rank.get((leaf.group, r), ()) if key in rec.params]
+                if len(found) != 1:
+                    raise _Error(
+                        f"{WHERE}: {'no' if not found else len(found)} records of rank {r} in a group of "
+                        f"{leaf.group} hold `{key}` (the target's leaf `{leaf.path}` has {leaf.blocks} blocks, each "
+                        f"on {leaf.group} devices); give exactly one, e.g. Migration(`{key}`, {r}, {leaf.group}, "
+                        "sources=...).")
+                part = found[0].params[key]
+                where = f"{WHERE}: `{key}` at rank {r} of {leaf.group}"
+                if tuple(part.shape) != leaf.shape:
+                    raise _Error(f"{where} has shape {tuple(part.shape)}, but the target's block is {leaf.shape}.")
+                if set(part.buffers) != set(histories):
+                    raise _Error(f"{where} holds histories {sorted(part.buffers)}, but the target's optimizer keeps "
+                                 f"{sorted(histories)}.")
+                for name, x in part.buffers.items():
+                    e = histories[name]
+                    if np.dtype(x.dtype).name != e.dtype or tuple(x.shape) != (leaf.slots,):
+                        raise _Error(f"{where}: `{name}` is {x.shape} {np.dtype(x.dtype).name}, but the target "
+                                     f"holds ({leaf.slots},) {e.dtype} on each device.")
+                out[i, b, r] = part
+    return out
+
+
+def _shared(layout: StoredViews, records: list[RankRecord]) -> dict[int, np.ndarray]:
+    """Entry index -> value of every shared entry, from the records' clocks (which must agree)."""
+    for rec in records[1:]:
+        if diff := clock_difference(records[0].clocks, rec.clocks):
+            raise _Error(f"{WHERE}: the records' clocks differ ({diff}); records of one state share them.")
+    out = {}
+    for j, e in enumerate(layout.entries):
+        if e.leaf is not None:
+            continue
+        if e.path not in records[0].clocks:
+            raise _Error(f"{WHERE}: the records have no clock `{e.path}`, which the target's optimizer keeps.")
+        value = np.asarray(records[0].clocks[e.path])
+        if value.shape != e.shape or value.dtype.name != e.dtype:
+            raise _Error(f"{WHERE}: clock `{e.path}` is {value.shape} {value.dtype.name}, but the target keeps "
+                         f"{e.shape} {e.dtype}.")
+        out[j] = value
+    return out
+
+
+@dataclasses.dataclass
+class _Records(_regions.Regions):
+    """Any region of the target's stored arrays, from checked records (the target has no owned leaves)."""
+
+    slices: dict[tuple[int, int, int], ParamSlice]
+
+    def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        e = self.target.entries[j]
+        leaf = self.target.leaves[e.leaf]
+        lo, hi = span
+        out = aligned_empty(hi - lo, dtype)
+        at = lo
+        while at < hi:
+            (b, r), c = divmod(at // leaf.slots, leaf.group), at % leaf.slots
+            n = min(hi - at, leaf.slots - c)
+            out[at - lo:at - lo + n] = self.slices[e.leaf, b, r].buffers[e.path][c:c + n]
+            at += n
+        return out
+
+
+def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Sequence[RankRecord]) -> Any:
+    """A zero1 state like `target` holding the histories and clocks of rank-local `records` (what
+    `zo.reshard_explicit` or `zo.load_rank_records` return), to train on or save with `zo.ZeroSave`.
+
+    Args:
+      target: a state holding one zero1 state, from `tx.init` on the new mesh (concrete, or abstract from
+        `jax.eval_shape` under `jax.set_mesh`): its layout says which record each device reads.
+      records: `RankRecord`s (a list, or `reshard_explicit`'s dict). For block `b` of sliced leaf `path`, split
+        over `g` devices in the target, rank `r` reads the one record with `world_size == g`, `rank == r` and the
+        key `path` (one block) or `path#block<b>` in its `params`. Their clocks must agree.
+
+    Returns:
+      `target` with its zero1 state's arrays replaced.
+
+    Raises:
+      ZeroCheckpointError: the target has owned leaves (rank-local records hold sliced leaves only), a block has
+        no record or several, a record's shape, histories or dtypes differ from the target's, clocks differ or
+        are missing, or local accumulators are mid-cycle.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, zero_optax as zo
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = zo.zero1(optax.sgd(0.1, momentum=0.9), axis_name="data")
+      >>> target = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("data")))(
+      ...     {"w": jnp.zeros(3)})
+      >>> trace = {"[0].trace['w']": np.arange(3.0, dtype=np.float32)}   # one device's history of w
+      >>> src = [zo.RankRecord(0, 1, {"['w']": zo.ParamSlice((3,), trace)})]
+      >>> moved = zo.reshard_explicit(src, [zo.Migration("['w']", t, 2, sources=[0]) for t in range(2)])
+      >>> zo.gather_state(zo.state_from_rank_records(target, moved))[0].trace["w"].tolist()
+      [0.0, 1.0, 2.0]
+    """
+    recs = list(records.values()) if isinstance(records, Mapping) else list(records)
+    if not recs or not all(isinstance(r, RankRecord) for r in recs):
+        raise _Error(f"{WHERE}: `records` must be RankRecords (a list, or reshard_explicit's dict).")
+    parts = _tree.split(target, "The target")
+    if len(parts.states) != 1:
+        raise _Error(f"{WHERE}: the target holds {len(parts.states)} zero1 states; give one at a time.")
+    state = parts.states[0][1]
+    layout = state.layout
+    owned = [x.path for x in layout.leaves if not x.sliced]
+    if owned:
+        raise _Error(f"{WHERE}: the target's leaf `{owned[0]}` is owned (partition={layout.partition!r}), and "
+                     "rank-local records hold sliced leaves only; move owned leaves with "
+                     "zo.ZeroRestore(target, reshard=True) or zo.reshard(..., owners=).")
+    slices, shared = _slices(layout, recs), _shared(layout, recs)
+    if layout.accumulate == LOCAL and _regions.micro_step(layout, shared):
+        raise _Error(f"{WHERE}: the records were taken mid-cycle of accumulate=\"local\", whose per-device sums "
+                     "they do not hold; take them at a cycle boundary.")
+    regions = _Records(layout, shared, slices)
+    specs = _arrays.stored_arrays(layout, 0)
+    arrays = [_restore.build(a, _restore.concrete_sharding(s.sharding, f"{WHERE}: the target's array {a.name}"),
+                             regions.region)
+              for a, s in zip(specs, _arrays.target_structs(state), strict=True)]
+    return _tree.put_back(target, parts, [_arrays.rebuild(state, arrays)])

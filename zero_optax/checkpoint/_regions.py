@@ -1,10 +1,7 @@
 """Any region of a state's arrays on a new mesh, computed exactly from the arrays saved on the old one.
 
-The saved state and the target have the same leaves and entries (`_match`); the mesh, slots and owners may differ.
-Nothing is replayed or summed: a sliced history is cut again coordinate by coordinate (through `_tp_blocks` where
-its blocks changed), an owned entry is read from its old owner's row, a shared entry is the value every saved row
-holds. `Remap.region` serves a restore onto a new mesh (a region per device) and the offline `zo.reshard` (a region
-per stored chunk).
+Nothing is replayed or summed: a sliced history is cut again (through `_tp_blocks` where its blocks changed), an
+owned entry is read from its old owner's row, a shared entry is the value every saved row holds.
 
 Examples:
   >>> import numpy as np
@@ -16,6 +13,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -80,8 +78,7 @@ def micro_step(layout: StoredViews, shared: dict[int, np.ndarray]) -> int:
 
 def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: int,
           dtype: Any = np.float64) -> np.ndarray:
-    """Elements `[start, stop)` of a zero-padded history of `size` coordinates, from `read(lo, hi)` of its
-    coordinates."""
+    """Elements `[start, stop)` of a zero-padded history of `size` coordinates, from `read(lo, hi)`."""
     hi = min(stop, size)
     if start >= hi:
         return aligned_zeros(stop - start, dtype)
@@ -93,12 +90,13 @@ def recut(read: Callable[[int, int], np.ndarray], size: int, start: int, stop: i
     return out
 
 
+@dataclasses.dataclass
 class Regions:
     """Any region of a target's stored arrays; a subclass says where histories (`_history`) and packed buffers
     (`_buffer`) come from."""
 
-    def __init__(self, target: StoredViews, shared: dict[int, np.ndarray]):
-        self.target, self.shared = target, shared
+    target: StoredViews
+    shared: dict[int, np.ndarray]
 
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""
@@ -117,8 +115,7 @@ class Regions:
 
 
 class Remap(Regions):
-    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state
-    `saved`, read by `read`; `specs` (leaf path -> PartitionSpec) settle dimensions the blocks cannot tell."""
+    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state."""
 
     def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
@@ -126,8 +123,6 @@ class Remap(Regions):
         self.saved, self.read = saved, read
         self.cuts = _tp_blocks.recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}
-        self.old_pack = saved.layout.state_packing
-        self.new_pack = target.state_packing
         if target.accumulate == LOCAL and (step := micro_step(saved.layout, shared)):
             raise ZeroCheckpointError(
                 f"This checkpoint was taken {step} micro-batches into an accumulation cycle of "
@@ -137,9 +132,8 @@ class Remap(Regions):
                 "accumulate=\"sharded\", whose accumulators reshard.")
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-        new = self.target.leaves[self.target.entries[j].leaf]
-        old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
-        cut = self.cuts[self.target.entries[j].leaf]
+        i = self.target.entries[j].leaf  # the same leaf index in the saved layout (`_match`)
+        new, old, cut = self.target.leaves[i], self.saved.layout.leaves[i], self.cuts[i]
         new_block = new.group * new.slots
         start, stop = span
         pieces = []
@@ -165,13 +159,13 @@ class Remap(Regions):
         if old.sliced:
             name, width = self.names[(j, None)], old.group * old.slots
             return lambda b, lo, hi: self.read(name, ((b * width + lo, b * width + hi),))
-        d, at = self.old_pack.offsets[old.owner][j]
+        d, at = self.saved.layout.state_packing.offsets[old.owner][j]
         name, row = self.names[(None, d)], (old.owner, old.owner + 1)
         return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     def _block(self, name: str, base: int, old_block: int, size: int, lo: int, hi: int, dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of one block's new padded history. A range reaching the block's end also reads the
-        saved padding and refuses it if not zero: the record's leaf shape then misdescribes the history."""
+        """Elements `[lo, hi)` of one block's new padded history; refuses saved padding that is not zero (the
+        record's leaf shape then misdescribes the history)."""
         if hi < size or lo >= size:
             return recut(lambda a, c: self.read(name, ((base + a, base + c),)), size, lo, hi, dtype)
         got = self.read(name, ((base + lo, base + old_block),))
@@ -186,22 +180,19 @@ class Remap(Regions):
 
     def _recut(self, read: Callable[[int, int, int], np.ndarray], cut: _tp_blocks.Recut, b: int, lo: int, hi: int,
                dtype) -> np.ndarray:
-        """Elements `[lo, hi)` of target block `b`'s padded history: the rows they cover, cut out of the saved
-        blocks they overlap (whole saved rows read at once)."""
+        """Elements `[lo, hi)` of target block `b`'s padded history, cut out of the saved blocks it overlaps."""
         out = aligned_zeros(hi - lo, dtype)
         shape, saved = cut.target.shape, cut.saved.shape
         top = min(hi, math.prod(shape))
         if lo >= top:
             return out
-        if cut.identity:  # the same block, stored another way (sliced on one side, owned on the other)
+        if cut.identity:  # the same block, sliced on one side and owned on the other
             out[:top - lo] = read(b, lo, top)
             return out
         row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])
         r0, r1 = lo // row, -(-top // row)
         rows = np.zeros((r1 - r0, *shape[1:]), dtype)
         for source, (s_rows, *s_rest), (t_rows, *t_rest) in cut.sources(b, ((r0, r1), *((0, d) for d in shape[1:]))):
-            if any(x >= y for x, y in (s_rows, *s_rest)):
-                continue
             got = read(source, s_rows[0] * saved_row, s_rows[1] * saved_row)
             got = got.reshape((s_rows[1] - s_rows[0], *saved[1:]))[(slice(None), *(slice(*x) for x in s_rest))]
             rows[(slice(t_rows[0] - r0, t_rows[1] - r0), *(slice(*x) for x in t_rest))] = got
@@ -213,17 +204,12 @@ class Remap(Regions):
         (r0, r1), (c0, c1) = region
         out = aligned_zeros((r1 - r0, c1 - c0), d)
         for t in range(r0, r1):
-            for j, (dj, off) in self.new_pack.offsets[t].items():
+            for j, (dj, off) in self.target.state_packing.offsets[t].items():
                 e = self.target.entries[j]
                 lo, hi = max(off, c0), min(off + e.size, c1)
                 if dj != d or lo >= hi:
                     continue
-                cut = self.cuts[e.leaf]
-                if cut is not None:  # sliced when saved: the whole tensor from its blocks
-                    out[t - r0, lo - c0:hi - c0] = self._recut(self._saved(j), cut, 0, lo - off, hi - off, d)
-                    continue
-                owner = self.saved.layout.leaves[e.leaf].owner
-                _, at = self.old_pack.offsets[owner][j]
-                src = self.names[(None, d)]
-                out[t - r0, lo - c0:hi - c0] = self.read(src, ((owner, owner + 1), (at + lo - off, at + hi - off)))[0]
+                read, cut = self._saved(j), self.cuts[e.leaf]  # cut: None where owned when saved too
+                out[t - r0, lo - c0:hi - c0] = (read(0, lo - off, hi - off) if cut is None
+                                                else self._recut(read, cut, 0, lo - off, hi - off, d))
         return out

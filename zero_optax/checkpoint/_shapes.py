@@ -46,11 +46,6 @@ def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTr
     return ocp.args.PyTreeSave(arrays, custom_metadata={KEY: table(record)})
 
 
-def zarr_attributes(layout) -> dict[str, Any]:
-    """The zarr3 `attributes` of a state's first array in a checkpoint `zero_optax.reshard` writes."""
-    return {KEY: describe(layout)}
-
-
 def _json(data: bytes, where: str) -> Any:
     if len(data) > _record.MAX_RECORD_BYTES:
         raise ZeroCheckpointError(f"{where} is {len(data)} bytes, more than zero_optax reads "
@@ -67,11 +62,10 @@ def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
     if saved.storage == _record.STORAGE_ORBAX:
         path = directory / ORBAX_METADATA
         with _paths.reading(path):
-            data = path.read_bytes() if path.exists() else None
-        if data is None:
-            raise ZeroCheckpointError(f"{directory} is incomplete or damaged: Orbax's {ORBAX_METADATA} is missing. "
-                                      "Nothing was loaded.")
-        meta = _json(data, str(path))
+            if not path.exists():
+                raise ZeroCheckpointError(f"{directory} is incomplete or damaged: Orbax's {ORBAX_METADATA} is "
+                                          "missing. Nothing was loaded.")
+            meta = _json(path.read_bytes(), str(path))
         custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
         copy = custom.get(KEY) if isinstance(custom, dict) else None
         if copy is None:  # written by zero_optax 0.2.0
@@ -82,12 +76,8 @@ def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
         return copy
     out = []
     for s in saved.states:
-        if not s.arrays:
-            out.append(None)
-            continue
-        where = f"{directory}: array {s.arrays[0].name}'s zarr.json"
-        value = store.read_key(f"{s.arrays[0].name}/zarr.json")
-        meta = _json(value, where) if value is not None else None
+        value = store.read_key(f"{s.arrays[0].name}/zarr.json") if s.arrays else None
+        meta = _json(value, f"{directory}: array {s.arrays[0].name}'s zarr.json") if value is not None else None
         attributes = meta.get("attributes") if isinstance(meta, dict) else None
         out.append(attributes.get(KEY) if isinstance(attributes, dict) else None)
     return out
@@ -96,10 +86,8 @@ def stored(directory, saved, store: _store.ItemArrays) -> list[Any]:
 def check(directory, saved, store: _store.ItemArrays) -> None:
     """Refuses, naming the first field that differs, a record whose shapes differ from the copy."""
     for s, copy in zip(saved.states, stored(directory, saved, store)):
-        if copy is None:
-            continue
         want = describe(s.layout)
-        if copy == want:
+        if copy is None or copy == want:
             continue
         for field in ("leaves", "entries"):
             got = copy.get(field) if isinstance(copy, dict) else None

@@ -1,10 +1,8 @@
 """A sliced leaf's blocks on one mesh, cut again for another: tensor-parallel and expert axes of any size.
 
-A record holds a block's shape and its axes' sizes, not which dimension each axis cuts (zero1 reads only which axes
-a block varies over). An axis whose size changes from `k1` to `k2` cuts the dimension `d` where
-`saved[d] * k1 == target[d] * k2`, every other dimension keeping its size; each target block is then cut out of
-the saved blocks it overlaps. Exact wherever each resized axis cuts a dimension of its own (or is the inner axis of
-one it shares): every tensor-parallel and expert layout of Megatron, MaxText and torchtitan.
+A record holds a block's shape and its axes' sizes, not which dimension each axis cuts: an axis resized from `k1`
+to `k2` cuts the dimension `d` where `saved[d] * k1 == target[d] * k2`, every other dimension keeping its size.
+Exact wherever each resized axis cuts a dimension of its own (or is the inner axis of one it shares).
 
 Examples:
   >>> from zero_optax.checkpoint import _tp_blocks
@@ -131,57 +129,39 @@ def recut(saved: Blocks, target: Blocks, where: str, spec: Sequence[Any] | None 
         and all(s[d] == t[d] for d in range(len(s)) if d not in dims)]
     known = spec_dims(spec)
     fits = [dims for dims in fits if all(known.get(a, d) == d for a, d in zip(changed, dims))]
+    pair = f"is {_logical(saved)} in the checkpoint but {_logical(target)} in the target"
     if not fits:
         raise ZeroCheckpointError(
-            f"{where} {_logical_pair(saved, target)}: no logical shape fits both, so the parameter's shape "
+            f"{where} {pair}: no logical shape fits both, so the parameter's shape "
             "changed. Resharding keeps every parameter's shape; restore into a target built from the same model, "
             "or start this parameter's optimizer state afresh (zo.scatter_state with a fresh inner state).")
     if len(fits) > 1 and math.prod(s):
         raise ZeroCheckpointError(
-            f"{where} {_logical_pair(saved, target)}: the axes {changed} could cut dimensions "
+            f"{where} {pair}: the axes {changed} could cut dimensions "
             f"{' or '.join(str(list(f)) for f in fits)}, so which coordinate is which cannot be told from the "
             "blocks. Convert the checkpoint offline with zo.reshard(src, dst, axis_sizes=..., param_specs=...) "
             "(`--param-specs FILE.json`), giving the parameters' PartitionSpecs, then restore the result.")
     return Recut(saved, target, tuple(zip(changed, fits[0])))
 
 
-def _logical_pair(saved: Blocks, target: Blocks) -> str:
-    return f"is {_logical(saved)} in the checkpoint but {_logical(target)} in the target"
-
-
 def recuts(saved: StoredViews, target: StoredViews, where: str, specs: Mapping[str, Sequence[Any]] | None = None
            ) -> list[Recut | None]:
-    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both); `specs` (leaf path ->
-    PartitionSpec) settles which dimension an axis cuts where the shapes do not."""
-    out: list[Recut | None] = []
-    for old, new in zip(saved.leaves, target.leaves):
-        if not old.sliced and not new.sliced:
-            out.append(None)
-            continue
-        cut = recut(leaf_blocks(saved, old, where), leaf_blocks(target, new, where), f"{where}: leaf `{old.path}`",
-                    (specs or {}).get(old.path))
-        out.append(cut)
-    return out
+    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both); `specs` by leaf path."""
+    return [recut(leaf_blocks(saved, old, where), leaf_blocks(target, new, where), f"{where}: leaf `{old.path}`",
+                  (specs or {}).get(old.path)) if old.sliced or new.sliced else None
+            for old, new in zip(saved.leaves, target.leaves)]
 
 
 def target_blocks(saved: Blocks, sizes: Mapping[str, int], spec: Sequence[Any] | None, path: str,
                   where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """A sliced leaf's axes and block shape on a mesh of axis sizes `sizes` (the offline tool's target).
-
-    Without `spec` (its `PartitionSpec`) the leaf keeps the saved axes the target has, and a resized axis cuts the
-    only dimension it divides; with `spec`, the spec's axes the target has. Refuses a spec that disagrees with the
-    saved blocks, and a resized axis that could cut several dimensions (without a spec) or none.
-    """
+    """A sliced leaf's axes and block shape on a mesh of axis sizes `sizes`: the saved axes, or `spec`'s, that the
+    target has; a resized axis cuts the dimension `spec` names, else the only one it divides."""
     k1 = dict(saved.axes)
-    if spec is None:
-        cuts = {a: None for a in k1}
-    else:
-        cuts = spec_dims(spec)
-        missing = sorted(set(k1) - set(cuts))
-        if missing:
-            raise ZeroCheckpointError(
-                f"{where}: `param_specs` gives leaf `{path}` the spec {tuple(spec)}, but its saved blocks differ "
-                f"along {missing}; give the spec the parameter was trained with.")
+    cuts = dict.fromkeys(k1) if spec is None else spec_dims(spec)
+    if missing := sorted(set(k1) - set(cuts)):
+        raise ZeroCheckpointError(
+            f"{where}: `param_specs` gives leaf `{path}` the spec {tuple(spec)}, but its saved blocks differ "
+            f"along {missing}; give the spec the parameter was trained with.")
     axes = tuple(a for a in sizes if a in cuts and sizes[a] > 1)
     shape = list(saved.shape)
     for a in dict.fromkeys([*k1, *axes]):
