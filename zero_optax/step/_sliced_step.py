@@ -59,8 +59,7 @@ class SlicedStep:
     def reduce(self, step: _groups.Step, g_leaves: list) -> list:
         """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
         leaves), reduced in buckets over all sliced leaves."""
-        cfg, layout, denom, inner_dt, sum_dt, ranks = (self.cfg, step.layout, step.denom, step.inner_dt, step.sum_dt,
-                                                       step.ranks)
+        layout, inner_dt, ranks = step.layout, step.inner_dt, step.ranks
         if not layout.groups:
             return [None]
         for g in layout.groups:
@@ -71,20 +70,17 @@ class SlicedStep:
                     "dtype and one optimizer program: pass their gradients in one dtype.")
         sliced = _groups.order(layout)
         grads = {i: g_leaves[i] for i in sliced}
-        if cfg.reduce is None:  # already the global mean
+        if self.cfg.reduce is None:  # already the global mean
             return [_slots.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
-                                    ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-        buckets = self.wire.plan(layout, sliced, [sum_dt[i] for i in sliced])
-        if cfg.reduce == "psum":
-            parts = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
-            parts = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in parts.items()}
-            return [_groups.joined(g, parts) for g in layout.groups]
-        if _by_rows(layout, buckets):
+                                    _groups.group_rank(layout, g, ranks)) for g in layout.groups]
+        buckets = self.wire.plan(layout, sliced, [step.sum_dt[i] for i in sliced])
+        if self.cfg.reduce != "psum" and _by_rows(layout, buckets):
             joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
         else:
-            parts = self.wire.reduce_scatter(grads, layout, buckets)
+            parts = (self.wire.all_reduce_slices(grads, layout, buckets, ranks) if self.cfg.reduce == "psum"
+                     else self.wire.reduce_scatter(grads, layout, buckets))
             joined = [_groups.joined(g, parts) for g in layout.groups]
-        return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
+        return [_reduce.divide(x, step.denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
         """The inner update on each group's part of the reduced gradient, `g_parts` (streamed chunk by chunk
@@ -98,7 +94,7 @@ class SlicedStep:
                                                                          state, p_dtypes)
             done = GroupsDone(new_inner, shared_old, values, new_master)
         else:
-            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+            masks = [_groups.valid(layout, g, _groups.group_rank(layout, g, ranks)) for g in layout.groups]
             p_parts = self._params(layout, p_leaves, state, ranks)
             u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state.inner_state, masks)
             done = GroupsDone(new_inner, shared_old, u_parts=u_parts, p_parts=p_parts, masks=masks)
@@ -133,27 +129,23 @@ class SlicedStep:
     @staticmethod
     def _slices(layout: Layout, p_leaves: list, ranks) -> list:
         """This device's slices of the parameters, each group's part of them."""
-        return [_slots.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
+        return [_slots.own_rows(p_leaves, layout, g.leaves, _groups.group_rank(layout, g, ranks))
                 for g in layout.groups]
 
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""
-        wire = self.wire
-        updates: dict[int, jax.Array] = {}
         if not layout.groups:
-            return updates
+            return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
-        buckets = wire.plan(layout, order, [dtypes[i] for i in order])
+        buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
         if _by_rows(layout, buckets):
-            updates.update(wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
-        else:
-            per_leaf = {}
-            for g, x in zip(layout.groups, values):
-                per_leaf.update(_groups.split(g, x, layout))
-            updates.update(wire.gather(per_leaf, layout, buckets))
-        return updates
+            return self.wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
+        per_leaf = {}
+        for g, x in zip(layout.groups, values):
+            per_leaf.update(zip(g.leaves, _slots.split(x, [layout.leaves[i].slots for i in g.leaves])))
+        return self.wire.gather(per_leaf, layout, buckets)
 
 
 def _by_rows(layout: Layout, buckets) -> bool:
