@@ -1,13 +1,8 @@
-"""Every collective zero1 emits, the buckets sliced leaves travel in, and the wire strategies they travel by.
+"""Every collective zero1 emits (no other module emits one), the buckets sliced leaves travel in, and how.
 
-A step moves values between devices only through a `Wire`, built once from the config (`Wire.of`). A *wire strategy*
-is how a collective carries its bytes: exact (`lax` collectives) or int8 quantized (ZeRO++'s qgZ and qwZ:
-`quantized_reduce_scatter`, `quantized_all_gather`; codec and option `Quantize` in `zero_optax.step._quantize`),
-chosen per collective by `Wire._quantized` (weights, joint reductions and tensor-parallel gathers stay exact).
-Adding one changes this module (its collectives at the bottom, a branch in the primitives `_reduce_scatter`,
-`_replica_sum` and `_gather_values`) and the option that selects it, which `Wire.of` reads off the config. With
-replica axes, gradients are reduce-scattered over the ZeRO axes, then only this device's shard is summed over the
-replica axes; nothing else crosses them.
+A collective travels exact or int8 quantized (ZeRO++'s qgZ and qwZ; codec in `_quantize`), as `Wire._quantized`
+chooses; another strategy adds its collectives at the bottom and a branch in `_reduce_scatter`, `_replica_sum` and
+`_gather_values`. With replica axes only this device's reduce-scattered shard of a gradient crosses them.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ _JOINT = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """The collectives of one zero1 configuration, over its ZeRO `axes` (a bucket over its own `Bucket.axes`) and,
-    for gradients and weights, its `replicas` axes; gradients are summed in `sum_dtype_of` (`reduce_dtype`, else
-    `master_dtype`) where it is set, and travel quantized where `quantize` says."""
+    """The collectives of one zero1 configuration over its ZeRO `axes` and, for gradients and weights, `replicas`;
+    gradients are summed in `sum_dtype_of` (`reduce_dtype`, else `master_dtype`) where set."""
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -79,18 +73,14 @@ class Wire:
     # ------------------------------------------------------------------ the bucket plan
 
     def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> tuple[Bucket, ...]:
-        """The buckets of the sliced leaves `indices` travelling in `dtypes`: computed once per layout, leaf order
-        and dtypes, not at every trace."""
+        """The buckets of the sliced leaves `indices` travelling in `dtypes`, memoised (not planned at every trace)."""
         key = (layout, tuple(indices), tuple(dtypes))
         if key not in self._plans:
             self._plans[key] = self._plan(*key)
         return self._plans[key]
 
     def _plan(self, layout: Layout, indices: tuple[int, ...], dtypes: tuple[str, ...]) -> tuple[Bucket, ...]:
-        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone.
-
-        A bucket is listed when it closes: float32 leaves of 1, 100 and 2 KiB make `[(1,), (0, 2)]` on the CPU.
-        """
+        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone."""
         alone = self.bucket_bytes if self.alone_bytes is None else min(self.alone_bytes, self.bucket_bytes)
         out: list[Bucket] = []
         keyed = {}
@@ -132,8 +122,8 @@ class Wire:
 
     def reduce_scatter_rows(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
                             ) -> list[jax.Array]:
-        """Like `reduce_scatter`, each bucket's row whole, for groups of several devices: a bucket is
-        `[group, sum(slots)]`, row `r` device `r`'s slices of its leaves, so one tiled reduce-scatter serves it."""
+        """Like `reduce_scatter`, each bucket's row whole (groups of several devices): one tiled reduce-scatter of
+        `[group, sum(slots)]`, row `r` device `r`'s slices."""
         out = []
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
@@ -155,8 +145,7 @@ class Wire:
 
     def gather(self, values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
                ) -> dict[int, jax.Array]:
-        """The full block of every sliced leaf of `buckets`, invariant across the group, from each device's
-        `(slots,)` values: one all-gather per bucket."""
+        """Every sliced leaf's full block, typed invariant, from each device's `(slots,)` values, bucket by bucket."""
         out = {}
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
@@ -190,8 +179,8 @@ class Wire:
 
     @property
     def packs_owned_gradients(self) -> bool:
-        """Whether owned leaves' gradients must travel owner-packed (`scatter_packed`): with replica axes only each
-        owner's row then crosses them, and quantized gradients travel by reduce-scatters only."""
+        """Whether owned leaves' gradients travel owner-packed (`scatter_packed`): so that only each owner's row
+        crosses replica axes, and because quantized gradients travel by reduce-scatters only."""
         return bool(self.replicas) or self._quantized("grads", self.axes)
 
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -199,15 +188,12 @@ class Wire:
         return {d: self._gather_values(b, self.axes).reshape(-1, b.shape[0]) for d, b in buffers.items()}
 
     def gather_blocks(self, x, axes: tuple[str, ...]):
-        """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked on a new leading axis (row-major
-        over `axes`), typed invariant over them."""
+        """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked row-major on a new leading axis."""
         return jax.tree.map(lambda b: _compat.all_gather_invariant(b, axes), x)
 
     def all_reduce(self, x):
         """The sum of `x` (a pytree of gradients, or a weight: one collective) over the ZeRO and replica axes."""
         return self._reduce_sum(x, self.axes)
-
-    weight_sum = all_reduce
 
     def invariant(self, x):
         """`x` (a pytree, the same on every device of a one-device group) typed invariant: a psum over one device."""
@@ -244,8 +230,7 @@ class Wire:
         return self._replica_sum(block)
 
     def _replica_sum(self, x: jax.Array) -> jax.Array:
-        """A gradient block summed over the replica axes: an all-reduce, or quantized a reduce-scatter of its
-        parts and an all-gather of the sums."""
+        """A gradient block summed over the replica axes (quantized: a reduce-scatter, then an all-gather)."""
         if not self.replicas:
             return x
         if not self._quantized("grads", self.replicas, x):
@@ -275,8 +260,7 @@ def _checked(x, axes, block_size, what: str) -> tuple[jax.Array, tuple[str, ...]
 
 
 def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """`all_gather_invariant(x, axes, tiled=True)` of the 1-D floating `x`, each device's block travelling as int8
-    codes and scales (`_quantize.quantize`), dequantized by every receiver."""
+    """`all_gather_invariant(x, axes, tiled=True)` of the 1-D floating `x`, travelling as int8 codes and scales."""
     x, axes, n, block_size = _checked(x, axes, block_size, "quantized_all_gather")
     size = x.shape[0]
     q, scales = _quantize.quantize(x, block_size)
@@ -286,8 +270,7 @@ def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -
 
 
 def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """`psum_scatter(x, axes)` of the 1-D floating `x` in float32: each of its `n` parts quantized by its sender,
-    handed to its receiver by an all-to-all, dequantized and summed there, senders in order."""
+    """`psum_scatter(x, axes)` of the 1-D floating `x`, quantized through an all-to-all, summed in float32 in order."""
     x, axes, n, block_size = _checked(x, axes, block_size, "quantized_reduce_scatter")
     if x.shape[0] % n:
         raise _errors.ZeroError(f"quantized_reduce_scatter: x's length {x.shape[0]} is not a multiple of the {n} "
