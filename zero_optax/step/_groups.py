@@ -30,8 +30,7 @@ from zero_optax.layout._state import SlicedState
 
 
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
-    """The inner update with every value typed varying (`_varying`), its results typed at least as its inputs;
-    `slices`: per argument leaf, None or the `_reduce.Coordinates` it holds."""
+    """The inner update on values typed varying, `slices` per argument leaf None or its `_reduce.Coordinates`."""
     u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
                           step.layout.axes, slices)
     return _varying.like(u, grads), _varying.like(new, state)
@@ -74,8 +73,8 @@ def group_rank(layout: Layout, group: Group, ranks) -> jax.Array:
 
 
 def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
-    """Which coordinates `[start, start + length)` of this device's part of the buffer are real, not padding;
-    None when all are. Built from per-member numbers, not from a constant the size of the buffer."""
+    """Which coordinates `[start, start + length)` of this device's part of the buffer are not padding (None: all);
+    built from per-member numbers, not from a constant the size of the buffer."""
     leaves = [layout.leaves[i] for i in group.leaves]
     if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
         return None
@@ -93,8 +92,7 @@ def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, p_dtype) -> tuple:
-    """What a group's update `u` leaves: `(None, the updates)`; with master copies, the new masters and their
-    rounding to `p_dtype`, which every device receives. A skipped step leaves zeros, or the old masters."""
+    """`(None, updates)`, or the new master copies and their rounding to `p_dtype` (a skipped step leaves them)."""
     if master is None:
         return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
     new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
@@ -150,6 +148,13 @@ def _view(layout: Layout, groups: Sequence[Group], parts: Sequence[jax.Array]) -
                                        for g, x in zip(groups, parts)})
 
 
+def _assemble(view: tuple[Any, list[int]], shared: dict[int, Any], groups: Sequence[Group], histories) -> Any:
+    """The inner state of a view (its treedef and entries) from the shared values and its groups' histories."""
+    treedef, order = view
+    own = {j: x for g, h in zip(groups, histories) for j, x in zip(g.histories[0], h)}
+    return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+
+
 def _stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
     """The stored `SlicedState` of the shared entries' values and the groups' histories."""
     return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
@@ -165,11 +170,6 @@ class Groups:
     def targets(self, layout: Layout) -> list[int | None]:
         return list(range(len(layout.groups))) or [None]
 
-    def _assemble(self, layout: Layout, g: int | None, shared: dict[int, Any], histories: Sequence[Any]) -> Any:
-        treedef, order = self.views.group(layout, g)
-        own = {} if g is None else dict(zip(layout.groups[g].histories[0], histories))
-        return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
-
     def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
         _, order = self.views.group(layout, g)
         values = dict(zip(order, jax.tree.leaves(state)))
@@ -177,8 +177,7 @@ class Groups:
         return {j: values[j] for j in layout.shared_entries if j in values}, own
 
     def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
-        """The groups' stored state: the inner `init` on each group's part of the parameters (`rows`), or a plain
-        optax state's entries (`full`) cut to this device's slots."""
+        """The groups' stored state: the inner `init` on each group's part `rows`, or an optax state's `full` cut."""
         shared: dict[int, Any] | None = None
         histories = []
         for g in self.targets(layout):
@@ -210,12 +209,11 @@ class Groups:
 
     def run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
-        """The inner update on group `g`'s view of `grads` (and `params`, a part or a chunk) with the shared values
-        and `histories`: the first member's update (None on the view of no leaf), new shared values and histories."""
+        """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories."""
         layout = step.layout
         groups = [] if g is None else [layout.groups[g]]
         g_view = _view(layout, groups, [grads])
-        old = self._assemble(layout, g, step.shared_old, histories)
+        old = _assemble(self.views.group(layout, g), step.shared_old, groups, [histories])
         u, new = run_inner(step, g_view, old, _view(layout, groups, [params]) if with_params else None)
         what = "leaves" if g is None else f"sliced leaves of `{layout.leaves[groups[0].first].path}`'s group"
         check_returned(u, new, g_view, old, what)
@@ -225,13 +223,11 @@ class Groups:
 
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
-        """The inner update on one view of every sliced leaf (`Layout.joint`), whose full reductions run across the
-        devices: each group's updates, the new shared values and each group's new histories."""
-        layout, shared = step.layout, step.shared_old
-        treedef, order = self.views.joint(layout)
+        """The inner update on the joint view of every sliced leaf (`Layout.joint`), like `run_view` per group."""
+        layout = step.layout
+        _, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
-        own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
-        old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+        old = _assemble(self.views.joint(layout), step.shared_old, layout.groups, stored.histories)
         g_view = _view(layout, layout.groups, grads)
         p_view = None if params is None else _view(layout, layout.groups, params)
         firsts = sorted(slices)
@@ -247,8 +243,7 @@ class Groups:
 
     def update(self, step: Step, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
                stored: SlicedState, masks: list) -> tuple[list, SlicedState, dict]:
-        """The inner update on every group's view of its part of `grads` and `params`: each group's updates, the
-        new stored state (old histories where the step is skipped) and the old shared values."""
+        """Each group's updates, the new stored state (the old where the step is skipped) and the old shared values."""
         layout = step.layout
         shared_old = self.shared_values(layout, stored)
         step = dataclasses.replace(step, shared_old=shared_old)

@@ -57,8 +57,7 @@ class SlicedStep:
     masters: _master.NoMasters
 
     def reduce(self, step: _groups.Step, g_leaves: list) -> list:
-        """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
-        leaves), reduced in buckets over all sliced leaves."""
+        """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without groups)."""
         layout, inner_dt, ranks = step.layout, step.inner_dt, step.ranks
         if not layout.groups:
             return [None]
@@ -83,8 +82,7 @@ class SlicedStep:
         return [_reduce.divide(x, step.denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
-        """The inner update on each group's part of the reduced gradient, `g_parts` (streamed chunk by chunk
-        through the device with `step.streamed`)."""
+        """The inner update on each group's part `g_parts` of the reduced gradient (streamed with `step.streamed`)."""
         layout, ranks, p_leaves = step.layout, step.ranks, step.p_leaves
         if step.streamed and layout.groups:
             params_parts = None if p_leaves is None else \
@@ -104,8 +102,7 @@ class SlicedStep:
 
     def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
                apply: bool):
-        """The step's result, gathered to every device: the updates (with `apply` the new parameters), and the
-        new state."""
+        """The step's result on every device (the updates, with `apply` the new parameters) and the new state."""
         layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
         if done.u_parts is not None and layout.groups:
