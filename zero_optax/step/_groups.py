@@ -36,11 +36,6 @@ def run_inner(step: Step, grads, state, params, slices: list | None = None) -> t
     return _varying.like(u, grads), _varying.like(new, state)
 
 
-def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
-    """The members' `(slots,)` values of `group`, concatenated: this device's part of the group's buffer."""
-    return _slots.concat([values[i] for i in group.leaves])
-
-
 def order(layout: Layout) -> list[int]:
     """The sliced leaves in tree order, the order buckets are planned in."""
     return sorted(i for g in layout.groups for i in g.leaves)

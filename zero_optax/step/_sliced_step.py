@@ -73,12 +73,11 @@ class SlicedStep:
             return [_slots.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
                                     _groups.group_rank(layout, g, ranks)) for g in layout.groups]
         buckets = self.wire.plan(layout, sliced, [step.sum_dt[i] for i in sliced])
-        if self.cfg.reduce != "psum" and _by_rows(layout, buckets):
-            joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
+        if self.cfg.reduce == "psum":
+            rows = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
         else:
-            parts = (self.wire.all_reduce_slices(grads, layout, buckets, ranks) if self.cfg.reduce == "psum"
-                     else self.wire.reduce_scatter(grads, layout, buckets))
-            joined = [_groups.joined(g, parts) for g in layout.groups]
+            rows = self.wire.reduce_scatter(grads, layout, buckets)
+        joined = _groups.parts_from_rows(layout, rows, buckets)
         return [_reduce.divide(x, step.denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
@@ -137,14 +136,4 @@ class SlicedStep:
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
-        if _by_rows(layout, buckets):
-            return self.wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
-        per_leaf = {}
-        for g, x in zip(layout.groups, values):
-            per_leaf.update(zip(g.leaves, _slots.split(x, [layout.leaves[i].slots for i in g.leaves])))
-        return self.wire.gather(per_leaf, layout, buckets)
-
-
-def _by_rows(layout: Layout, buckets) -> bool:
-    """Whether the groups' buffers meet the collectives as whole bucket rows (groups of more than one device)."""
-    return all(b.axes and layout.leaves[b.leaves[0]].group > 1 for b in buckets)
+        return self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)

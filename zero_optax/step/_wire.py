@@ -108,67 +108,43 @@ class Wire:
     # ------------------------------------------------------------------ sliced leaves, bucket by bucket
 
     def reduce_scatter(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                       ) -> dict[int, jax.Array]:
-        """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype."""
-        out = {}
-        for b in buckets:
-            leaves = [layout.leaves[i] for i in b.leaves]
-            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
-                rows = [self._replica_sum(padded(grads[i].astype(b.dtype), leaf)) for i, leaf in zip(b.leaves, leaves)]
-            else:
-                rows = split(self.reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
-            out.update(zip(b.leaves, rows))
-        return out
-
-    def reduce_scatter_rows(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                            ) -> list[jax.Array]:
-        """Like `reduce_scatter`, each bucket's row whole (groups of several devices): one tiled reduce-scatter of
-        `[group, sum(slots)]`, row `r` device `r`'s slices."""
+                       ) -> list[jax.Array]:
+        """Each bucket's row of this device's `(slots,)` blocks of its leaves' summed gradients: one tiled
+        reduce-scatter of `[group, sum(slots)]`, row `r` device `r`'s slices."""
         out = []
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
-            group = leaves[0].group
-            parts = [padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
-                     for i, leaf in zip(b.leaves, leaves)]
-            out.append(self._reduce_scatter(concat(parts, axis=1), b.axes)[0])
+            parts = [padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
+            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
+                out.append(concat([self._replica_sum(x) for x in parts]))
+                continue
+            rows = [x.reshape(leaf.group, leaf.slots) for x, leaf in zip(parts, leaves)]
+            out.append(self._reduce_scatter(concat(rows, axis=1), b.axes)[0])
         return out
 
     def all_reduce_slices(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
-                          ranks: dict) -> dict[int, jax.Array]:
+                          ranks: dict) -> list[jax.Array]:
         """Like `reduce_scatter`, by one variadic all-reduce of each bucket, then sliced."""
-        out = {}
+        out = []
         for b in buckets:
             parts = self._reduce_sum([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
-            for i, g in zip(b.leaves, parts):
-                out[i] = own_slice(g, layout.leaves[i], ranks[b.axes])
+            out.append(concat([own_slice(g, layout.leaves[i], ranks[b.axes]) for i, g in zip(b.leaves, parts)]))
         return out
 
-    def gather(self, values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-               ) -> dict[int, jax.Array]:
-        """Every sliced leaf's full block, typed invariant, from each device's `(slots,)` values, bucket by bucket."""
-        out = {}
-        for b in buckets:
-            leaves = [layout.leaves[i] for i in b.leaves]
-            parts = [values[i].astype(b.dtype) for i in b.leaves]
-            if b.axes and leaves[0].group > 1:
-                out.update(self.gather_rows([concat(parts)], layout, [b]))
-                continue
-            if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
-                parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
-            for i, leaf, x in zip(b.leaves, leaves, parts):
-                out[i] = unpadded(x, leaf)
-        return out
-
-    def gather_rows(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                    ) -> dict[int, jax.Array]:
-        """Like `gather`, from each bucket's row whole, for groups of several devices."""
+    def gather(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> dict[int, jax.Array]:
+        """Every sliced leaf's full block, typed invariant, from each bucket's row of `(slots,)` values."""
         out = {}
         for b, row in zip(buckets, rows):
             leaves = [layout.leaves[i] for i in b.leaves]
-            cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
-            cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-            for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
-                out[i] = unpadded(cols[:, a:c].reshape(-1), leaf)
+            if b.axes and leaves[0].group > 1:
+                cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
+                cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
+                blocks = [cols[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
+            else:
+                blocks = split(row.astype(b.dtype), [leaf.slots for leaf in leaves])
+                if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
+                    blocks = [_compat.all_gather_invariant(x, b.axes, tiled=True) for x in blocks]
+            out.update((i, unpadded(x, leaf)) for i, x, leaf in zip(b.leaves, blocks, leaves))
         return out
 
     # ------------------------------------------------------------------ owned leaves and whole values
