@@ -29,14 +29,13 @@ class Quantize:
 
     Attributes:
       params: `"int8"`: new parameters travel in zero1's all-gathers as int8 codes with one float32 scale per
-        block (about a quarter of the float32 bytes); every device then holds the block-wise int8 rounding of the
-        master copy, which `zero1(..., master_dtype=...)` (required) keeps exact. None: exact.
+        block; every device then holds the int8 rounding of the master copy, which `master_dtype` (required)
+        keeps exact. None: exact.
       grads: `"int8"`: gradients are reduce-scattered as int8 blocks through an all-to-all and summed in float32,
         within the senders' half-scales of the exact sum. Only inside `shard_map` (a mesh-bound zero1 under
         `jax.jit` receives gradients XLA has already reduced). None: exact.
       block_size: elements per scale; small blocks keep outliers local.
-      axes: the mesh axes whose collectives are quantized (a collective over any of them is), for example only
-        zero1's `replica_axis`; None: all of them.
+      axes: the mesh axes whose collectives are quantized (for example only zero1's `replica_axis`); None: all.
 
     Raises:
       ZeroError: an option is neither None nor `"int8"`, `block_size` is no positive int, or `axes` names no axis.

@@ -47,9 +47,8 @@ def _raise_negative(negative):
 def global_weight(weight, axes) -> jax.Array:
     """`psum(weight)` in float32, after checking that every device's weight is a non-negative scalar."""
     concrete = isinstance(weight, (numbers.Number, np.ndarray))
-    xp = np if concrete else jnp
-    if xp.ndim(weight) != 0:
-        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {xp.shape(weight)}.")
+    if np.ndim(weight) != 0:
+        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
     if concrete and weight < 0:
         raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
     w = jnp.asarray(weight, jnp.float32)

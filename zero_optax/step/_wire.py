@@ -127,7 +127,7 @@ class Wire:
         """Like `reduce_scatter`, by one variadic all-reduce of each bucket, then sliced."""
         out = []
         for b in buckets:
-            parts = self._reduce_sum([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
+            parts = self.all_reduce([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
             out.append(concat([own_slice(g, layout.leaves[i], ranks[b.axes]) for i, g in zip(b.leaves, parts)]))
         return out
 
@@ -167,9 +167,10 @@ class Wire:
         """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked row-major on a new leading axis."""
         return jax.tree.map(lambda b: _compat.all_gather_invariant(b, axes), x)
 
-    def all_reduce(self, x):
-        """The sum of `x` (a pytree of gradients, or a weight: one collective) over the ZeRO and replica axes."""
-        return self._reduce_sum(x, self.axes)
+    def all_reduce(self, x, axes: tuple[str, ...] | None = None):
+        """The sum of `x` (a pytree: one collective) over `axes` (by default the ZeRO axes) and the replica axes."""
+        axes = self.replicas + (self.axes if axes is None else axes)
+        return lax.psum(x, axes) if axes else x
 
     def invariant(self, x):
         """`x` (a pytree, the same on every device of a one-device group) typed invariant: a psum over one device."""
@@ -184,11 +185,6 @@ class Wire:
         return _JOINT[kind](local, self.axes) if self.axes else local
 
     # ------------------------------------------------------------------ the primitives
-
-    def _reduce_sum(self, x, axes: tuple[str, ...]):
-        """Gradients summed over `axes` and the replica axes (one all-reduce; none over no axis)."""
-        axes = self.replicas + tuple(axes)
-        return lax.psum(x, axes) if axes else x
 
     def _quantized(self, kind: str, axes: Sequence[str], x: jax.Array | None = None) -> bool:
         """Whether a collective of `kind` over `axes` (of the value `x`: a floating one) is quantized."""
