@@ -1,8 +1,7 @@
 """The sliced leaves inside `shard_map`, stored and updated by group (`Layout.groups`).
 
-A group's leaves run one program, so the inner update runs once per group: on the view of its first member
-holding this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole
-group. A thousand leaves with one program are a handful of arrays. The analysis at `init` proves it exact.
+A group's leaves run one program, so the inner update runs once per group, on the view of its first member holding
+this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole group.
 """
 
 from __future__ import annotations
@@ -31,25 +30,10 @@ from zero_optax.layout._state import SlicedState
 
 
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
-    """`step.inner.update(grads, state, params, **step.extra)` with every value typed varying (`_varying`), the
-    results typed at least as their inputs. `slices`: per argument leaf, None or the `_reduce.Coordinates` it
-    holds (its full reductions then run across the devices)."""
+    """The inner update on values typed varying, `slices` per argument leaf None or its `_reduce.Coordinates`."""
     u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
                           step.layout.axes, slices)
     return _varying.like(u, grads), _varying.like(new, state)
-
-
-def joined(group: Group, values: dict[int, jax.Array]) -> jax.Array:
-    """The members' `(slots,)` values of `group`, concatenated: this device's part of the group's buffer."""
-    return _slots.concat([values[i] for i in group.leaves])
-
-
-def split(group: Group, x: jax.Array, layout: Layout) -> dict[int, jax.Array]:
-    """This device's part of a group's buffer, cut into its members' `(slots,)` values."""
-    if len(group.leaves) == 1:
-        return {group.first: x}
-    cuts = [off + layout.leaves[i].slots for off, i in zip(group.offsets, group.leaves)][:-1]
-    return dict(zip(group.leaves, jnp.split(x, cuts)))
 
 
 def order(layout: Layout) -> list[int]:
@@ -78,13 +62,14 @@ def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequenc
     return [_pieces(parts, [(*where[i], layout.leaves[i].slots) for i in b.leaves]) for b in buckets]
 
 
-def _rank(layout: Layout, group: Group, ranks) -> jax.Array:
+def group_rank(layout: Layout, group: Group, ranks) -> jax.Array:
+    """This device's index along `group`'s ZeRO axes."""
     return ranks[layout.zero_axes(layout.leaves[group.first])]
 
 
 def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
-    """Which coordinates `[start, start + length)` of this device's part of the buffer are real, not padding;
-    None when all are. Built from per-member numbers, not from a constant the size of the buffer."""
+    """Which coordinates `[start, start + length)` of this device's part of the buffer are not padding (None: all);
+    built from per-member numbers, not from a constant the size of the buffer."""
     leaves = [layout.leaves[i] for i in group.leaves]
     if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
         return None
@@ -102,8 +87,7 @@ def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def stepped(u: jax.Array, master: jax.Array | None, mask: jax.Array | None, ok, p_dtype) -> tuple:
-    """What a group's update `u` leaves: `(None, the updates)`; with master copies, the new masters and their
-    rounding to `p_dtype`, which every device receives. A skipped step leaves zeros, or the old masters."""
+    """`(None, updates)`, or the new master copies and their rounding to `p_dtype` (a skipped step leaves them)."""
     if master is None:
         return None, _reduce.skip_if_empty(ok, u, jnp.zeros_like(u))
     new = _reduce.skip_if_empty(ok, zero_padding((master + u).astype(master.dtype), mask), master)
@@ -120,7 +104,7 @@ class Step:
       inner_dt, sum_dt: leaf -> the dtype name the inner update sees its gradient in, and the one it is summed in.
       ranks: this device's index along each tuple of axes a group of leaves is sharded over.
       stepping: False for a micro-batch that only accumulates.
-      streamed: the stored arrays live in host memory and stream through the device (offload).
+      streamed: the stored arrays stream through the device from host memory (offload).
       p_leaves: the parameter leaves (None without), as the reading code holds them (in a branch, its operand).
       shared_old: the shared entries' old values, once the group views have read them.
       phase: under accumulation, the side of the call that runs (`_accumulate.Phase`).
@@ -149,24 +133,37 @@ def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinat
     """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
     leaf = layout.leaves[group.first]
     return _reduce.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
-                               leaf.shape if leaf.blocks == 1 else None, _rank(layout, group, ranks), leaf.slots,
+                               leaf.shape if leaf.blocks == 1 else None, group_rank(layout, group, ranks), leaf.slots,
                                leaf.group)
 
 
+def _view(layout: Layout, groups: Sequence[Group], parts: Sequence[jax.Array]) -> Any:
+    """The masked tree holding each group's part (in the group's `shape`) at its first member."""
+    return _views.masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
+                                       for g, x in zip(groups, parts)})
+
+
+def _assemble(view: tuple[Any, list[int]], shared: dict[int, Any], groups: Sequence[Group], histories) -> Any:
+    """The inner state of a view (its treedef and entries) from the shared values and its groups' histories."""
+    treedef, order = view
+    own = {j: x for g, h in zip(groups, histories) for j, x in zip(g.histories[0], h)}
+    return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
+
+
+def _stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
+    """The stored `SlicedState` of the shared entries' values and the groups' histories."""
+    return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Groups:
     """`init` and `update` of the groups of one `Config`'s layouts."""
 
-    def __init__(self, cfg: _planner.Config, views: _views.Views):
-        self.cfg = cfg
-        self.views = views
+    cfg: _planner.Config
+    views: _views.Views
 
     def targets(self, layout: Layout) -> list[int | None]:
         return list(range(len(layout.groups))) or [None]
-
-    def _assemble(self, layout: Layout, g: int | None, shared: dict[int, Any], histories: Sequence[Any]) -> Any:
-        treedef, order = self.views.group(layout, g)
-        own = {} if g is None else dict(zip(layout.groups[g].histories[0], histories))
-        return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
 
     def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
         _, order = self.views.group(layout, g)
@@ -174,11 +171,8 @@ class Groups:
         own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
         return {j: values[j] for j in layout.shared_entries if j in values}, own
 
-    # ------------------------------------------------------------------ init
-
     def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
-        """The groups' stored state: the inner `init` on each group's part of the parameters (`rows`), or a plain
-        optax state's entries (`full`) cut to this device's slots."""
+        """The groups' stored state: the inner `init` on each group's part `rows`, or an optax state's `full` cut."""
         shared: dict[int, Any] | None = None
         histories = []
         for g in self.targets(layout):
@@ -192,19 +186,16 @@ class Groups:
                                               for k in range(len(group.histories[0]))]
             shared = s if shared is None else {**s, **shared}  # (the first view's, and each view's replicas)
             if group is not None:
-                mask = valid(layout, group, _rank(layout, group, ranks))
+                mask = valid(layout, group, group_rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
-        shared_tree = _inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries])
-        return SlicedState(shared_tree, tuple(histories))
+        return _stored_state(layout, shared, histories)
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
         """This device's part of history `k` of `group`, from the full values of its members' entries."""
         values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
                   for i, entries in zip(group.leaves, group.histories)}
-        return _slots.own_rows(values, layout, group.leaves, _rank(layout, group, ranks)).reshape(group.part_shape)
-
-    # ------------------------------------------------------------------ update
+        return _slots.own_rows(values, layout, group.leaves, group_rank(layout, group, ranks)).reshape(group.part_shape)
 
     @staticmethod
     def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:
@@ -212,20 +203,14 @@ class Groups:
         return {j: x[0] for j, x in zip(layout.shared_entries, _inner_state.items(stored.shared))}
 
     def run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
-                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
-        """The inner update on group `g`'s view of `grads` (and `params`, a part or a chunk) with the shared values
-        and `histories`: the first member's update (None on the view of no leaf), new shared values and histories."""
+                 ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
+        """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories."""
         layout = step.layout
-        group = None if g is None else layout.groups[g]
-
-        def view(x):
-            if group is not None and group.shape is not None:
-                x = x.reshape(group.shape)
-            return _views.masked_tree(layout, {} if group is None else {group.first: x})
-        g_view = view(grads)
-        old = self._assemble(layout, g, step.shared_old, histories)
-        u, new = run_inner(step, g_view, old, view(params) if with_params else None)
-        what = "leaves" if group is None else f"sliced leaves of `{layout.leaves[group.first].path}`'s group"
+        groups = [] if g is None else [layout.groups[g]]
+        g_view = _view(layout, groups, [grads])
+        old = _assemble(self.views.group(layout, g), step.shared_old, groups, [histories])
+        u, new = run_inner(step, g_view, old, _view(layout, groups, [params]) if with_params else None)
+        what = "leaves" if g is None else f"sliced leaves of `{layout.leaves[groups[0].first].path}`'s group"
         check_returned(u, new, g_view, old, what)
         new_shared, new_histories = self._disassemble(layout, g, new)
         u = jax.tree.leaves(u)
@@ -233,19 +218,13 @@ class Groups:
 
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
-        """The inner update on one view of every sliced leaf (`Layout.joint`), whose full reductions run across the
-        devices: each group's updates, the new shared values and each group's new histories."""
-        layout, shared = step.layout, step.shared_old
-        treedef, order = self.views.joint(layout)
+        """The inner update on the joint view of every sliced leaf (`Layout.joint`), like `run_view` per group."""
+        layout = step.layout
+        _, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
-
-        def view(parts):
-            return _views.masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
-                                        for g, x in zip(layout.groups, parts)})
-        own = {j: x for g, h in zip(layout.groups, stored.histories) for j, x in zip(g.histories[0], h)}
-        old = jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
-        g_view = view(grads)
-        p_view = None if params is None else view(params)
+        old = _assemble(self.views.joint(layout), step.shared_old, layout.groups, stored.histories)
+        g_view = _view(layout, layout.groups, grads)
+        p_view = None if params is None else _view(layout, layout.groups, params)
         firsts = sorted(slices)
         tags = [slices[i] for i in firsts]
         tags += [None if layout.entries[j].leaf is None else slices[layout.entries[j].leaf] for j in order]
@@ -259,32 +238,20 @@ class Groups:
 
     def update(self, step: Step, grads: list[jax.Array | None], params: list[jax.Array | None] | None,
                stored: SlicedState, masks: list) -> tuple[list, SlicedState, dict]:
-        """The inner update on every group's view of its part of `grads` and `params`: each group's updates, the
-        new stored state (old histories where the step is skipped) and the old shared values."""
-        layout, ok = step.layout, step.denom.ok
+        """Each group's updates, the new stored state (the old where the step is skipped) and the old shared values."""
+        layout = step.layout
         shared_old = self.shared_values(layout, stored)
         step = dataclasses.replace(step, shared_old=shared_old)
         if layout.joint:
             updates, shared_new, new = self._run_joint(step, grads, params, masks, stored)
-            histories = [tuple(_reduce.skip_if_empty(ok, zero_padding(x, mask), y) for x, y in zip(h, old))
-                         for h, old, mask in zip(new, stored.histories, masks)]
-            new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
-                              tuple(histories))
-            return updates, new, shared_old
-        updates, histories = [], []
-        shared_new = None
-        for t, g in enumerate(self.targets(layout)):
-            old = () if g is None else stored.histories[g]
-            u, shared, new = self.run_view(step, g, grads[t], None if params is None else params[t], old,
-                                            params is not None)
-            shared_new = shared if shared_new is None else shared_new
-            updates.append(u)
-            if g is not None:
-                histories.append(tuple(_reduce.skip_if_empty(ok, zero_padding(x, masks[g]), y)
-                                       for x, y in zip(new, old)))
-        new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
-                          tuple(histories))
-        return updates, new, shared_old
+        else:
+            runs = [self.run_view(step, g, grads[t], None if params is None else params[t],
+                                  () if g is None else stored.histories[g], params is not None)
+                    for t, g in enumerate(self.targets(layout))]
+            updates, shared_new, new = [u for u, _, _ in runs], runs[0][1], [h for _, _, h in runs]
+        histories = [tuple(_reduce.skip_if_empty(step.denom.ok, zero_padding(x, mask), y) for x, y in zip(h, old))
+                     for h, old, mask in zip(new, stored.histories, masks)]
+        return updates, _stored_state(layout, shared_new, histories), shared_old
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:

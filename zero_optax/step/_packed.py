@@ -6,6 +6,7 @@ the largest share, and one `lax.switch` on the device index runs each device's o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -39,8 +40,7 @@ def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
 
 def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
          base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
-    """Writes `values` (item or stack -> array) into per-dtype 1-D buffers of `sizes` at `offsets`: updates of
-    `base` in place (donated buffers: a step touches only what it changes), else one concatenation with zeros."""
+    """`values` (item or stack -> array) at `offsets` of per-dtype buffers: in place in (donated) `base`, else new."""
     pieces: dict[str, list] = {d: [] for d in sizes}
     for dtype, off, x in _pieces(values, offsets):
         pieces[dtype].append((off, x.astype(dtype)))
@@ -66,21 +66,20 @@ def _concatenated(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) ->
     return concat(parts)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Row:
     """Items packed in one device's 1-D `buffers` (dtype -> buffer) at `offsets`, read on demand, each through
-    `convert(value, item)` (a division, a cast); a stack's members in one slice where they lie side by side."""
+    `convert(value, item)` (a division, a cast), except `values` read as they are."""
 
-    def __init__(self, buffers: dict[str, jax.Array], offsets: dict[int, tuple[str, int]],
-                 shapes: dict[int, tuple[int, ...]], convert: Callable[[jax.Array, int], jax.Array] | None = None):
-        self.buffers, self.offsets, self.shapes = buffers, offsets, shapes
-        self.convert = convert or (lambda x, _: x)
-        self.values: dict[int, jax.Array] = {}
+    buffers: dict[str, jax.Array]
+    offsets: dict[int, tuple[str, int]]
+    shapes: dict[int, tuple[int, ...]]
+    convert: Callable[[jax.Array, int], jax.Array] = lambda x, _: x
+    values: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
 
     def overlaid(self, values: dict[int, jax.Array]) -> Row:
-        """This row, reading `values` (as they are) in place of those items: tensor-parallel leaves' whole tensors."""
-        row = Row(self.buffers, self.offsets, self.shapes, self.convert)
-        row.values = dict(values)
-        return row
+        """This row, reading `values` in place of those items: tensor-parallel leaves' whole tensors."""
+        return dataclasses.replace(self, values=dict(values))
 
     def __contains__(self, item: int) -> bool:
         return item in self.offsets or item in self.values
@@ -120,8 +119,7 @@ def unstacked(values: dict[Key, jax.Array]) -> dict[int, jax.Array]:
 
 
 def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
-    """Where each owned leaf's gradient or update (in `dtypes[leaf]`) sits in its owner's row of a collective: in
-    tree order, except that a stack's members follow its first, side by side."""
+    """Where each owned leaf of `dtypes` sits in its owner's row: in tree order, a stack's members after its first."""
     first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
     return _stored.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
                                for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
@@ -129,9 +127,7 @@ def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
 
 
 def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:
-    """The gradient collective: none on one device; "auto" picks the one that moves fewer bytes (a reduce-scatter
-    moves `n * padded share`, an all-reduce twice the gradient), or the reduce-scatter whenever `packed`
-    (`Wire.packs_owned_gradients`)."""
+    """The gradient collective: "auto" picks the one moving fewer bytes, or the reduce-scatter when `packed`."""
     if reduce is None:
         return None
     if n == 1:
@@ -174,8 +170,7 @@ Span = tuple[str, int, int]
 
 
 def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone):
-    what an offloaded step brings to the device at once."""
+    """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone)."""
     nbytes = dict.fromkeys(leaves, 0)
     for j in layout.rank_entries(r):
         if layout.entries[j].leaf in nbytes:

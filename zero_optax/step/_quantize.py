@@ -1,10 +1,8 @@
 """The block-wise int8 codec of zero1's quantized collectives (ZeRO++'s qwZ and qgZ), and `Quantize`, its option.
 
-A 1-D value is cut into blocks of `block_size` elements (the tail zero-padded); each travels as one float32
-`scale = absmax / 127` and int8 codes `q = clip(round_half_to_even(x / scale), -127, 127)`, so every element is
-within `scale / 2` of its value and `b` elements cost `b + 4` bytes instead of `4 b`. Both divisions are written
-as float32 multiplications by a reciprocal (what XLA rewrites `/` into anyway), so a numpy reference reproduces the
-codes bit for bit. The collectives built on it are the wire's (`zero_optax.step._wire`).
+A block of `block_size` elements travels as a float32 `scale = absmax / 127` and int8 codes `round(x / scale)`.
+Both divisions are written as multiplications by a float32 reciprocal, as XLA compiles them, so that a numpy
+reference reproduces the codes bit for bit.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 
 QMAX = 127  # codes lie in [-127, 127], symmetric
-_INV_QMAX = np.float32(1) / np.float32(QMAX)  # a block's scale is its absmax times this
-SCALE_BYTES = 4  # one float32 scale a block
+_INV_QMAX = np.float32(1) / np.float32(QMAX)
 
 INT8 = "int8"
 
@@ -32,14 +29,13 @@ class Quantize:
 
     Attributes:
       params: `"int8"`: new parameters travel in zero1's all-gathers as int8 codes with one float32 scale per
-        block (about a quarter of the float32 bytes); every device then holds the block-wise int8 rounding of the
-        master copy, which `zero1(..., master_dtype=...)` (required) keeps exact. None: exact.
+        block; every device then holds the int8 rounding of the master copy, which `master_dtype` (required)
+        keeps exact. None: exact.
       grads: `"int8"`: gradients are reduce-scattered as int8 blocks through an all-to-all and summed in float32,
         within the senders' half-scales of the exact sum. Only inside `shard_map` (a mesh-bound zero1 under
         `jax.jit` receives gradients XLA has already reduced). None: exact.
       block_size: elements per scale; small blocks keep outliers local.
-      axes: the mesh axes whose collectives are quantized (a collective over any of them is), for example only
-        zero1's `replica_axis`; None: all of them.
+      axes: the mesh axes whose collectives are quantized (for example only zero1's `replica_axis`); None: all.
 
     Raises:
       ZeroError: an option is neither None nor `"int8"`, `block_size` is no positive int, or `axes` names no axis.
@@ -115,22 +111,8 @@ def padded_size(n: int, block_size: int) -> int:
     return -(-int(n) // block_size) * block_size
 
 
-def wire_bytes(n_elements: int, block_size: int) -> int:
-    """Bytes one quantized copy of `n_elements` values costs on the wire: a code an element, a scale a block.
-
-    Examples:
-      >>> wire_bytes(10, 4)  # 12 codes + 3 scales
-      24
-      >>> wire_bytes(1024, 256), 4 * 1024
-      (1040, 4096)
-    """
-    padded = padded_size(n_elements, block_size)
-    return padded + SCALE_BYTES * (padded // block_size)
-
-
 def quantize_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """Codes and scales of `x` (`[..., padded]` float32, `padded` a multiple of `block_size`), blocks along the
-    last axis: int8 `[..., padded]` and float32 `[..., padded // block_size]`."""
+    """Int8 codes and float32 scales of the float32 `x`, in blocks along its last axis (a multiple of them)."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     scales = jnp.max(jnp.abs(blocks), axis=-1, initial=0.0) * _INV_QMAX
     inverse = jnp.float32(1) / jnp.where(scales == 0, jnp.float32(1), scales)  # a zero block's codes are 0
@@ -150,8 +132,7 @@ def pad_last(x: jax.Array, padded: int) -> jax.Array:
 
 
 def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """`(q, scales)`: int8 codes `[padded]` and float32 scales `[padded // block_size]` of the 1-D floating `x`,
-    zero-padded to whole blocks.
+    """Int8 codes and float32 scales of the 1-D floating `x`, zero-padded to whole blocks.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -168,8 +149,7 @@ def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
-    """The first `size` values `quantize` encoded as `q` and `scales` (block size `q.size // scales.size`), as
-    `dtype`.
+    """The first `size` values `quantize` encoded as `q` and `scales`, as `dtype`.
 
     Examples:
       >>> import jax.numpy as jnp

@@ -1,8 +1,7 @@
 """Gradient reduction across the ZeRO axes: mean, or weighted by each device's sample or token count.
 
-A gradient typed invariant inside `shard_map` (the same on every device) may be the sum over devices or already the
-global mean, and nothing in the value says which. So zero1 never guesses: reducing modes take varying (per-device)
-gradients only, `reduce=False` takes invariant ones as the global mean.
+An invariant gradient may be the sum over devices or already the global mean, so zero1 never guesses: reducing
+modes take varying (per-device) gradients only, `reduce=False` takes invariant ones as the global mean.
 """
 
 from __future__ import annotations
@@ -48,17 +47,16 @@ def _raise_negative(negative):
 def global_weight(weight, axes) -> jax.Array:
     """`psum(weight)` in float32, after checking that every device's weight is a non-negative scalar."""
     concrete = isinstance(weight, (numbers.Number, np.ndarray))
-    xp = np if concrete else jnp
-    if xp.ndim(weight) != 0:
-        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {xp.shape(weight)}.")
+    if np.ndim(weight) != 0:
+        raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
     if concrete and weight < 0:
         raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
     w = jnp.asarray(weight, jnp.float32)
     wire = _wire.Wire(_compat.as_tuple(axes))
     if not concrete:  # checked on the devices: only a negative weight calls back to the host, which raises
-        negative = wire.weight_sum((w < 0).astype(jnp.int32)) > 0
+        negative = wire.all_reduce((w < 0).astype(jnp.int32)) > 0
         lax.cond(negative, lambda: jax.debug.callback(_raise_negative, negative), lambda: None)
-    return wire.weight_sum(w)
+    return wire.all_reduce(w)
 
 
 def reduction(layout) -> tuple[tuple[str, ...], int]:
@@ -109,16 +107,6 @@ def check_semantics(leaves: Sequence[jax.Array], paths: Sequence[str], zero_axes
             raise ZeroGradientError(VARYING_HELP.format(axis=axis, path=path))
 
 
-def mean_gradients(grads: Any, axes, denom: Denominator, reduce_dtype=None) -> Any:
-    """All-reduces `grads` and divides by `denom`, summing in `reduce_dtype` if given; keeps each leaf's dtype."""
-    wire = _wire.Wire(_compat.as_tuple(axes))
-
-    def one(g):
-        wide = g.astype(reduce_dtype) if reduce_dtype is not None else g
-        return divide(wire.all_reduce(wide), denom, g.dtype)
-    return jax.tree.map(one, grads)
-
-
 def skip_if_empty(ok: jax.Array | None, new: Any, old: Any) -> Any:
     """Selects `old` wherever the global weight was zero (`ok` False); `new` otherwise."""
     if ok is None:
@@ -167,7 +155,9 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
         leaves = jax.tree.leaves(updates)
         check_semantics(leaves, leaf_paths(updates), [axes] * len(leaves), reducing=True, what="zo.reduce_gradients")
         denom = denominator(weight, axes, n)
-        reduced = mean_gradients(updates, axes, denom, reduce_dtype)
+        wire = _wire.Wire(axes)
+        reduced = jax.tree.map(lambda g: divide(wire.all_reduce(g if reduce_dtype is None else g.astype(reduce_dtype)),
+                                                denom, g.dtype), updates)
         if denom.ok is not None:
             reduced = skip_if_empty(denom.ok, reduced, jax.tree.map(jnp.zeros_like, reduced))
         return reduced, state
@@ -178,8 +168,8 @@ def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransform
 # ---------------------------------------------------------------------- reductions inside the inner update
 
 class Coordinates(NamedTuple):
-    """Where a value of the inner update lies: this device's `slots` coordinates of one sliced leaf, from
-    `rank * slots` on, `valid` where not padding (None: all are); `shape` None for a tensor-parallel block."""
+    """This device's `slots` coordinates of a sliced leaf from `rank * slots` on, `valid` where not padding (None:
+    all are); `shape` None for a tensor-parallel block."""
 
     valid: jax.Array | None
     axes: tuple[str, ...]

@@ -57,10 +57,8 @@ class SlicedStep:
     masters: _master.NoMasters
 
     def reduce(self, step: _groups.Step, g_leaves: list) -> list:
-        """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without sliced
-        leaves), reduced in buckets over all sliced leaves."""
-        cfg, layout, denom, inner_dt, sum_dt, ranks = (self.cfg, step.layout, step.denom, step.inner_dt, step.sum_dt,
-                                                       step.ranks)
+        """Each group's part of the reduced gradient on this device, in the inner's dtype (`[None]` without groups)."""
+        layout, inner_dt, ranks = step.layout, step.inner_dt, step.ranks
         if not layout.groups:
             return [None]
         for g in layout.groups:
@@ -71,24 +69,19 @@ class SlicedStep:
                     "dtype and one optimizer program: pass their gradients in one dtype.")
         sliced = _groups.order(layout)
         grads = {i: g_leaves[i] for i in sliced}
-        if cfg.reduce is None:  # already the global mean
+        if self.cfg.reduce is None:  # already the global mean
             return [_slots.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
-                                    ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
-        buckets = self.wire.plan(layout, sliced, [sum_dt[i] for i in sliced])
-        if cfg.reduce == "psum":
-            parts = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
-            parts = {i: _reduce.divide(x, denom, inner_dt[i]) for i, x in parts.items()}
-            return [_groups.joined(g, parts) for g in layout.groups]
-        if _by_rows(layout, buckets):
-            joined = _groups.parts_from_rows(layout, self.wire.reduce_scatter_rows(grads, layout, buckets), buckets)
+                                    _groups.group_rank(layout, g, ranks)) for g in layout.groups]
+        buckets = self.wire.plan(layout, sliced, [step.sum_dt[i] for i in sliced])
+        if self.cfg.reduce == "psum":
+            rows = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
         else:
-            parts = self.wire.reduce_scatter(grads, layout, buckets)
-            joined = [_groups.joined(g, parts) for g in layout.groups]
-        return [_reduce.divide(x, denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
+            rows = self.wire.reduce_scatter(grads, layout, buckets)
+        joined = _groups.parts_from_rows(layout, rows, buckets)
+        return [_reduce.divide(x, step.denom, inner_dt[g.first]) for g, x in zip(layout.groups, joined)]
 
     def update(self, step: _groups.Step, g_parts: list, state: ZeroState) -> GroupsDone:
-        """The inner update on each group's part of the reduced gradient, `g_parts` (streamed chunk by chunk
-        through the device with `step.streamed`)."""
+        """The inner update on each group's part `g_parts` of the reduced gradient (streamed with `step.streamed`)."""
         layout, ranks, p_leaves = step.layout, step.ranks, step.p_leaves
         if step.streamed and layout.groups:
             params_parts = None if p_leaves is None else \
@@ -98,7 +91,7 @@ class SlicedStep:
                                                                          state, p_dtypes)
             done = GroupsDone(new_inner, shared_old, values, new_master)
         else:
-            masks = [_groups.valid(layout, g, ranks[layout.zero_axes(layout.leaves[g.first])]) for g in layout.groups]
+            masks = [_groups.valid(layout, g, _groups.group_rank(layout, g, ranks)) for g in layout.groups]
             p_parts = self._params(layout, p_leaves, state, ranks)
             u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state.inner_state, masks)
             done = GroupsDone(new_inner, shared_old, u_parts=u_parts, p_parts=p_parts, masks=masks)
@@ -108,8 +101,7 @@ class SlicedStep:
 
     def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
                apply: bool):
-        """The step's result, gathered to every device: the updates (with `apply` the new parameters), and the
-        new state."""
+        """The step's result on every device (the updates, with `apply` the new parameters) and the new state."""
         layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
         if done.u_parts is not None and layout.groups:
@@ -133,29 +125,15 @@ class SlicedStep:
     @staticmethod
     def _slices(layout: Layout, p_leaves: list, ranks) -> list:
         """This device's slices of the parameters, each group's part of them."""
-        return [_slots.own_rows(p_leaves, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
+        return [_slots.own_rows(p_leaves, layout, g.leaves, _groups.group_rank(layout, g, ranks))
                 for g in layout.groups]
 
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""
-        wire = self.wire
-        updates: dict[int, jax.Array] = {}
         if not layout.groups:
-            return updates
+            return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
         order = _groups.order(layout)
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
-        buckets = wire.plan(layout, order, [dtypes[i] for i in order])
-        if _by_rows(layout, buckets):
-            updates.update(wire.gather_rows(_groups.rows_from_parts(layout, values, buckets), layout, buckets))
-        else:
-            per_leaf = {}
-            for g, x in zip(layout.groups, values):
-                per_leaf.update(_groups.split(g, x, layout))
-            updates.update(wire.gather(per_leaf, layout, buckets))
-        return updates
-
-
-def _by_rows(layout: Layout, buckets) -> bool:
-    """Whether the groups' buffers meet the collectives as whole bucket rows (groups of more than one device)."""
-    return all(b.axes and layout.leaves[b.leaves[0]].group > 1 for b in buckets)
+        buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
+        return self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)

@@ -1,8 +1,5 @@
-"""The slot geometry of sliced leaves: padding, this device's slice of a leaf, and back.
-
-With `size` elements and a group of `N` devices a leaf has `slots = ceil(size / N)`; device `r` owns coordinates
-`[r*slots, (r+1)*slots)` of the flattened block, the tail padded with zeros. The inner optimizer runs on these 1-D
-slices, which is exact for transformations that act coordinate by coordinate (Adam, Lion, SGD).
+"""The slot geometry of sliced leaves: device `r` of a group of `N` owns coordinates `[r*slots, (r+1)*slots)` of a
+leaf's flattened block, `slots = ceil(size / N)`, the tail padded with zeros.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Every collective zero1 emits, the buckets sliced leaves travel in, and the wire strategies they travel by.
+"""Every collective zero1 emits (no other module emits one), the buckets sliced leaves travel in, and how.
 
-A step moves values between devices only through a `Wire`, built once from the config (`Wire.of`). A *wire strategy*
-is how a collective carries its bytes: exact (`lax` collectives) or int8 quantized (ZeRO++'s qgZ and qwZ:
-`quantized_reduce_scatter`, `quantized_all_gather`; codec and option `Quantize` in `zero_optax.step._quantize`),
-chosen per collective by `Wire._quantized` (weights, joint reductions and tensor-parallel gathers stay exact).
-Adding one changes this module (its collectives at the bottom, a branch in the primitives `_reduce_scatter`,
-`_replica_sum` and `_gather_values`) and the option that selects it, which `Wire.of` reads off the config. With
-replica axes, gradients are reduce-scattered over the ZeRO axes, then only this device's shard is summed over the
-replica axes; nothing else crosses them.
+A collective travels exact or int8 quantized (ZeRO++'s qgZ and qwZ; codec in `_quantize`), as `Wire._quantized`
+chooses; another strategy adds its collectives at the bottom and a branch in `_reduce_scatter`, `_replica_sum` and
+`_gather_values`. With replica axes only this device's reduce-scattered shard of a gradient crosses them.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ _JOINT = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """The collectives of one zero1 configuration, over its ZeRO `axes` (a bucket over its own `Bucket.axes`) and,
-    for gradients and weights, its `replicas` axes; gradients are summed in `sum_dtype_of` (`reduce_dtype`, else
-    `master_dtype`) where it is set, and travel quantized where `quantize` says."""
+    """The collectives of one zero1 configuration over its ZeRO `axes` and, for gradients and weights, `replicas`;
+    gradients are summed in `sum_dtype_of` (`reduce_dtype`, else `master_dtype`) where set."""
 
     axes: tuple[str, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -79,18 +73,14 @@ class Wire:
     # ------------------------------------------------------------------ the bucket plan
 
     def plan(self, layout: Layout, indices: Sequence[int], dtypes: Sequence[str]) -> tuple[Bucket, ...]:
-        """The buckets of the sliced leaves `indices` travelling in `dtypes`: computed once per layout, leaf order
-        and dtypes, not at every trace."""
+        """The buckets of the sliced leaves `indices` travelling in `dtypes`, memoised (not planned at every trace)."""
         key = (layout, tuple(indices), tuple(dtypes))
         if key not in self._plans:
             self._plans[key] = self._plan(*key)
         return self._plans[key]
 
     def _plan(self, layout: Layout, indices: tuple[int, ...], dtypes: tuple[str, ...]) -> tuple[Bucket, ...]:
-        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone.
-
-        A bucket is listed when it closes: float32 leaves of 1, 100 and 2 KiB make `[(1,), (0, 2)]` on the CPU.
-        """
+        """Buckets closed at `bucket_bytes` or `MAX_BUCKET_LEAVES`; a leaf of `alone_bytes` travels alone."""
         alone = self.bucket_bytes if self.alone_bytes is None else min(self.alone_bytes, self.bucket_bytes)
         out: list[Bucket] = []
         keyed = {}
@@ -118,68 +108,43 @@ class Wire:
     # ------------------------------------------------------------------ sliced leaves, bucket by bucket
 
     def reduce_scatter(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                       ) -> dict[int, jax.Array]:
-        """Each device's `(slots,)` block of every sliced leaf's summed gradient, in the bucket's dtype."""
-        out = {}
-        for b in buckets:
-            leaves = [layout.leaves[i] for i in b.leaves]
-            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
-                rows = [self._replica_sum(padded(grads[i].astype(b.dtype), leaf)) for i, leaf in zip(b.leaves, leaves)]
-            else:
-                rows = split(self.reduce_scatter_rows(grads, layout, [b])[0], [leaf.slots for leaf in leaves])
-            out.update(zip(b.leaves, rows))
-        return out
-
-    def reduce_scatter_rows(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                            ) -> list[jax.Array]:
-        """Like `reduce_scatter`, each bucket's row whole, for groups of several devices: a bucket is
-        `[group, sum(slots)]`, row `r` device `r`'s slices of its leaves, so one tiled reduce-scatter serves it."""
+                       ) -> list[jax.Array]:
+        """Each bucket's row of this device's `(slots,)` blocks of its leaves' summed gradients: one tiled
+        reduce-scatter of `[group, sum(slots)]`, row `r` device `r`'s slices."""
         out = []
         for b in buckets:
             leaves = [layout.leaves[i] for i in b.leaves]
-            group = leaves[0].group
-            parts = [padded(grads[i].astype(b.dtype), leaf).reshape(group, leaf.slots)
-                     for i, leaf in zip(b.leaves, leaves)]
-            out.append(self._reduce_scatter(concat(parts, axis=1), b.axes)[0])
+            parts = [padded(grads[i].astype(b.dtype), leaf) for i, leaf in zip(b.leaves, leaves)]
+            if not b.axes or leaves[0].group == 1:  # one device: its gradient is the sum (over the replicas)
+                out.append(concat([self._replica_sum(x) for x in parts]))
+                continue
+            rows = [x.reshape(leaf.group, leaf.slots) for x, leaf in zip(parts, leaves)]
+            out.append(self._reduce_scatter(concat(rows, axis=1), b.axes)[0])
         return out
 
     def all_reduce_slices(self, grads: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket],
-                          ranks: dict) -> dict[int, jax.Array]:
+                          ranks: dict) -> list[jax.Array]:
         """Like `reduce_scatter`, by one variadic all-reduce of each bucket, then sliced."""
-        out = {}
+        out = []
         for b in buckets:
-            parts = self._reduce_sum([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
-            for i, g in zip(b.leaves, parts):
-                out[i] = own_slice(g, layout.leaves[i], ranks[b.axes])
+            parts = self.all_reduce([grads[i].astype(b.dtype) for i in b.leaves], b.axes)
+            out.append(concat([own_slice(g, layout.leaves[i], ranks[b.axes]) for i, g in zip(b.leaves, parts)]))
         return out
 
-    def gather(self, values: dict[int, jax.Array], layout: Layout, buckets: Sequence[Bucket]
-               ) -> dict[int, jax.Array]:
-        """The full block of every sliced leaf of `buckets`, invariant across the group, from each device's
-        `(slots,)` values: one all-gather per bucket."""
-        out = {}
-        for b in buckets:
-            leaves = [layout.leaves[i] for i in b.leaves]
-            parts = [values[i].astype(b.dtype) for i in b.leaves]
-            if b.axes and leaves[0].group > 1:
-                out.update(self.gather_rows([concat(parts)], layout, [b]))
-                continue
-            if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
-                parts = [_compat.all_gather_invariant(p, b.axes, tiled=True) for p in parts]
-            for i, leaf, x in zip(b.leaves, leaves, parts):
-                out[i] = unpadded(x, leaf)
-        return out
-
-    def gather_rows(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]
-                    ) -> dict[int, jax.Array]:
-        """Like `gather`, from each bucket's row whole, for groups of several devices."""
+    def gather(self, rows: Sequence[jax.Array], layout: Layout, buckets: Sequence[Bucket]) -> dict[int, jax.Array]:
+        """Every sliced leaf's full block, typed invariant, from each bucket's row of `(slots,)` values."""
         out = {}
         for b, row in zip(buckets, rows):
             leaves = [layout.leaves[i] for i in b.leaves]
-            cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
-            cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-            for i, leaf, (a, c) in zip(b.leaves, leaves, itertools.pairwise(cuts)):
-                out[i] = unpadded(cols[:, a:c].reshape(-1), leaf)
+            if b.axes and leaves[0].group > 1:
+                cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
+                cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
+                blocks = [cols[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
+            else:
+                blocks = split(row.astype(b.dtype), [leaf.slots for leaf in leaves])
+                if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
+                    blocks = [_compat.all_gather_invariant(x, b.axes, tiled=True) for x in blocks]
+            out.update((i, unpadded(x, leaf)) for i, x, leaf in zip(b.leaves, blocks, leaves))
         return out
 
     # ------------------------------------------------------------------ owned leaves and whole values
@@ -190,8 +155,8 @@ class Wire:
 
     @property
     def packs_owned_gradients(self) -> bool:
-        """Whether owned leaves' gradients must travel owner-packed (`scatter_packed`): with replica axes only each
-        owner's row then crosses them, and quantized gradients travel by reduce-scatters only."""
+        """Whether owned leaves' gradients travel owner-packed (`scatter_packed`): so that only each owner's row
+        crosses replica axes, and because quantized gradients travel by reduce-scatters only."""
         return bool(self.replicas) or self._quantized("grads", self.axes)
 
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -199,15 +164,13 @@ class Wire:
         return {d: self._gather_values(b, self.axes).reshape(-1, b.shape[0]) for d, b in buffers.items()}
 
     def gather_blocks(self, x, axes: tuple[str, ...]):
-        """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked on a new leading axis (row-major
-        over `axes`), typed invariant over them."""
+        """Every device's `x` (a pytree) over the tensor-parallel `axes`, stacked row-major on a new leading axis."""
         return jax.tree.map(lambda b: _compat.all_gather_invariant(b, axes), x)
 
-    def all_reduce(self, x):
-        """The sum of `x` (a pytree of gradients, or a weight: one collective) over the ZeRO and replica axes."""
-        return self._reduce_sum(x, self.axes)
-
-    weight_sum = all_reduce
+    def all_reduce(self, x, axes: tuple[str, ...] | None = None):
+        """The sum of `x` (a pytree: one collective) over `axes` (by default the ZeRO axes) and the replica axes."""
+        axes = self.replicas + (self.axes if axes is None else axes)
+        return lax.psum(x, axes) if axes else x
 
     def invariant(self, x):
         """`x` (a pytree, the same on every device of a one-device group) typed invariant: a psum over one device."""
@@ -222,11 +185,6 @@ class Wire:
         return _JOINT[kind](local, self.axes) if self.axes else local
 
     # ------------------------------------------------------------------ the primitives
-
-    def _reduce_sum(self, x, axes: tuple[str, ...]):
-        """Gradients summed over `axes` and the replica axes (one all-reduce; none over no axis)."""
-        axes = self.replicas + tuple(axes)
-        return lax.psum(x, axes) if axes else x
 
     def _quantized(self, kind: str, axes: Sequence[str], x: jax.Array | None = None) -> bool:
         """Whether a collective of `kind` over `axes` (of the value `x`: a floating one) is quantized."""
@@ -244,8 +202,7 @@ class Wire:
         return self._replica_sum(block)
 
     def _replica_sum(self, x: jax.Array) -> jax.Array:
-        """A gradient block summed over the replica axes: an all-reduce, or quantized a reduce-scatter of its
-        parts and an all-gather of the sums."""
+        """A gradient block summed over the replica axes (quantized: a reduce-scatter, then an all-gather)."""
         if not self.replicas:
             return x
         if not self._quantized("grads", self.replicas, x):
@@ -275,8 +232,7 @@ def _checked(x, axes, block_size, what: str) -> tuple[jax.Array, tuple[str, ...]
 
 
 def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """`all_gather_invariant(x, axes, tiled=True)` of the 1-D floating `x`, each device's block travelling as int8
-    codes and scales (`_quantize.quantize`), dequantized by every receiver."""
+    """`all_gather_invariant(x, axes, tiled=True)` of the 1-D floating `x`, travelling as int8 codes and scales."""
     x, axes, n, block_size = _checked(x, axes, block_size, "quantized_all_gather")
     size = x.shape[0]
     q, scales = _quantize.quantize(x, block_size)
@@ -286,8 +242,7 @@ def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], block_size: int) -
 
 
 def quantized_reduce_scatter(x: jax.Array, axes: tuple[str, ...], block_size: int) -> jax.Array:
-    """`psum_scatter(x, axes)` of the 1-D floating `x` in float32: each of its `n` parts quantized by its sender,
-    handed to its receiver by an all-to-all, dequantized and summed there, senders in order."""
+    """`psum_scatter(x, axes)` of the 1-D floating `x`, quantized through an all-to-all, summed in float32 in order."""
     x, axes, n, block_size = _checked(x, axes, block_size, "quantized_reduce_scatter")
     if x.shape[0] % n:
         raise _errors.ZeroError(f"quantized_reduce_scatter: x's length {x.shape[0]} is not a multiple of the {n} "
