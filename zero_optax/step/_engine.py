@@ -29,9 +29,6 @@ from zero_optax.step import (
     _owned_step,
     _reduce,
     _sliced_step,
-    _slots,
-    _tp_owned,
-    _views,
     _wire,
 )
 
@@ -66,7 +63,7 @@ def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
         raise ZeroStructureError(
             f"The {what} do not have the structure of the parameters this state was initialised with.\n"
             f"  {what}: {tree_signature(tree)}\n"
-            f"  parameters: {tree_signature(_views.tree(layout, [0] * len(layout.leaves)))}")
+            f"  parameters: {tree_signature(_groups.tree(layout, [0] * len(layout.leaves)))}")
     for x, leaf in zip(leaves, layout.leaves):
         if tuple(np.shape(x)) != leaf.shape:
             raise ZeroStructureError(
@@ -91,7 +88,7 @@ class Engine:
     def __init__(self, cfg: _planner.Config):
         self.cfg = cfg
         self.wire = _wire.Wire.of(cfg)
-        self.views = _views.Views(cfg)
+        self.views = _groups.Views(cfg)
         self.masters = _master.of(cfg)
         self.sliced = _sliced_step.SlicedStep(cfg, self.wire, _groups.Groups(cfg, self.views), self.masters)
         self.owned = _owned_step.OwnedStep(cfg, self.wire, self.views, self.masters)
@@ -114,12 +111,9 @@ class Engine:
                     f"transformation's init gives {layout.state_tree}.")
         values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
         ranks = self._ranks(layout)
-        rows = [_slots.own_rows(values, layout, g.leaves, ranks[layout.zero_axes(layout.leaves[g.first])])
-                for g in layout.groups]
+        rows = _groups.own_parts(layout, values, ranks)
         inner_state = self.sliced.groups.init(layout, rows, full, ranks)
-        whole = [_tp_owned.gather_whole(self.wire, layout, leaf, x) if leaf.tp_owned else x
-                 for leaf, x in zip(layout.leaves, values)]
-        buffers = self.owned.build(layout, whole, full, ranks[layout.axes])
+        buffers = self.owned.build(layout, values, full, ranks[layout.axes])
         master = self.masters.init(rows, layout)
         local = (_accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
                  if layout.accumulate == LOCAL else None)
@@ -176,7 +170,7 @@ class Engine:
         def middle(operands):
             g_leaves, state, p_leaves = operands
             # typed like the final call's updates: varying over the leaf's own (tensor- or expert-parallel) axes
-            zeros = _views.tree(layout, [_compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes)
+            zeros = _groups.tree(layout, [_compat.pvary(jnp.zeros(g.shape, dtypes[i]), layout.leaves[i].axes)
                                          for i, g in enumerate(g_leaves)])
             if local:
                 return zeros, _accumulate.add_local(layout, state, g_leaves, w)

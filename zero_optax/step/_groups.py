@@ -1,7 +1,9 @@
 """The sliced leaves inside `shard_map`, stored and updated by group (`Layout.groups`).
 
 A group's leaves run one program, so the inner update runs once per group, on the view of its first member holding
-this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole group.
+this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole group. A view
+is the parameter tree with some leaves present, every other one `optax.MaskedNode()`: a group's first member holding
+the group's part, the joint view of every sliced leaf, or an owner's leaves (`Views`, computed once per layout).
 """
 
 from __future__ import annotations
@@ -17,20 +19,93 @@ from jax import lax
 
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
-from zero_optax.layout import _inner_state, _planner, _stored
+from zero_optax.layout import _fusion, _inner_state, _layout, _planner, _stored
 from zero_optax.step import (
     _reduce,
-    _slots,
     _varying,
-    _views,
     _wire,
 )
 from zero_optax.layout._layout import Group, Layout
 from zero_optax.layout._state import SlicedState
 
 
+def tree(layout: Layout, values: list) -> Any:
+    """The parameter-shaped tree of `values`, one per leaf."""
+    return jax.tree_util.tree_unflatten(layout.treedef, values)
+
+
+def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
+    """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
+    return tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
+
+
+def owned_entries(layout: Layout, r: int, leaves: Sequence[int] | None = None) -> list[int]:
+    """The inner entries of device `r`'s view of `leaves` (all it owns by default): shared entries and histories."""
+    mine = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r} if leaves is None else set(leaves)
+    shared = set(layout.view_shared(mine))
+    return [j for j in layout.inner_entries if j in shared or layout.entries[j].leaf in mine]
+
+
+class Views:
+    """The treedefs of the inner state on the views of one `Config`'s layouts, and the updates' dtypes (cached)."""
+
+    def __init__(self, cfg: _planner.Config):
+        self.cfg = cfg
+        self._cache: dict = {}
+
+    def _cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def group(self, layout: Layout, g: int | None) -> tuple[Any, list[int]]:
+        """Group `g`'s view (of no leaf when None): its state treedef and the entries it stands for, in order."""
+        def make():
+            group = None if g is None else layout.groups[g]
+            present = set() if group is None else {group.first}
+            order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
+            what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
+            return _fusion.view_treedef(self.cfg, layout, present, order, what), order
+        return self._cached((layout, g), make)
+
+    def joint(self, layout: Layout) -> tuple[Any, list[int]]:
+        """The view of every sliced leaf (`Layout.joint`): its state treedef and the entries, in order."""
+        def make():
+            present = {g.first for g in layout.groups}
+            order = sorted(layout.view_shared(present) + tuple(j for g in layout.groups for j in g.histories[0]))
+            return _fusion.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
+        return self._cached((layout, "joint"), make)
+
+    def owned(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
+        """The state treedef of device `r`'s view of `leaves` (all it owns by default)."""
+        present = frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) if leaves is None \
+            else frozenset(leaves)
+        return self._cached((layout, r, present), lambda: _fusion.view_treedef(
+            self.cfg, layout, set(present), owned_entries(layout, r, present), f"on device {r}"))
+
+    def update_dtypes(self, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
+        """Per leaf, the dtype of the inner update's result (of `phase`'s under accumulation), from one abstract
+        trace of a view holding one member of each group and stack and every other owned leaf."""
+        key = (layout, phase, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
+                                                                for x in jax.tree.leaves(extra)))
+        inner = self.cfg.inner if phase is None else phase.inner
+
+        def make():
+            first = {i: g.first for g in layout.groups for i in g.leaves}
+            first.update((i, s[0]) for s in layout.stacks for i in s)
+            present = {first.get(i, i) for i in range(len(layout.leaves))}
+            structs = [jax.ShapeDtypeStruct(layout.view_shape(leaf), self.cfg.inner_dtype(leaf.dtype))
+                       for leaf in layout.leaves]
+            view = tree(layout, _layout.masked_view(structs, present))
+            state = jax.eval_shape(inner.init, view)
+            updates, _ = jax.eval_shape(lambda g, s, p, e: inner.update(g, s, p, **e), view, state, view, extra)
+            got = {i: np.dtype(u.dtype).name for i, u in zip(sorted(present), jax.tree.leaves(updates))}
+            return {i: got[first.get(i, i)] for i in range(len(layout.leaves))}
+        return self._cached(key, make)
+
+
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
-    """The inner update on values typed varying, `slices` per argument leaf None or its `_reduce.Coordinates`."""
+    """The inner update on values typed varying, `slices` per argument leaf None or its `_varying.Coordinates`."""
     u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
                           step.layout.axes, slices)
     return _varying.like(u, grads), _varying.like(new, state)
@@ -44,7 +119,7 @@ def order(layout: Layout) -> list[int]:
 def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
     pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
               for k, lo, hi in _stored.runs(positions)]
-    return _slots.concat(pieces)
+    return _wire.concat(pieces)
 
 
 def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
@@ -65,6 +140,17 @@ def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequenc
 def group_rank(layout: Layout, group: Group, ranks) -> jax.Array:
     """This device's index along `group`'s ZeRO axes."""
     return ranks[layout.zero_axes(layout.leaves[group.first])]
+
+
+def own_part(layout: Layout, group: Group, values, ranks) -> jax.Array:
+    """This device's slots of `group`'s members of `values` (leaf -> array), concatenated."""
+    rank = group_rank(layout, group, ranks)
+    return _wire.concat([_wire.own_slice(values[i], layout.leaves[i], rank) for i in group.leaves])
+
+
+def own_parts(layout: Layout, values, ranks) -> list[jax.Array]:
+    """`own_part` of every group."""
+    return [own_part(layout, g, values, ranks) for g in layout.groups]
 
 
 def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
@@ -129,17 +215,17 @@ class Step:
         return self.ranks[self.layout.axes]
 
 
-def _coordinates(layout: Layout, group: Group, mask, ranks) -> _reduce.Coordinates:
+def _coordinates(layout: Layout, group: Group, mask, ranks) -> _varying.Coordinates:
     """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
     leaf = layout.leaves[group.first]
-    return _reduce.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
+    return _varying.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
                                leaf.shape if leaf.blocks == 1 else None, group_rank(layout, group, ranks), leaf.slots,
                                leaf.group)
 
 
 def _view(layout: Layout, groups: Sequence[Group], parts: Sequence[jax.Array]) -> Any:
     """The masked tree holding each group's part (in the group's `shape`) at its first member."""
-    return _views.masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
+    return masked_tree(layout, {g.first: x if g.shape is None else x.reshape(g.shape)
                                        for g, x in zip(groups, parts)})
 
 
@@ -160,7 +246,7 @@ class Groups:
     """`init` and `update` of the groups of one `Config`'s layouts."""
 
     cfg: _planner.Config
-    views: _views.Views
+    views: Views
 
     def targets(self, layout: Layout) -> list[int | None]:
         return list(range(len(layout.groups))) or [None]
@@ -179,7 +265,7 @@ class Groups:
             group = None if g is None else layout.groups[g]
             if full is None:
                 values = {} if group is None else {group.first: rows[g].reshape(group.part_shape)}
-                s, h = self._disassemble(layout, g, self.cfg.inner.init(_views.masked_tree(layout, values)))
+                s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
             else:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
                 h = [] if group is None else [self._cut(layout, group, full, k, ranks)
@@ -195,7 +281,7 @@ class Groups:
         """This device's part of history `k` of `group`, from the full values of its members' entries."""
         values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
                   for i, entries in zip(group.leaves, group.histories)}
-        return _slots.own_rows(values, layout, group.leaves, group_rank(layout, group, ranks)).reshape(group.part_shape)
+        return own_part(layout, group, values, ranks).reshape(group.part_shape)
 
     @staticmethod
     def shared_values(layout: Layout, stored: SlicedState) -> dict[int, jax.Array]:

@@ -46,11 +46,7 @@ class NoMasters:
         return {i: d for i, d in views.update_dtypes(step.layout, step.extra, step.phase).items() if i in owned}
 
     def group_params(self, state, slices: Callable[[], list]) -> list:
-        """The parameters each group's view sees: this device's slices of them."""
-        return slices()
-
-    def streamed_params(self, slices: Callable[[], list]) -> list:
-        """The parameters a streamed group's chunks read from the device: this device's slices."""
+        """The parameters each group's view sees: this device's slices (`state` None: a streamed group's chunks)."""
         return slices()
 
     def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, None]:
@@ -102,11 +98,8 @@ class MasterCopies(NoMasters):
     def sent_dtypes(self, views, step: _groups.Step, owned: list[int]) -> dict[int, str]:
         return {i: np.dtype(step.p_leaves[i].dtype).name for i in owned}
 
-    def group_params(self, state, slices: Callable[[], list]) -> list:
-        return list(state.master)
-
-    def streamed_params(self, slices: Callable[[], list]) -> None:
-        return None  # (the chunks read the master copies from host memory)
+    def group_params(self, state, slices: Callable[[], list]) -> list | None:
+        return None if state is None else list(state.master)  # (streamed chunks read them from host memory)
 
     def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, tuple]:
         results = [_groups.stepped(u, m, mask, ok, dt)

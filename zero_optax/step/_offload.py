@@ -2,7 +2,8 @@
 
 With `zero1(..., offload=True)` a step streams the state through the device (`jax.device_put` between memory spaces
 inside `shard_map`) in buckets of about `bucket_bytes`, so the device never holds it whole. XLA:CPU lowers such
-moves to nothing (one RAM): there only the entry parameters and results are marked host.
+moves to nothing (one RAM): there only the entry parameters and results are marked host. The streamed updates pass
+a chunk (sliced groups) or a bucket (an owner's leaves) of the host arrays through the device at a time.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from zero_optax.core._errors import ZeroError
+from zero_optax.layout import _inner_state, _stored
+from zero_optax.layout._layout import Group, Layout
+from zero_optax.layout._state import SlicedState
+from zero_optax.layout._stored import MASTER
+from zero_optax.step import _groups, _packed, _reduce, _wire
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -107,3 +114,137 @@ def fetched(state: Any) -> Any:
         host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host  # older JAX types none
         return jax.device_put(x, jax.memory.Space.Device) if host else x
     return jax.tree.map(one, state)
+
+
+# ---------------------------------------------------------------------- the updates streamed through the device
+
+Span = tuple[str, int, int]
+"""`(dtype, start, stop)`: a contiguous range of one of a device's packed buffers."""
+
+
+def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone)."""
+    nbytes = dict.fromkeys(leaves, 0)
+    for j in layout.rank_entries(r):
+        if layout.entries[j].leaf in nbytes:
+            nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
+    out: list[list[int]] = []
+    total = 0
+    for i in leaves:
+        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += nbytes[i]
+    return out
+
+
+def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
+    """The contiguous ranges of the packed buffers holding the items `sizes` (item -> size) placed at `offsets`.
+
+    Examples:
+      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
+      ...       {0: 4, 1: 3, 2: 2, 3: 0})
+      [('float32', 0, 7), ('float32', 10, 12)]
+    """
+    return _stored.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
+
+
+def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
+    """The index of the range holding the position `where`."""
+    return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
+
+
+def read(pieces: Sequence[jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]],
+         shapes: dict[int, tuple[int, ...]]) -> dict[int, jax.Array]:
+    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges` (in their buffers' dtypes)."""
+    out = {}
+    for j, shape in shapes.items():
+        if not int(np.prod(shape)):  # an empty item has no range
+            out[j] = jnp.zeros(shape, offsets[j][0])
+            continue
+        k = _span_of(offsets[j], ranges)
+        lo = offsets[j][1] - ranges[k][1]
+        out[j] = lax.slice_in_dim(pieces[k], lo, lo + int(np.prod(shape))).reshape(shape)
+    return out
+
+
+def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]]
+          ) -> list[jax.Array]:
+    """The contents of `ranges` holding `values` (item -> array, every item of the ranges): the inverse of `read`."""
+    parts: list[list] = [[] for _ in ranges]
+    for j in sorted(values, key=lambda j: offsets[j][1]):
+        if values[j].size:
+            parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
+    return [_wire.concat(p) for p in parts]
+
+
+def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Array], params: list[jax.Array] | None,
+                  state, p_dtypes: list) -> tuple:
+    """The group views' update, `bucket_bytes` of a group's host arrays at a time: what every device receives (None
+    for a micro-step), the new stored state, master copies and old shared values."""
+    layout, stepping, ok, chunk_bytes = step.layout, step.stepping, step.denom.ok, groups.cfg.bucket_bytes
+    shared_old = groups.shared_values(layout, state.inner_state)
+    step = dataclasses.replace(step, shared_old=shared_old)
+    master = state.master is not None and stepping
+
+    def one(g: int, group: Group) -> tuple:
+        """Group `g`'s new arrays, what every device receives and the new shared values."""
+        arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
+        rank = _groups.group_rank(layout, group, step.ranks)
+
+        def chunk(start, length, carry):
+            new_arrays, out, _ = carry
+            old = [fetch(a, start, length) for a in arrays]
+            hist, m_old = (old[:-1], old[-1]) if master else (old, None)
+            g_c = lax.dynamic_slice_in_dim(grads[g], start, length)
+            p_c = m_old if master else (None if params is None else lax.dynamic_slice_in_dim(params[g], start, length))
+            u, shared, h = groups.run_view(step, g, g_c, p_c, hist, p_c is not None)
+            mask = _groups.valid(layout, group, rank, start, length)
+            results = [_reduce.skip_if_empty(ok, _groups.zero_padding(x, mask), y) for x, y in zip(h, hist)]
+            if stepping:
+                m_new, value = _groups.stepped(u, m_old, mask, ok, p_dtypes[g])
+                if master:
+                    results.append(m_new)
+                if out is None:  # typed by the update below (varying where `value` is)
+                    out = jnp.zeros((group.size,), value.dtype)
+                out = lax.dynamic_update_slice_in_dim(out, value, start, 0)
+            return [store(a, x, start) for a, x in zip(new_arrays, results)], out, shared
+        width = sum(np.dtype(a.dtype).itemsize for a in arrays) or 1
+        size = group.size if chunk_bytes <= 0 else max(1, min(group.size, chunk_bytes // width))
+        carry = chunk(0, size, (arrays, None, None))  # the first chunk types the loop's carry
+        full = group.size // size
+        if full > 1:
+            carry = lax.fori_loop(1, full, lambda c, carry: chunk(c * size, size, carry), carry)
+        if group.size % size:
+            carry = chunk(full * size, group.size % size, carry)
+        return carry
+
+    done = [one(g, group) for g, group in enumerate(layout.groups)]
+    shared_new = done[0][2]
+    new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
+                      tuple(tuple(a[:len(a) - master]) for a, _, _ in done))
+    masters = tuple(a[-1] for a, _, _ in done) if master else state.master
+    return ([out for _, out, _ in done] if stepping else None), new, masters, shared_old
+
+
+def stream_owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
+              ) -> tuple[dict, dict]:
+    """Device `r`'s update of `mine`, a bucket of its host buffers at a time: the new buffers and the updates."""
+    layout = step.layout
+    offsets = layout.state_packing.offsets[r]
+    u_all: dict[int, jax.Array] = {}
+    for bucket in stream_buckets(layout, r, mine, owned.cfg.bucket_bytes):
+        entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
+                   (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
+        ranges = spans(offsets, {j: layout.entries[j].size for j in entries})
+        pieces = [fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
+        stored = read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
+        values, u = owned.view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
+        values = _reduce.skip_if_empty(step.denom.ok, _packed.unstacked(values), stored)
+        buffers = dict(buffers)
+        for (d, lo, _), x in zip(ranges, write(values, ranges, offsets)):
+            buffers[d] = store(buffers[d], x, lo)
+        buffers = lax.optimization_barrier(buffers)  # the next bucket is read after this one is written
+        u_all.update(_packed.unstacked(u))
+    return buffers, u_all

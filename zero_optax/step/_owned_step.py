@@ -1,35 +1,106 @@
 """The owned leaves' part of a step: gradients reduced to their owners, one `lax.switch` branch per device, gather.
 
 Device `r`'s branch runs the inner update on its owned view (its leaves whole, every other leaf masked; the shared
-entries come from the group views); a stack's members run as one member's view under `jax.vmap`.
+entries come from the group views); a stack's members run as one member's view under `jax.vmap`. A leaf sharded
+over tensor-parallel axes is gathered whole on its owner's devices, which all update it and keep their own block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from zero_optax.analysis import _programs
 from zero_optax.core import _compat
 from zero_optax.layout import _layout
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._stored import MASTER
+from zero_optax.layout._stored import MASTER, Packing, ParamLeaf
 from zero_optax.step import (
     _groups,
     _master,
     _packed,
     _reduce,
-    _streamed,
-    _tp_owned,
-    _views,
+    _offload,
     _wire,
 )
+
+
+def tp_axes(layout: Layout, leaves: Sequence[int]) -> tuple[str, ...]:
+    """The tensor-parallel axes the tensor-parallel owned `leaves` are sharded over, in mesh order."""
+    cut = {a for i in leaves for a in layout.leaves[i].axes if layout.leaves[i].tp_owned}
+    return tuple(a for a, _ in layout.axis_sizes if a in cut)
+
+
+def gather_whole(wire: _wire.Wire, layout: Layout, leaf: ParamLeaf, x: jax.Array) -> jax.Array:
+    """The whole parameter from every device's block `x` of it (one all-gather over `leaf.axes`)."""
+    blocks = wire.gather_blocks(x, leaf.axes)
+    return assemble(layout, leaf, blocks.reshape(_grid(layout, leaf.axes) + leaf.shape))
+
+
+def _grid(layout: Layout, axes: Sequence[str]) -> tuple[int, ...]:
+    """The sizes of the mesh `axes`: the leading shape of blocks gathered over them."""
+    return tuple(dict(layout.axis_sizes)[a] for a in axes)
+
+
+def assemble(layout: Layout, leaf: ParamLeaf, blocks: jax.Array) -> jax.Array:
+    """The whole tensor from `blocks[k_1, ..., k_m]` along `leaf.axes` (row-major where axes share a dimension)."""
+    m = len(leaf.axes)
+    perm = []
+    for d, cut in enumerate(leaf.dims):
+        perm += [leaf.axes.index(a) for a in cut] + [m + d]
+    return blocks.transpose(perm).reshape(layout.whole_shape(leaf))
+
+
+def own_block(leaf: ParamLeaf, whole: jax.Array) -> jax.Array:
+    """This device's block of the whole tensor `whole` (the inverse of `assemble`)."""
+    for d, cut in enumerate(leaf.dims):
+        if cut:
+            n = leaf.shape[d]
+            whole = lax.dynamic_slice_in_dim(whole, _compat.axis_index(cut) * n, n, d)
+    return whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """Rows of owner-packed blocks (dtype -> `[devices of axes, size]`) gathered over the tensor-parallel `axes`."""
+
+    plan: Packing
+    rows: dict[str, jax.Array]
+    axes: tuple[str, ...]
+
+    def whole(self, layout: Layout, r: int, i: int) -> jax.Array:
+        """Leaf `i`'s whole value, on the devices of its owner `r`."""
+        leaf = layout.leaves[i]
+        dtype, off = self.plan.offsets[r][i]
+        x = self.rows[dtype][:, off:off + leaf.size].reshape(_grid(layout, self.axes) + leaf.shape)
+        # the leaf's blocks are the same along gathered axes it is not cut over: position 0 of those
+        x = x[tuple(slice(None) if a in leaf.axes else 0 for a in self.axes)]
+        return assemble(layout, leaf, x)
+
+
+def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: jax.Array) -> dict[str, jax.Array]:
+    """This device's row of `plan`: the blocks of the leaves its ZeRO rank owns, packed (a switch on the rank)."""
+    varying = layout.axes + tp_axes(layout, list(values))
+
+    def branch(r):
+        return lambda v: _compat.pvary(_packed.pack({i: v[i] for i in plan.offsets[r]}, plan.offsets[r],
+                                                   plan.sizes), varying)
+    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values)
+
+
+def gather(wire: _wire.Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]
+           ) -> Gathered:
+    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves` (outside the switch)."""
+    axes = tp_axes(layout, leaves)
+    return Gathered(plan, wire.gather_blocks(rows, axes), axes)
 
 
 class _OwnedPlans(NamedTuple):
@@ -39,7 +110,7 @@ class _OwnedPlans(NamedTuple):
     g: Any
     u: Any
     tp_u: Any
-    tp: tuple[_tp_owned.Gathered, _tp_owned.Gathered | None] | None
+    tp: tuple[Gathered, Gathered | None] | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,7 +119,7 @@ class OwnedStep:
 
     cfg: Config
     wire: _wire.Wire
-    views: _views.Views
+    views: _groups.Views
     masters: _master.NoMasters
 
     def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
@@ -56,13 +127,15 @@ class OwnedStep:
         packing = layout.state_packing
         if not packing.sizes:
             return {}
+        values = [gather_whole(self.wire, layout, leaf, x) if leaf.tp_owned else x
+                  for leaf, x in zip(layout.leaves, values)]
 
         def run(r, values, full):
             if full is None:
                 owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
                 self.views.owned(layout, r)  # checks the entry order this device packs
-                state = self.cfg.inner.init(_views.tree(layout, _layout.masked_view(values, owned)))
-                full = dict(zip(_views.owned_entries(layout, r), jax.tree.leaves(state)))
+                state = self.cfg.inner.init(_groups.tree(layout, _layout.masked_view(values, owned)))
+                full = dict(zip(_groups.owned_entries(layout, r), jax.tree.leaves(state)))
             items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
@@ -108,7 +181,7 @@ class OwnedStep:
                 g = {i: grad_input[i] for i in mine if i in grad_input}
             g, here = _tp_whole(here, plans, r, mine, g, tp_rows)
             if step.streamed:
-                new_buffers, u = _streamed.owned(self, here, r, mine, g, buffers)
+                new_buffers, u = _offload.stream_owned(self, here, r, mine, g, buffers)
             else:
                 stored = _packed.Row(buffers, packing.offsets[r],
                                     {j: layout.entries[j].shape for j in layout.rank_entries(r)})
@@ -116,7 +189,7 @@ class OwnedStep:
                 new_buffers = _packed.pack(values, packing.offsets[r], packing.sizes, base=buffers if n > 1 else None)
             if not step.stepping:
                 return _compat.pvary(new_buffers, layout.axes) if n > 1 else new_buffers
-            u = {k: _tp_owned.own_block(layout.leaves[k], x) if isinstance(k, int) and layout.leaves[k].tp_owned
+            u = {k: own_block(layout.leaves[k], x) if isinstance(k, int) and layout.leaves[k].tp_owned
                  else x for k, x in u.items()}  # (each device keeps its block of a tensor-parallel leaf's result)
             if n == 1:
                 return new_buffers, _packed.unstacked(u), {}
@@ -124,7 +197,7 @@ class OwnedStep:
             u_buffers = _packed.pack({k: x for k, x in u.items() if k not in tp_u}, plans.u.offsets[r], plans.u.sizes)
             t_buffers = _packed.pack(tp_u, plans.tp_u.offsets[r], plans.tp_u.sizes)
             return (*_compat.pvary((new_buffers, u_buffers), layout.axes),
-                    _compat.pvary(t_buffers, layout.axes + _tp_owned.tp_axes(layout, range(len(layout.leaves)))))
+                    _compat.pvary(t_buffers, layout.axes + tp_axes(layout, range(len(layout.leaves)))))
         return run
 
     def _tp_inputs(self, step: _groups.Step, tp: list[int], mode: str | None, g_leaves: list
@@ -134,11 +207,11 @@ class OwnedStep:
         if not tp:
             return None, ()
 
-        def gathered(values: dict) -> _tp_owned.Gathered:  # (this device holds every leaf's blocks: its row of them)
+        def gathered(values: dict) -> Gathered:  # (this device holds every leaf's blocks: its row of them)
             plan = _packed.leaf_plan(layout, {i: np.dtype(values[i].dtype).name for i in tp})
-            return _tp_owned.gather(self.wire, layout, _tp_owned.own_row(layout, values, plan, step.rank), plan, tp)
+            return gather(self.wire, layout, own_row(layout, values, plan, step.rank), plan, tp)
         _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
-        grads = _tp_owned.gather(self.wire, layout, reduced, plan, tp) if mode == "psum_scatter" else gathered(reduced)
+        grads = gather(self.wire, layout, reduced, plan, tp) if mode == "psum_scatter" else gathered(reduced)
         gathers = step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping
         params = gathered({i: step.p_leaves[i] for i in tp}) if gathers else None
         static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
@@ -175,11 +248,11 @@ class OwnedStep:
     def _view(self, step: _groups.Step, r: int, leaves: list[int], g, stored, p: dict | None) -> tuple[list, dict]:
         """Device `r`'s owned view of `leaves` updated: their updates and new entries (shared ones left out)."""
         layout, shared_old = step.layout, step.shared_old
-        entries = _views.owned_entries(layout, r, leaves)
+        entries = _groups.owned_entries(layout, r, leaves)
         old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, leaves),
                                            [shared_old[j] if j in shared_old else stored[j] for j in entries])
-        g_view = _views.masked_tree(layout, {i: g[i] for i in leaves})
-        p_view = None if p is None else _views.masked_tree(layout, {i: p[i] for i in leaves})
+        g_view = _groups.masked_tree(layout, {i: g[i] for i in leaves})
+        p_view = None if p is None else _groups.masked_tree(layout, {i: p[i] for i in leaves})
         u, new = _groups.run_inner(step, g_view, old, p_view)
         _groups.check_returned(u, new, g_view, old, f"leaves device {r} owns")
         return jax.tree.leaves(u), {j: v for j, v in zip(entries, jax.tree.leaves(new)) if j not in shared_old}
@@ -188,7 +261,7 @@ class OwnedStep:
                       ) -> tuple[dict | None, dict | None]:
         """The view of `stack[0]` under `jax.vmap` over `stack` (`(None, None)` where vmap cannot run it)."""
         first = stack[0]
-        views = [_views.owned_entries(step.layout, r, [i]) for i in stack]
+        views = [_groups.owned_entries(step.layout, r, [i]) for i in stack]
         own = [k for k, j in enumerate(views[0]) if j not in step.shared_old]
         keys = [tuple(view[k] for view in views) for k in own]
 

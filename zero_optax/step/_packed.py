@@ -17,7 +17,7 @@ from jax import lax
 from zero_optax.layout import _stored
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import Packing
-from zero_optax.step._slots import concat
+from zero_optax.step._wire import concat
 
 Key = int | tuple[int, ...]
 """An item of a packing, or the same item of a stack's members (`Layout.stacks`), their values stacked."""
@@ -161,66 +161,3 @@ def switch(rank: jax.Array, branches: Sequence[Callable], *operands):
     if len(branches) == 1:
         return branches[0](*operands)
     return lax.switch(rank, list(branches), *operands)
-
-
-# ---------------------------------------------------------------------- offload: streamed through the device
-
-Span = tuple[str, int, int]
-"""`(dtype, start, stop)`: a contiguous range of one of a device's packed buffers."""
-
-
-def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone)."""
-    nbytes = dict.fromkeys(leaves, 0)
-    for j in layout.rank_entries(r):
-        if layout.entries[j].leaf in nbytes:
-            nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
-    out: list[list[int]] = []
-    total = 0
-    for i in leaves:
-        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += nbytes[i]
-    return out
-
-
-def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
-    """The contiguous ranges of the packed buffers holding the items `sizes` (item -> size) placed at `offsets`.
-
-    Examples:
-      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
-      ...       {0: 4, 1: 3, 2: 2, 3: 0})
-      [('float32', 0, 7), ('float32', 10, 12)]
-    """
-    return _stored.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
-
-
-def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
-    """The index of the range holding the position `where`."""
-    return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
-
-
-def read(pieces: Sequence[jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]],
-         shapes: dict[int, tuple[int, ...]]) -> dict[int, jax.Array]:
-    """The items `shapes` (item -> shape) from `pieces`, the contents of `ranges` (in their buffers' dtypes)."""
-    out = {}
-    for j, shape in shapes.items():
-        if not int(np.prod(shape)):  # an empty item has no range
-            out[j] = jnp.zeros(shape, offsets[j][0])
-            continue
-        k = _span_of(offsets[j], ranges)
-        lo = offsets[j][1] - ranges[k][1]
-        out[j] = lax.slice_in_dim(pieces[k], lo, lo + int(np.prod(shape))).reshape(shape)
-    return out
-
-
-def write(values: dict[int, jax.Array], ranges: Sequence[Span], offsets: dict[int, tuple[str, int]]
-          ) -> list[jax.Array]:
-    """The contents of `ranges` holding `values` (item -> array, every item of the ranges): the inverse of `read`."""
-    parts: list[list] = [[] for _ in ranges]
-    for j in sorted(values, key=lambda j: offsets[j][1]):
-        if values[j].size:
-            parts[_span_of(offsets[j], ranges)].append(values[j].reshape(-1).astype(offsets[j][0]))
-    return [concat(p) for p in parts]

@@ -20,9 +20,7 @@ from zero_optax.step import (
     _groups,
     _master,
     _reduce,
-    _slots,
-    _streamed,
-    _views,
+    _offload,
     _wire,
 )
 
@@ -70,8 +68,7 @@ class SlicedStep:
         sliced = _groups.order(layout)
         grads = {i: g_leaves[i] for i in sliced}
         if self.cfg.reduce is None:  # already the global mean
-            return [_slots.own_rows({i: grads[i].astype(inner_dt[i]) for i in g.leaves}, layout, g.leaves,
-                                    _groups.group_rank(layout, g, ranks)) for g in layout.groups]
+            return _groups.own_parts(layout, {i: grads[i].astype(inner_dt[i]) for i in sliced}, ranks)
         buckets = self.wire.plan(layout, sliced, [step.sum_dt[i] for i in sliced])
         if self.cfg.reduce == "psum":
             rows = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
@@ -84,11 +81,10 @@ class SlicedStep:
         """The inner update on each group's part `g_parts` of the reduced gradient (streamed with `step.streamed`)."""
         layout, ranks, p_leaves = step.layout, step.ranks, step.p_leaves
         if step.streamed and layout.groups:
-            params_parts = None if p_leaves is None else \
-                self.masters.streamed_params(lambda: self._slices(layout, p_leaves, ranks))
+            params_parts = self._params(layout, p_leaves, None, ranks)
             p_dtypes = [None if p_leaves is None else np.dtype(p_leaves[g.first].dtype) for g in layout.groups]
-            values, new_inner, new_master, shared_old = _streamed.groups(self.groups, step, g_parts, params_parts,
-                                                                         state, p_dtypes)
+            values, new_inner, new_master, shared_old = _offload.stream_groups(self.groups, step, g_parts,
+                                                                               params_parts, state, p_dtypes)
             done = GroupsDone(new_inner, shared_old, values, new_master)
         else:
             masks = [_groups.valid(layout, g, _groups.group_rank(layout, g, ranks)) for g in layout.groups]
@@ -112,21 +108,15 @@ class SlicedStep:
             values, new_master = [], state.master
         result = self.masters.after_gather(self._gather_values(layout, values), u_owned, p_leaves, ok, apply)
         new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
-        return _views.tree(layout, [result[i] for i in range(len(layout.leaves))]), new_state
+        return _groups.tree(layout, [result[i] for i in range(len(layout.leaves))]), new_state
 
-    def _params(self, layout: Layout, p_leaves: list | None, state: ZeroState, ranks) -> list | None:
-        """The parameters each group's view sees (`_master`), or None without parameters."""
+    def _params(self, layout: Layout, p_leaves: list | None, state: ZeroState | None, ranks) -> list | None:
+        """The parameters each group's view sees (`_master`; `state` None: streamed), or None without parameters."""
         if p_leaves is None:
             return None
         if not layout.groups:
             return [None]
-        return self.masters.group_params(state, lambda: self._slices(layout, p_leaves, ranks))
-
-    @staticmethod
-    def _slices(layout: Layout, p_leaves: list, ranks) -> list:
-        """This device's slices of the parameters, each group's part of them."""
-        return [_slots.own_rows(p_leaves, layout, g.leaves, _groups.group_rank(layout, g, ranks))
-                for g in layout.groups]
+        return self.masters.group_params(state, lambda: _groups.own_parts(layout, p_leaves, ranks))
 
     def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""

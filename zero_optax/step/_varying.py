@@ -15,12 +15,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from zero_optax.analysis import _primitives, _programs
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroCouplingError
-from zero_optax.step import _reduce
+from zero_optax.step import _wire
 
 
 def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
@@ -73,8 +74,38 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
     return [_cast(_Pending.settle(_value(x), None), axes) for x in outs], [_tag(x) for x in outs]
 
 
+class Coordinates(NamedTuple):
+    """This device's `slots` coordinates of a sliced leaf from `rank * slots` on, `valid` where not padding (None:
+    all are); `shape` None for a tensor-parallel block."""
+
+    valid: jax.Array | None
+    axes: tuple[str, ...]
+    shape: tuple[int, ...] | None = None
+    rank: Any = 0
+    slots: int = 0
+    group: int = 1
+
+
+def _identity(kind: str, dtype) -> jax.Array:
+    """The value that leaves a `kind` reduction unchanged, in `dtype`."""
+    dtype = np.dtype(dtype)
+    if kind == "sum" or dtype == np.bool_:
+        return jnp.asarray(kind == "min" and dtype == np.bool_, dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.asarray(-np.inf if kind == "max" else np.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if kind == "max" else info.max, dtype)
+
+
+def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
+    """`x` (a value on `where`'s coordinates) with its padding set to the identity of a `kind` reduction."""
+    if where.valid is None:
+        return x
+    return jnp.where(where.valid.reshape(x.shape), x, _identity(kind, x.dtype))
+
+
 class _OnSlice(NamedTuple):
-    """A value holding this device's slice of a leaf, `where` its `_reduce.Coordinates`."""
+    """A value holding this device's slice of a leaf, `where` its `Coordinates`."""
 
     x: Any
     where: Any
@@ -172,8 +203,8 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]
     kind = _primitives.collective_kind(eqn)
     if kind is not None:
         where = next(t for t in in_tags if t is not None)
-        ins = [_reduce.without_padding(x, where, kind) for x in ins]  # (a dot's operands both: 0 * inf is nan)
-        return [_reduce.across_slices(_programs.bind(eqn, ins)[0], where, kind)], [None]
+        ins = [without_padding(x, where, kind) for x in ins]  # (a dot's operands both: 0 * inf is nan)
+        return [_wire.Wire(where.axes).joint(_programs.bind(eqn, ins)[0], kind)], [None]  # over the leaf's devices
     out = _apply(eqn, ins, axes)
     sized = [(jnp.size(x), t) for x, t in zip(ins, in_tags) if t is not None]
     return out, [next((t for n, t in sized if n == v.aval.size), None) for v in eqn.outvars]

@@ -1,4 +1,4 @@
-"""Every collective zero1 emits (no other module emits one), the buckets sliced leaves travel in, and how.
+"""Every collective zero1 emits (no other module emits one), the buckets and slots sliced leaves travel in, and how.
 
 A collective travels exact or int8 quantized (ZeRO++'s qgZ and qwZ; codec in `_quantize`), as `Wire._quantized`
 chooses; another strategy adds its collectives at the bottom and a branch in `_reduce_scatter`, `_replica_sum` and
@@ -21,7 +21,7 @@ from jax import lax
 from zero_optax.core import _compat, _errors
 from zero_optax.step import _quantize
 from zero_optax.layout._layout import Layout
-from zero_optax.step._slots import concat, own_slice, padded, split, unpadded
+from zero_optax.layout._stored import ParamLeaf
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Keeps a tree of B bytes within 2 x ceil(B / 4 MiB) collectives a step, each long enough to amortise its launch."""
@@ -32,6 +32,42 @@ the step's output, with no copy out of a bucket); on XLA:CPU a launch costs less
 
 MAX_BUCKET_LEAVES = 32
 """A bucket also closes at this many leaves: XLA:CPU's compile time grows with the square of a buffer's slices."""
+
+
+# ---------------------------------------------------------------------- the slots of sliced leaves
+# Device `r` of a group of `N` owns coordinates `[r*slots, (r+1)*slots)` of a leaf's flattened block,
+# `slots = ceil(size / N)`, the tail padded with zeros.
+
+def padded(x: jax.Array, leaf: ParamLeaf) -> jax.Array:
+    """The flattened block, zero-padded to `group * slots` elements."""
+    flat = x.reshape(-1)
+    pad = leaf.slots * leaf.group - flat.shape[0]
+    return jnp.pad(flat, (0, pad)) if pad else flat
+
+
+def unpadded(x: jax.Array, leaf: ParamLeaf) -> jax.Array:
+    """A leaf's flattened, zero-padded block (`padded`) back in the leaf's shape."""
+    return x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
+
+
+def own_slice(x: jax.Array, leaf: ParamLeaf, rank: jax.Array) -> jax.Array:
+    """This device's `(slots,)` coordinates of the flattened, zero-padded block `x`."""
+    if leaf.group == 1:
+        return x.reshape(-1)
+    return lax.dynamic_slice_in_dim(padded(x, leaf), rank * leaf.slots, leaf.slots, allow_negative_indices=False)
+
+
+def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """The 1-D `flat` cut into consecutive pieces of `sizes`."""
+    if len(sizes) == 1:
+        return [flat]
+    cuts = list(itertools.accumulate(sizes))[:-1]
+    return jnp.split(flat, cuts)
+
+
+def concat(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
+    """`parts` concatenated along `axis` (a single part as it is)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
