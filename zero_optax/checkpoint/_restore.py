@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_optax.checkpoint import _arrays, _match, _paths, _record, _regions, _schema, _shapes, _store, _tree
+from zero_optax.checkpoint import _arrays, _match, _paths, _record, _regions, _schema, _shapes, _store
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.step import _offload
 
@@ -78,7 +78,7 @@ class _Target(NamedTuple):
 def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead) -> Any:
     """The zero1 states saved in `directory`, in the structure, layouts and shardings of `target`."""
     path = _paths.as_path(directory)
-    parts = _tree.split(target, "The restore target")
+    parts = _arrays.split(target, "The restore target")
     saved = _schema.load(path)
     if len(saved.states) != len(parts.states):
         raise ZeroCheckpointError(
@@ -98,12 +98,12 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead) -
         restored = [_arrays.rebuild(state, [got[a.name] for a in specs]) for state, specs, _, _ in plans]
     else:
         restored = [_load(plan, old, store, values) for plan, old, values in zip(plans, saved.states, shared)]
-    return _tree.put_back(target, parts, restored)
+    return _arrays.put_back(target, parts, restored)
 
 
 def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, reshard: bool) -> _Target:
     """Target state `k` checked against saved state `old` and its arrays against its own layout."""
-    where = _tree.where(k, state_path)
+    where = _arrays.where(k, state_path)
     _match.check(old.layout, state.layout, k, where, reshard)
     specs = _arrays.stored_arrays(state.layout, k)
     shardings = []
