@@ -16,7 +16,7 @@ import pytest
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.checkpoint import _arrays, _save
+from zero_optax.checkpoint import _arrays, _handler
 from zero_optax.core import _names
 
 ITEM = os.path.join(_golden.DIRECTORY, "item")
@@ -58,7 +58,7 @@ def test_restores_to_the_stored_values(restored):
 def test_this_release_writes_the_same_record(restored):
     with open(os.path.join(ITEM, _names.RECORD_FILE)) as f:
         committed = json.load(f)
-    written = _save.plan(restored).record
+    written = _handler.save_plan(restored).record
     for record in (committed, written):
         record.pop("zero_optax_version")
     assert written == committed

@@ -14,8 +14,46 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _paths, _record, _restore, _save, _schema, _shapes, _tree
+from zero_optax.checkpoint import _arrays, _paths, _record, _restore, _schema, _shapes
 from zero_optax.core._errors import ZeroCheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """Everything a save writes: array name -> the state's global array, and the JSON record."""
+
+    arrays: dict[str, jax.Array]
+    record: dict[str, Any]
+
+
+def save_plan(tree: Any) -> SavePlan:
+    """What saving `tree` writes; refuses arrays that are not live `jax.Array`s as their layouts describe them."""
+    parts = _arrays.split(tree, "The saved state")
+    arrays, states = {}, []
+    for k, (path, state) in enumerate(parts.states):
+        where = _arrays.where(k, path)
+        layout = state.layout
+        for d in {x.dtype for x in layout.leaves} | {e.dtype for e in layout.entries}:
+            if d not in _schema.DTYPES:
+                raise ZeroCheckpointError(f"{where} holds {d} arrays, which zero_optax checkpoints do not store "
+                                          f"(they store {', '.join(sorted(_schema.DTYPES))}).")
+        specs = _arrays.stored_arrays(layout, k)
+        for value in jax.tree.leaves(state):
+            if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+                raise ZeroCheckpointError(f"{where} holds a {type(value).__name__}, not a jax.Array; save the state "
+                                          "that zero1's init/update returned.")
+            if value.is_deleted():
+                raise ZeroCheckpointError(f"{where} holds an array that was deleted (donated to a later step?); "
+                                          "save the state before passing it to a jitted function that donates it.")
+        values = _arrays.state_values(state)
+        if len(values) != len(specs):
+            raise ZeroCheckpointError(f"{where} has {len(values)} arrays but its layout describes {len(specs)}.")
+        for spec, value in zip(specs, values):
+            _arrays.check_value(f"{where}: array {spec.name}", spec, value)
+            arrays[spec.name] = value
+        states.append(_record.state_record(layout, k, _record.read_clocks(state)))
+    return SavePlan(arrays, _record.new_record(parts.signature, states, _record.STORAGE_ORBAX))
+
 
 def _run_sync(coro) -> Any:
     """Runs a coroutine to completion, also from inside a running event loop (a notebook)."""
@@ -86,7 +124,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
             args = ZeroSave(item)
         path = _paths.as_path(directory)
         _paths.check_writable(path)
-        plan = _save.plan(args.item)
+        plan = save_plan(args.item)
         futures = list(await self._impl.async_save(path, args=_shapes.pytree_save(plan.arrays, plan.record)) or [])
         if ocp.utils.is_primary_host(self._primary_host):
             async def write_record():
@@ -156,7 +194,7 @@ class ZeroSave(ocp.args.CheckpointArgs):
     item: Any
 
     def __post_init__(self):
-        _tree.split(self.item, "The saved state")
+        _arrays.split(self.item, "The saved state")
 
 
 @ocp.args.register_with_handler(ZeroCheckpointHandler, for_restore=True)
@@ -182,4 +220,4 @@ class ZeroRestore(ocp.args.CheckpointArgs):
         if not isinstance(self.reshard, bool):
             raise ZeroCheckpointError(f"`reshard` must be True or False, got {self.reshard!r}.")
         if self.target is not None:
-            _tree.split(self.target, "The restore target")
+            _arrays.split(self.target, "The restore target")

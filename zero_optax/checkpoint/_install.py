@@ -1,8 +1,10 @@
-"""Putting a finished directory in place atomically on a local file system (for the offline `zo.reshard`).
+"""Finishing checkpoints so that no reader takes a half-written one.
 
-The new directory is written as a hidden sibling, flushed to stable storage, and renamed into place, so a power
-loss never exposes a partial destination; an existing one is swapped in one step (`renameat2(RENAME_EXCHANGE)`)
-where Linux offers it. The only module that calls `os` on checkpoint paths: `epath` has no atomic replacement.
+Object stores (`gs://`) cannot rename, so Orbax writes there in place and marks a finished item directory with
+`commit_success.txt` (Orbax's private constant; the tests check that the two agree), which every reader requires.
+Locally a finished directory, written as a hidden sibling and flushed, is renamed into place, an existing one swapped
+in one step (`renameat2(RENAME_EXCHANGE)`) where Linux offers it; `epath` has no atomic replacement, so this is the
+only module that calls `os` on checkpoint paths.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import os
 import shutil
 from typing import Any
 
+from etils import epath
+
+from zero_optax.checkpoint import _paths
+from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 
+COMMIT_FILE = "commit_success.txt"
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -108,3 +115,38 @@ def install(tmp: str, dst: str, force: bool) -> None:
         raise
     fsync_path(parent)
     remove(aside)
+
+
+def check(path: epath.Path) -> None:
+    """Refuses a `gs://` item directory without `commit_success.txt` (local ones are complete by their rename)."""
+    if _paths.is_local(path):
+        return
+    with _paths.reading(path):
+        committed = (path / COMMIT_FILE).exists()
+    if not committed:
+        raise ZeroCheckpointError(
+            f"{path} is not a finished checkpoint: {COMMIT_FILE} is missing. On object stores Orbax (and "
+            f"zero_optax.reshard) write it last, once everything else is in place, so this checkpoint is still "
+            "being written or its writer was interrupted. Nothing was loaded; save or reshard it again (with "
+            "force=True / --force to replace what is there).")
+
+
+def mark(path: epath.Path) -> None:
+    """Marks the item directory `path` finished, the way Orbax does (the file's text is Orbax's)."""
+    (path / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
+
+
+def retract(path: epath.Path) -> None:
+    """Deletes the checkpoint at `path`, its commit file and then its record first, so no reader takes it for one."""
+    for name in (COMMIT_FILE, _names.RECORD_FILE):
+        target = path / name
+        if target.exists():
+            target.unlink()
+    if path.exists():
+        path.rmtree()
+
+
+def overlap(a: Any, b: Any) -> bool:
+    """Whether two directories are the same or one lies inside the other."""
+    x, y = str(a).rstrip("/") + "/", str(b).rstrip("/") + "/"
+    return x.startswith(y) or y.startswith(x)

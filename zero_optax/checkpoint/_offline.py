@@ -2,7 +2,7 @@
 
 Every array of the new layout is written chunk by chunk from `_regions.Remap`, as zarr3 over OCDBT by TensorStore
 alone (Orbax's own metadata can only come from whole `jax.Array`s). The result appears atomically: by a rename on a
-local file system (`_install`), on `gs://` by Orbax's commit file, written last (`_commit`).
+local file system, on `gs://` by Orbax's commit file, written last (both `_install`).
 
 Examples:
   >>> from zero_optax.checkpoint import _offline
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.checkpoint import (_arrays, _commit, _install, _paths, _record, _regions, _restore, _schema, _shapes,
+from zero_optax.checkpoint import (_arrays, _install, _paths, _record, _regions, _restore, _schema, _shapes,
                                    _store, _tp_blocks)
 from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
@@ -235,7 +235,7 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                     progress(done, total)
     states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
-    _commit.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
+    _install.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
 
 
 def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
@@ -284,7 +284,7 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
         axis_sizes = _check_axis_sizes(axis_sizes)
     if dst.exists() and not force:
         raise _install.already_exists(dst)
-    if not _paths.is_local(dst) and force and _commit.overlap(src, dst):
+    if not _paths.is_local(dst) and force and _install.overlap(src, dst):
         raise ZeroCheckpointError(
             f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
             f"destination must not be {src} or lie inside or around it; write to another directory.")
@@ -298,7 +298,7 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
                for s, p, o in zip(saved.states, specs, per_state)]
     if not _paths.is_local(dst):
         if force and dst.exists():
-            _commit.retract(dst)
+            _install.retract(dst)
         _write(dst, saved, store, shared, layouts, specs, progress)
         return
     tmp = _install.temporary_sibling(str(dst), "reshard")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays, _offline, _regions, _restore, _tree
+from zero_optax.checkpoint import _arrays, _offline, _regions, _restore
 from zero_optax.checkpoint._store import aligned_empty
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
@@ -350,7 +350,7 @@ def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Seq
     recs = list(records.values()) if isinstance(records, Mapping) else list(records)
     if not recs or not all(isinstance(r, RankRecord) for r in recs):
         raise _Error(f"{WHERE}: `records` must be RankRecords (a list, or reshard_explicit's dict).")
-    parts = _tree.split(target, "The target")
+    parts = _arrays.split(target, "The target")
     if len(parts.states) != 1:
         raise _Error(f"{WHERE}: the target holds {len(parts.states)} zero1 states; give one at a time.")
     state = parts.states[0][1]
@@ -369,4 +369,4 @@ def state_from_rank_records(target: Any, records: Mapping[Any, RankRecord] | Seq
     arrays = [_restore.build(a, _restore.concrete_sharding(s.sharding, f"{WHERE}: the target's array {a.name}"),
                              regions.region)
               for a, s in zip(specs, _arrays.target_structs(state), strict=True)]
-    return _tree.put_back(target, parts, [_arrays.rebuild(state, arrays)])
+    return _arrays.put_back(target, parts, [_arrays.rebuild(state, arrays)])

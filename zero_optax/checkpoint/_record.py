@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_optax.checkpoint import _arrays, _commit, _paths
+from zero_optax.checkpoint import _arrays, _install, _paths
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
@@ -149,12 +149,12 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, its size, syntax, format and version checked (its fields: `_schema`);
-    on object stores also that the directory was marked finished (`_commit`)."""
+    on object stores also that the directory was marked finished (`_install`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     with _paths.reading(path):
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
-        _commit.check(path.parent)
+        _install.check(path.parent)
         if not path.exists():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
                                       "missing.")

@@ -115,7 +115,7 @@ class Regions:
 
 
 class Remap(Regions):
-    """The arrays of a state with layout `target` (checked by `_match`), region by region, from the saved state."""
+    """The arrays of a state with layout `target` (checked by `_restore`), region by region, from the saved state."""
 
     def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
@@ -132,7 +132,7 @@ class Remap(Regions):
                 "accumulate=\"sharded\", whose accumulators reshard.")
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-        i = self.target.entries[j].leaf  # the same leaf index in the saved layout (`_match`)
+        i = self.target.entries[j].leaf  # the same leaf index in the saved layout (`_restore`)
         new, old, cut = self.target.leaves[i], self.saved.layout.leaves[i], self.cuts[i]
         new_block = new.group * new.slots
         start, stop = span

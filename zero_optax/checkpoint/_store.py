@@ -16,9 +16,10 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
@@ -43,6 +44,16 @@ def _kvstore(directory: epath.Path) -> dict[str, Any]:
 
 def _spec(directory: epath.Path, name: str) -> dict[str, Any]:
     return {"driver": "zarr3", "kvstore": {**_kvstore(directory), "path": name + "/"}}
+
+
+@contextlib.contextmanager
+def _failing(make: Callable[[str], Exception]) -> Iterator[None]:
+    """Raises `make(message)` for a TensorStore `ValueError`: its first line, without the spec it appends."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e).split(" [tensorstore_spec=")[0]
+        raise make(text.splitlines()[0] if text else type(e).__name__) from None
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: Any) -> np.ndarray:
@@ -83,18 +94,14 @@ class ItemArrays:
         """Array `name`, opened for reading (no missing chunk is read as fill)."""
         if name not in self._open:
             spec = dict(_spec(self.directory, name), fill_missing_data_reads=False)
-            try:
+            with _failing(lambda m: self._fail(name, f"cannot open it ({m})")):
                 self._open[name] = ts.open(spec, open=True, read=True, context=self.context).result()
-            except ValueError as e:
-                raise self._fail(name, f"cannot open it ({_first_line(e)})") from None
         return self._open[name]
 
     def _database(self, operation: Callable[[ts.KvStore], Any]) -> Any:
         """What `operation` returns for the item's OCDBT database."""
-        try:
+        with _failing(lambda m: StoreError(f"{self.directory} holds no readable array database ({m}).")):
             return operation(ts.KvStore.open(_kvstore(self.directory), context=self.context).result())
-        except ValueError as e:
-            raise StoreError(f"{self.directory} holds no readable array database ({_first_line(e)}).") from None
 
     def stored_keys(self) -> set[str]:
         """Every key of the item's OCDBT database (array metadata and chunks)."""
@@ -129,12 +136,10 @@ class ItemArrays:
         row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
         step = max(1, PIECE_BYTES // max(row_bytes * chunk, 1)) * chunk
         lo, hi = region[-1]
-        try:
+        with _failing(lambda m: self._fail(name, f"reading {list(region)} failed ({m})")):
             for start, stop in itertools.pairwise([lo, *range(lo - lo % chunk + step, hi, step), hi]):
                 index = tuple(slice(a, b) for a, b in region[:-1]) + (slice(start, stop),)
                 out[..., start - lo:stop - lo] = store[index].read().result()
-        except ValueError as e:
-            raise self._fail(name, f"reading {list(region)} failed ({_first_line(e)})") from None
         return out
 
 
@@ -175,7 +180,7 @@ class ItemWriter:
         if not self._pending:
             return
         txn = ts.Transaction()
-        try:
+        with _failing(lambda m: StoreError(f"cannot create arrays in {self.directory}: {m}")):
             for name, metadata in self._pending.items():
                 ts.open(_spec(self.directory, name) | {"metadata": metadata}, create=True, context=self.context,
                         transaction=txn).result()
@@ -184,8 +189,6 @@ class ItemWriter:
                 # Chunks of zeros are stored too, so that a missing chunk is damage (as in Orbax's arrays).
                 self._arrays[name] = ts.open(_spec(self.directory, name) | {"store_data_equal_to_fill_value": True},
                                              open=True, write=True, context=self.context).result()
-        except ValueError as e:
-            raise StoreError(f"cannot create arrays in {self.directory}: {_first_line(e)}") from None
         self._pending = {}
 
     def write(self, name: str, region: Region, data: np.ndarray) -> None:
@@ -194,10 +197,8 @@ class ItemWriter:
         if self._txn is None:
             self._txn = ts.Transaction()
         index = tuple(slice(lo, hi) for lo, hi in region)
-        try:
+        with _failing(lambda m: StoreError(f"cannot write array {name} in {self.directory}: {m}")):
             self._arrays[name].with_transaction(self._txn)[index].write(data).result()
-        except ValueError as e:
-            raise StoreError(f"cannot write array {name} in {self.directory}: {_first_line(e)}") from None
         self._staged += data.nbytes
         if self._staged >= self.batch_bytes:
             self.commit()
@@ -206,13 +207,5 @@ class ItemWriter:
         """Commits what is staged."""
         if self._txn is not None:
             txn, self._txn, self._staged = self._txn, None, 0
-            try:
+            with _failing(lambda m: StoreError(f"cannot write arrays to {self.directory}: {m}")):
                 txn.commit_async().result()
-            except ValueError as e:
-                raise StoreError(f"cannot write arrays to {self.directory}: {_first_line(e)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    """A TensorStore error's message, without the spec it appends."""
-    text = str(e).split(" [tensorstore_spec=")[0]
-    return text.splitlines()[0] if text else type(e).__name__
