@@ -3,6 +3,6 @@
 The Orbax handler (`_handler`) saves (`_save`) a state's arrays (`_arrays`, found by `_tree`) beside a versioned
 JSON record (`_record`). A restore (`_restore`) checks the record (`_schema`, `_shapes`) and the target (`_match`)
 before it reads any array (`_store`, at `_paths`; `_commit` and `_install` keep half-written checkpoints unread).
-`_regions` and `_tp_blocks` re-cut arrays for another mesh: for restores, for `zo.reshard` (`_offline`) and for
+`_regions` re-cuts arrays for another mesh: for restores, for `zo.reshard` (`_offline`) and for
 rank-local records (`_rank_migration`).
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_optax.checkpoint import _tp_blocks, _record
+from zero_optax.checkpoint import _record, _regions
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._stored import AUTO, StoredLayout, StoredViews
 
@@ -23,7 +23,7 @@ PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_
               "packing")
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
-"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_tp_blocks`)."""
+"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_regions`)."""
 _BLOCKS = ("shape", "axes", "blocks", "dims")
 
 
@@ -74,7 +74,7 @@ def check(saved_layout: StoredLayout, target: StoredViews, k: int, where: str, r
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
-        _tp_blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
+        _regions.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
 def plain_difference(saved: StoredViews, target: StoredViews, k: int, where: str) -> str | None:
