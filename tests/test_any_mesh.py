@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
-from zero_optax.checkpoint import _tp_blocks
+from zero_optax.checkpoint import _regions
 
 # Blocks that divide neither data size: w (5, 12) is (5, 6) x 30 elements on model=2 and (5, 3) x 15 on model=4.
 SHAPES = {"w": (5, 12), "u": (8, 5), "v": (20,), "b": (7,), "s": ()}
@@ -378,19 +378,19 @@ def test_a_leaf_auto_owns_on_the_target_needs_reshard_true(tmp_path):
 
 
 def test_blocks_recut_reads_dimensions_and_refuses_what_it_cannot_tell():
-    square = _tp_blocks.Blocks((4, 4), (("expert", 2), ("model", 2)))
-    quarter = _tp_blocks.Blocks((2, 2), (("expert", 4), ("model", 4)))
+    square = _regions.Blocks((4, 4), (("expert", 2), ("model", 2)))
+    quarter = _regions.Blocks((2, 2), (("expert", 4), ("model", 4)))
     with pytest.raises(zo.ZeroCheckpointError, match=r"axes \['expert', 'model'\] could cut dimensions \[0, 1\] or "
                                                      r"\[1, 0\].*param_specs"):
-        _tp_blocks.recut(square, quarter, "`w`")
-    cut = _tp_blocks.recut(square, quarter, "`w`", spec=P("expert", "model"))
+        _regions.recut(square, quarter, "`w`")
+    cut = _regions.recut(square, quarter, "`w`", spec=P("expert", "model"))
     assert cut.dims == (("expert", 0), ("model", 1))
     # target block (expert 3, model 1): rows 6-8, cols 2-4 of the logical array, the lower right quarter of saved
     # block (expert 1, model 0)
     assert cut.sources(3 * 4 + 1, ((0, 2), (0, 2))) == [(1 * 2 + 0, ((2, 4), (2, 4)), ((0, 2), (0, 2)))]
     with pytest.raises(zo.ZeroCheckpointError, match=r"is \[5, 3\] per block over model=2 in the checkpoint but "
                                                      r"\[5, 2\] per block over model=4 in the target"):
-        _tp_blocks.recut(_tp_blocks.Blocks((5, 3), (("model", 2),)), _tp_blocks.Blocks((5, 2), (("model", 4),)), "`w`")
+        _regions.recut(_regions.Blocks((5, 3), (("model", 2),)), _regions.Blocks((5, 2), (("model", 4),)), "`w`")
 
 
 def test_the_offline_tool_names_the_leaf_it_cannot_cut(tmp_path):

@@ -2,7 +2,7 @@
 
 The Orbax handler (`_handler`) saves the arrays of a pytree's zero1 states (`_arrays`) beside a versioned JSON
 record (`_record`). A restore (`_restore`) checks the record (`_schema`, `_shapes`) and the target before it
-reads any array (`_store`, at `_paths`; `_install` keeps half-written checkpoints unread). `_regions` and
-`_tp_blocks` re-cut arrays for another mesh: for restores, for `zo.reshard` (`_offline`) and for rank-local records
+reads any array (`_store`, at `_paths`; `_install` keeps half-written checkpoints unread). `_regions` re-cuts
+arrays for another mesh: for restores, for `zo.reshard` (`_offline`) and for rank-local records
 (`_rank_migration`).
 """

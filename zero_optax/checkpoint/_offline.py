@@ -22,8 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.checkpoint import (_arrays, _install, _paths, _record, _regions, _restore, _schema, _shapes,
-                                   _store, _tp_blocks)
+from zero_optax.checkpoint import _arrays, _install, _paths, _record, _regions, _restore, _schema, _shapes, _store
 from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
@@ -126,8 +125,8 @@ def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str,
         if not x.sliced:
             leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, specs.get(x.path), where), group=n, owner=o))
             continue
-        saved = _tp_blocks.leaf_blocks(old, x, where)
-        cut, shape = _tp_blocks.target_blocks(saved, sizes, specs.get(x.path), x.path, where)
+        saved = _regions.leaf_blocks(old, x, where)
+        cut, shape = _regions.target_blocks(saved, sizes, specs.get(x.path), x.path, where)
         axes = tuple(a for a in sizes if a in cut or a in x.axes)  # size-1 axes stay where they were
         group = math.prod(sizes[a] for a in zero if a not in axes) if all(a in sizes for a in zero) else n
         blocks = math.prod(sizes[a] for a in axes)
@@ -145,7 +144,7 @@ def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Se
     """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`, its blocks cut as `spec` says, else as saved."""
     whole = old.whole_shape(x)
     if spec is not None:
-        cut = _tp_blocks.spec_entries(spec)
+        cut = _regions.spec_entries(spec)
         cut += [()] * (len(whole) - len(cut))
     else:
         cut = list(x.dims) or [()] * len(whole)
@@ -245,11 +244,9 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     """Converts a zero1 checkpoint item directory to another mesh (data-parallel size, tensor-parallel and expert
     axis sizes), exactly.
 
-    Sliced leaves' histories are cut again into `ceil(size / group)` slots per device (zero padded), through the
-    leaf's logical array where an axis it is sharded over changes size. Owned leaves move whole to their new
-    owners. Shared entries (step counts) are copied after checking that every old row agrees. Every source field
-    and array is checked before anything is written; the result appears complete or not at all (on `gs://`,
-    `force` deletes the old destination first), and memory does not grow with the checkpoint.
+    Sliced leaves are cut again, owned leaves move whole to their new owners, and shared entries (step counts) are
+    copied once every old row agrees. Everything is checked before anything is written; the result appears complete
+    or not at all (on `gs://`, `force` deletes the old destination first), and memory does not grow with it.
 
     Args:
       src_dir: an item directory written by `ZeroSave` (or by `reshard`), local or `gs://`.

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from zero_optax.checkpoint import _arrays, _offline, _regions, _restore
-from zero_optax.checkpoint._store import aligned_empty
+from zero_optax.checkpoint._store import aligned_empty, aligned_zeros
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError as _Error
 from zero_optax.layout._stored import LOCAL, StoredViews, slot_count
@@ -234,8 +234,9 @@ def reshard_explicit(records: Sequence[RankRecord], migrations: Sequence[Migrati
         s_new = slot_count(size, n)
         buffers = {}
         for name in src.buffers:
-            h = np.concatenate([rec.params[m.param].buffers[name] for rec in group])
-            buffers[name] = _regions.recut(lambda lo, hi, h=h: h[lo:hi], size, t * s_new, (t + 1) * s_new, h.dtype)
+            h = np.concatenate([rec.params[m.param].buffers[name] for rec in group])[:size][t * s_new:(t + 1) * s_new]
+            buffers[name] = aligned_zeros(s_new, h.dtype)  # zero padded past the parameter's end
+            buffers[name][:h.size] = h
         if key not in out:
             first[key] = i
             out[key] = RankRecord(t, n, {}, {c: np.array(v, copy=True) for c, v in group[0].clocks.items()})

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _schema, _shapes, _store, _tp_blocks
+from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _schema, _shapes, _store
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._stored import AUTO, StoredLayout, StoredViews
 from zero_optax.step import _offload
@@ -33,7 +33,7 @@ PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_
               "packing")
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
-"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_tp_blocks`)."""
+"""Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_regions`)."""
 _BLOCKS = ("shape", "axes", "blocks", "dims")
 
 
@@ -186,7 +186,7 @@ def check_layouts(saved_layout: StoredLayout, target: StoredViews, k: int, where
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
-        _tp_blocks.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
+        _regions.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
 def plain_difference(saved: StoredViews, target: StoredViews, k: int, where: str) -> str | None:

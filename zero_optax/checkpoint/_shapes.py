@@ -13,7 +13,6 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -40,9 +39,7 @@ def describe(layout) -> dict[str, list]:
 
 
 def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTreeSave:
-    """Orbax's save arguments for the arrays of `record`, with the copy in `custom_metadata` where Orbax has it."""
-    if "custom_metadata" not in {f.name for f in dataclasses.fields(ocp.args.PyTreeSave)}:
-        return ocp.args.PyTreeSave(arrays)
+    """Orbax's save arguments for the arrays of `record`, with the copy in `custom_metadata`."""
     return ocp.args.PyTreeSave(arrays, custom_metadata={KEY: table(record)})
 
 
