@@ -183,15 +183,6 @@ def jaxpr_parts(program) -> tuple:
     return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
 
 
-def requested_cpu_devices() -> int:
-    """The CPU device count the JAX backend will start with: `jax_num_cpu_devices`, else XLA_FLAGS' forced count."""
-    n = jax.config.jax_num_cpu_devices
-    if n >= 1:
-        return int(n)
-    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    return int(found[-1]) if found else 1
-
-
 def widen_cpu_client_pool() -> int | None:
     """Sets NPROC=2N for N CPU devices on fewer than 2N cores, where jaxlib < 0.12's CPU client could deadlock a
     collective (its last execution never getting a thread); returns the value set, else None. XLA reads NPROC when
@@ -201,7 +192,11 @@ def widen_cpu_client_pool() -> int | None:
     platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS", "")
     if platforms and "cpu" not in platforms.replace(" ", "").split(","):
         return None
-    threads = 2 * requested_cpu_devices()
+    n = jax.config.jax_num_cpu_devices  # the CPU device count the backend will start with
+    if n < 1:
+        found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+        n = int(found[-1]) if found else 1
+    threads = 2 * int(n)
     try:
         cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on, which XLA sizes its pools by
     except (AttributeError, OSError):

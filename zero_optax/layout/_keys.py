@@ -1,15 +1,5 @@
 """Typed PRNG keys in the inner state (`optax.noisy_sgd`'s), stored as their key data: a typed key cannot be
-summed, packed or written by Orbax.
-
-Examples:
-  >>> import jax, jax.numpy as jnp, optax
-  >>> from zero_optax.layout import _keys
-  >>> tx = _keys.as_data(optax.noisy_sgd(0.1, key=jax.random.key(0)))
-  >>> tx.init({"w": jnp.ones(3)})[0].rng_key.dtype
-  dtype('uint32')
-  >>> _keys.impls(optax.noisy_sgd(0.1, key=jax.random.key(0)).init, {"w": jnp.ones(3)})
-  {'[0].rng_key': 'threefry2x32'}
-"""
+summed, packed or written by Orbax."""
 
 from __future__ import annotations
 

@@ -99,9 +99,7 @@ class Layout(StoredViews):
 
     @functools.cached_property
     def _hash(self) -> int:  # (cached: jit hashes the layout, static metadata, at every call)
-        return hash((self.partition, self.axis_name, self.world_size, self.leaves, self.entries, self.treedef,
-                     self.state_tree, self.master_dtype, self.axis_sizes, self.accumulate, self.accumulate_steps,
-                     self.groups, self.stacks, self.joint, self.replicas, self.replica_sizes))
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare))
 
     def view_shared(self, present) -> tuple[int, ...]:
         """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""

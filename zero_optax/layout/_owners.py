@@ -23,18 +23,12 @@ def _greedy(costs: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
-def entry_bytes(entries, n_leaves: int) -> list[int]:
-    """Optimizer-state bytes of each parameter leaf, summed over the state entries that belong to it."""
-    costs = [0] * n_leaves
+def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[int | None]:
+    """Balanced owners of the `owned` leaves by the bytes of their state entries; None for the others."""
+    costs = [0] * len(owned)
     for e in entries:
         if e.leaf is not None:
             costs[e.leaf] += e.nbytes
-    return costs
-
-
-def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[int | None]:
-    """Balanced owners of the `owned` leaves by their state entries' bytes; None for the others."""
-    costs = entry_bytes(entries, len(owned))
     which = [i for i, o in enumerate(owned) if o]
     chosen = dict(zip(which, _greedy([costs[i] for i in which], world_size)))
     return [chosen.get(i) for i in range(len(owned))]
@@ -64,13 +58,13 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise OwnersError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if inner is not None:  # traced abstractly, nothing allocated
-        structs, treedef = jax.tree.flatten(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
-        entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
-        costs = entry_bytes(entries, len(structs))
-    else:
-        costs = [int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)]
-    return _greedy(costs, world_size)
+    if inner is None:
+        return _greedy([int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)],
+                       world_size)
+    # traced abstractly, nothing allocated
+    structs, treedef = jax.tree.flatten(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+    entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
+    return owners_for_entries(entries, [True] * len(structs), world_size)
 
 
 def check_owners(owners: Sequence[int], n_leaves: int, world_size: int, paths: Sequence[str]) -> tuple[int, ...]:

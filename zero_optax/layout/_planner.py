@@ -156,12 +156,10 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
                                                             found.output_reductions[n_leaves:]))
                           if not c and entries[k].leaf in r)
     shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
-    odd = [(k, e.leaf) for k, e in enumerate(entries) if e.leaf is not None and tuple(e.shape) != shapes[e.leaf]]
-    kept = frozenset(i for k, i in odd if k not in invariant)  # (they need an owner)
-    fixed = frozenset(i for _, i in odd) - kept
+    kept = frozenset(e.leaf for k, e in enumerate(entries)  # (they need an owner)
+                     if e.leaf is not None and tuple(e.shape) != shapes[e.leaf] and k not in invariant)
+    # An invariant entry's leaf is in `found.reductions`, so it makes the view joint unless it is owned already.
     found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
-    if not found_.joint and fixed:  # (without a joint view no device sees every leaf's entry)
-        found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept | fixed), state, entries)
     return dataclasses.replace(found_, invariant=invariant)
 
 
