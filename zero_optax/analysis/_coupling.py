@@ -148,10 +148,7 @@ def _user_frames(eqn: Any) -> list[str]:
     try:  # (private JAX API, which may move or change: never fail an analysis over it)
         from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
 
-        traceback = eqn.source_info.traceback
-        if traceback is None:
-            return []
-        codes, lastis = traceback.raw_frames()
+        codes, lastis = eqn.source_info.traceback.raw_frames()  # (None, an AttributeError, when JAX records none)
         frames = [source_info_util.raw_frame_to_frame(code, lasti)
                   for code, lasti in zip(codes, lastis) if not _is_internal(code.co_filename)]
         return [f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})" for f in frames]
@@ -273,13 +270,10 @@ class _Analysis:
               ) -> list[_Fact]:
         """Runs `closed` and refuses random values reaching outputs; returns the output facts."""
         outs = self.run(closed, facts)
-        for i, fact in enumerate(outs):
-            origin = fact.random
-            if origin is None:
-                continue
-            if out_labels is None and origin.number:
+        for i, origin in enumerate(f.random for f in outs):
+            if origin is not None and out_labels is None and origin.number:
                 raise self._random(origin, "reach an output of the update")
-            if out_labels is not None and out_labels[i] is not None:
+            if origin is not None and out_labels is not None and out_labels[i] is not None:
                 raise self._random(origin, f"reach an output of parameter leaf {out_labels[i]}")
         return outs
 

@@ -3,7 +3,7 @@
 * `_zero1`: `zero1`, `apply_gradients`, `describe`, `as_local`.
 * `_arguments`: zero1's arguments, checked once into a `Config`.
 * `_bound`: zero1 bound to a mesh, on global arrays under plain `jax.jit`.
-* `_transfer`: state in and out of zero1: `gather_state`, `scatter_state`, `master_params`.
-* `_per_entry`: a state's arrays per entry, for checkpoints and `gather_state`.
+* `_transfer`: state in and out of zero1: `gather_state`, `scatter_state`, `master_params`, and a state's arrays
+  per entry, for checkpoints.
 * `_flax`: `ZeroOptimizer` (Flax NNX) and `ZeroTrainState`.
 """

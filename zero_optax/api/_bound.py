@@ -48,11 +48,6 @@ def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda x, s: _compat.reshard(x, NamedSharding(mesh, s)), tree, specs)
 
 
-def _key(tree: Any, specs: Any) -> tuple:
-    return (jax.tree.structure(tree), tuple((np.shape(x), np.dtype(x.dtype).name) for x in jax.tree.leaves(tree)),
-            tuple(jax.tree.leaves(specs)))
-
-
 class Bound:
     """The compiled `shard_map`s of one mesh-bound zero1, cached by layout and parameter shardings."""
 
@@ -75,7 +70,9 @@ class Bound:
         """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
         specs = param_specs(params, self.mesh)
         hoisted = self._hoisting(params)
-        key = ("init", _key(params, specs), jax.tree.structure(full_state))
+        shapes = tuple((np.shape(x), np.dtype(x.dtype).name) for x in jax.tree.leaves(params))
+        key = ("init", jax.tree.structure(params), shapes, tuple(jax.tree.leaves(specs)),
+               jax.tree.structure(full_state))
         if key not in self._fns:
             def init(values, params, full_state):
                 with hoisted.reading(values):

@@ -53,7 +53,7 @@ class ZeroOptimizer(nnx.Optimizer[M]):
 
     def update(self, model: M, grads, /, **kwargs) -> None:  # type: ignore[override]
         """As `nnx.Optimizer.update` (`kwargs` go to `tx.update`), but returns None: the updates are never formed."""
-        graph = _graph_mode(self)
+        graph = {"graph": self.graph} if "graph" in vars(self) else {}  # (Flax 0.12.7 has no `graph=`)
         params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
         grads = nnx.as_pure(nnx.state(grads, self.wrt, **graph))
         new_params, new_opt_state = apply_gradients(self.tx, grads, nnx.as_pure(self.opt_state), params,
@@ -102,7 +102,3 @@ def _on_mesh(tx: optax.GradientTransformation, step):
         return step
     return jax.device_put(jnp.asarray(step), jax.sharding.NamedSharding(zero.mesh, jax.sharding.PartitionSpec()))
 
-
-def _graph_mode(optimizer: nnx.Optimizer) -> dict[str, tp.Any]:
-    """`nnx.state`'s `graph=` argument as the optimizer was built with it; none on Flax 0.12.7 (no tree mode)."""
-    return {"graph": optimizer.graph} if "graph" in vars(optimizer) else {}

@@ -21,8 +21,7 @@ from zero_optax.layout._state import ZeroState, canonical, find_states
 
 class _NoParameterTrees:
     """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree shaped
-    like the parameters, so `tree_map_params` hands it whole to `transform_non_params` (`zo.state_specs` gives its
-    shardings)."""
+    like the parameters, so `tree_map_params` hands it whole to `transform_non_params`."""
 
     def __repr__(self) -> str:
         return "<zero1: no parameter-shaped trees>"

@@ -30,7 +30,7 @@ import numpy as np
 
 from zero_optax.core import _compat, _names
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.api import _per_entry
+from zero_optax.api import _transfer
 from zero_optax.step import _offload
 from zero_optax.layout._stored import LOCAL, MASTER, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, is_state, shared_arrays
@@ -130,7 +130,7 @@ def check_value(what: str, spec: StoredArray, value: Any) -> None:
 
 def state_values(state: ZeroState) -> list[Any]:
     """The arrays of `state`, in `stored_arrays` order (a group's arrays cut into its members' histories)."""
-    per_entry = _per_entry.unowned(state)
+    per_entry = _transfer.unowned(state)
     values = [per_entry[j] for j in unowned_entries(state.layout)]
     values += [state.buffers[d] for d in sorted(state.buffers)]
     return values + ([] if state.local is None else jax.tree.leaves(state.local))
@@ -141,7 +141,7 @@ def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
     def struct(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     layout = state.layout
-    shardings = _per_entry.sliced_shardings(state)
+    shardings = _transfer.sliced_shardings(state)
     shared = shared_arrays(canonical(state))
     out = []
     for j in unowned_entries(layout):
@@ -158,7 +158,7 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     """A state like `template` holding `values` (in `stored_arrays` order), each in `template`'s memory kinds."""
     layout = template.layout
     unowned = unowned_entries(layout)
-    inner, master = _per_entry.stored(template, dict(zip(unowned, values)))
+    inner, master = _transfer.stored(template, dict(zip(unowned, values)))
     inner = inner._replace(shared=_placed_like(inner.shared, template.inner_state.shared))
     n = len(unowned)
     n_buffers = len(template.buffers)
