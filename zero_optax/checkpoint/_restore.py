@@ -127,8 +127,9 @@ def _check_target(k: int, state_path: str, state: Any, old: _schema.SavedState, 
         what = f"{where}: the target's array {spec.name}"
         _arrays.check_value(what, spec, value)
         shardings.append(concrete_sharding(getattr(value, "sharding", None), what))
-    same = (old.layout.world_size == state.layout.world_size
-            and plain_difference(old.layout, state.layout, k, where) is None)
+    # Without `reshard`, `check_layouts` has refused every difference: the saved layout is the target's own.
+    same = not reshard or (old.layout.world_size == state.layout.world_size
+                           and plain_difference(old.layout, state.layout, k, where) is None)
     return _Target(state, specs, shardings, same)
 
 
