@@ -8,7 +8,12 @@ and state donated; 8 simulated CPU devices; flat AdamW; a GPT-like tree, `--laye
   data-parallel backward pass hands it over;
 * `zero1 sm contract` / `zero1 sm apply`: zero1 under `jax.shard_map`, each device's own gradient, then
   `tx.update` + `optax.apply_updates`, or `zo.apply_gradients`;
-* `zero1 bound contract` / `zero1 bound apply`: the mesh-bound zero1 under plain `jax.jit`, the reduced gradient.
+* `zero1 bound contract` / `zero1 bound apply`: the mesh-bound zero1 under plain `jax.jit`, the reduced gradient;
+* `rows gathered` / `rows exit`: a design probe, not zero1: SGD on flat rows (each leaf cut in N equal rows, as
+  `partition="flat"` cuts it) inside a `shard_map` under `jax.jit`, then `optax.apply_updates` outside. `gathered`
+  all-gathers the updates inside (what the mesh-bound zero1 does today); `exit` returns the rows sharded over
+  "data" behind a `lax.optimization_barrier`, so that GSPMD adds each shard and gathers the new parameters, as it
+  does for its own state. `main` checks that the two give the same bits.
 
 Every program is compiled twice, each time in a fresh process: with XLA:CPU's default scheduler
 (concurrency-optimized) and with its memory scheduler (`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=
@@ -31,6 +36,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -86,6 +92,7 @@ def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[
         return jax.jit(make(btx, False), donate_argnums=(0, 2)).lower(p, p, state)
 
     return {
+        **_rows_programs(params, mesh),
         "gspmd(reduced)": lambda: gspmd(False),
         "gspmd(reducing)": lambda: gspmd(True),
         "zero1 sm contract": lambda: sharded(contract),
@@ -93,6 +100,49 @@ def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[
         "zero1 bound contract": lambda: bound(contract),
         "zero1 bound apply": lambda: bound(apply),
     }
+
+
+def _rows_step(params: Any, mesh: Any, exit_sharded: bool) -> Callable[..., Any]:
+    """The design probe: SGD on flat rows, the updates gathered inside or leaving sharded."""
+    n, leaves = mesh.shape["data"], jax.tree.leaves(params)
+
+    def rows(x: Any) -> Any:
+        flat = x.reshape(-1)
+        return jnp.pad(flat, (0, -flat.size % n)).reshape(n, -1)
+
+    def local(grads: list[Any]) -> list[Any]:
+        own = [-1e-3 * jax.lax.psum_scatter(rows(g), "data", tiled=True) for g in grads]
+        if exit_sharded:
+            return jax.lax.optimization_barrier(own)
+        return [jax.lax.all_gather(u, "data", tiled=True) for u in own]
+
+    def step(p: Any, g: Any) -> Any:
+        out = P("data") if exit_sharded else P()
+        u = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=out, check_vma=False)(jax.tree.leaves(g))
+        u = [r.reshape(-1)[: x.size].reshape(x.shape) for r, x in zip(u, leaves)]
+        return optax.apply_updates(p, jax.tree.unflatten(jax.tree.structure(params), u))
+
+    return step
+
+
+def _rows_programs(params: Any, mesh: Any) -> dict[str, Callable[[], Any]]:
+    """The design probe's two programs, lowered with the parameters donated and replicated."""
+    rep = NamedSharding(mesh, P())
+    p = jax.device_put(params, rep)
+    return {f"rows {name}": (lambda e=e: jax.jit(_rows_step(params, mesh, e), donate_argnums=(0,),
+                                                 out_shardings=rep).lower(p, p))
+            for name, e in (("gathered", False), ("exit", True))}
+
+
+def rows_agree(layers: int, width: int) -> bool:
+    """Whether the design probe's two programs give the same bits after one step."""
+    params = gpt_params(1024, width, layers)
+    mesh = make_mesh(len(jax.devices()))
+    rep = NamedSharding(mesh, P())
+    p = jax.device_put(params, rep)
+    with jax.set_mesh(mesh):
+        a, b = (jax.jit(_rows_step(params, mesh, e), out_shardings=rep)(p, p) for e in (False, True))
+    return all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def measure(layers: int, width: int) -> list[dict[str, Any]]:
@@ -128,6 +178,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.layers, args.width)))
         return
+    print(f"rows gathered and rows exit give the same bits: {rows_agree(args.layers, args.width)}")
     rows = [r for s in SCHEDULERS for r in _child(s, args.layers, args.width)]
     base = {r["scheduler"]: r for r in rows if r["variant"] == "gspmd(reduced)"}
     fair = {r["scheduler"]: r for r in rows if r["variant"] == "gspmd(reducing)"}
