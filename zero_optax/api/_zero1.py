@@ -1,23 +1,27 @@
-"""`zero1`: ZeRO stage 1 as an optax transformation."""
+"""`zero1`: ZeRO stage 1 as an optax transformation; its arguments are checked once, into a `Config` (`_config`)."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.step import _engine, _quantize, _wire
-from zero_optax.layout import _handle
+from zero_optax.step import _accumulate, _engine, _offload, _quantize, _wire
+from zero_optax.layout import _handle, _keys
 from zero_optax.layout._config import Config
-from zero_optax.api import _arguments, _bound
+from zero_optax.api import _bound
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._stored import SHARDED
+from zero_optax.layout._stored import LEAF, PARTITIONS, SHARDED
 from zero_optax.layout._state import ZeroState, canonical, find_states
+
 
 class _NoParameterTrees:
     """What `init` returns for `optax.tree_map_params`'s placeholder parameters: a zero1 state holds no tree shaped
@@ -51,11 +55,6 @@ class Zero1:
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self._step(grads, state, params, weight, False, extra_args)
-
-    @property
-    def gathers_parameters(self) -> bool:
-        """Whether `apply_gradients` can gather new parameters (not under accumulation or offload)."""
-        return self.cfg.accumulating is None and not self.cfg.offload
 
     def apply_gradients(self, grads, state, params, *, weight=None, **extra_args):
         """`zero_optax.apply_gradients` for this transformation: new parameters and state."""
@@ -155,12 +154,7 @@ def zero1(
       >>> zo.describe(state).slots
       (6,)
     """
-    cfg = _arguments.config(inner, mesh, dict(
-        axis_name=axis_name, replica_axis=replica_axis, partition=partition, owners=owners, reduce=reduce,
-        reduce_dtype=reduce_dtype, master_dtype=master_dtype, assume_elementwise=assume_elementwise,
-        bucket_bytes=bucket_bytes, accumulate_steps=accumulate_steps, accumulate=accumulate, offload=offload,
-        param_specs=param_specs, quantize=quantize))
-    z = Zero1(cfg, mesh)
+    z = Zero1(_config(types.SimpleNamespace(**locals())), mesh)
     tx = optax.GradientTransformationExtraArgs(z.init, z.update)
     _handle.record(tx.init, z)
     return tx
@@ -197,7 +191,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     if params is None:
         raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
     zero = _handle.find(tx)
-    if zero is not None and zero.gathers_parameters:
+    if zero is not None and zero.cfg.accumulating is None and not zero.cfg.offload:
         return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
@@ -240,3 +234,107 @@ def as_local(params, axis_name: str | Sequence[str]):
     """
     _compat.axis_size(axis_name, "as_local")
     return _compat.pvary(params, axis_name)
+
+
+_REDUCE_CHOICES = (True, False, "psum", "psum_scatter")
+
+
+def _config(o: types.SimpleNamespace) -> Config:
+    """zero1's arguments (`o`) as a `Config`, each checked: every refusal of a bad argument (a `ZeroError`) is here."""
+    if o.partition not in PARTITIONS:
+        raise ZeroError(f"`partition` must be \"flat\", \"leaf\" or \"auto\", got {o.partition!r}.")
+    if o.owners is not None and o.partition != LEAF:
+        raise ZeroError("`owners` applies to partition=\"leaf\" only; the flat partition splits every leaf over all "
+                        "devices and \"auto\" balances the leaves it gives an owner.")
+    if o.reduce not in _REDUCE_CHOICES or isinstance(o.reduce, int) and not isinstance(o.reduce, bool):
+        raise ZeroError(f"`reduce` must be True, False, \"psum\" or \"psum_scatter\", got {o.reduce!r}.")
+    if o.mesh is not None and not isinstance(o.mesh, jax.sharding.Mesh):
+        raise ZeroError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {type(o.mesh).__name__}.")
+    axes = _axis_names(o.axis_name, "axis_name", "the name of the data mesh axis", o.mesh)
+    replicas = _replica_axes(o.replica_axis, axes, o.mesh)
+    if o.assume_elementwise and o.partition != "flat":
+        raise ZeroError("`assume_elementwise=True` applies to partition=\"flat\": with \"leaf\" whole tensors need "
+                        "no proof, and \"auto\" gives leaves the analysis cannot prove elementwise an owner.")
+    if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, (int, np.integer)) or o.bucket_bytes < 0:
+        raise ZeroError(f"`bucket_bytes` must be an int >= 0, got {o.bucket_bytes!r}.")
+    _accumulate.check_args(o.accumulate_steps, o.accumulate)
+    _check_quantize(o.quantize, o.reduce, o.master_dtype, axes + replicas)
+    if not isinstance(o.offload, (bool, np.bool_)):
+        raise ZeroError(f"`offload` must be True or False, got {o.offload!r}.")
+    if o.offload:
+        _offload.check_devices(o.mesh.devices.flat if o.mesh is not None else jax.devices())
+    for name, dtype in (("reduce_dtype", o.reduce_dtype), ("master_dtype", o.master_dtype)):
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ZeroError(f"`{name}` must be a floating dtype (for example jnp.float32), got {dtype!r}.")
+    typed = optax.with_extra_args_support(o.inner)
+    inner, typed_init = _keys.as_data(typed), typed.init
+    accumulating = None
+    if o.accumulate_steps > 1:
+        accumulating = _accumulate.Accumulating(inner, int(o.accumulate_steps), o.accumulate)
+        inner = accumulating.transformation("final")
+        typed_init = _accumulate.Accumulating(typed, int(o.accumulate_steps), o.accumulate).init
+    return Config(
+        inner=inner,
+        axis_name=o.axis_name if isinstance(o.axis_name, str) else axes,
+        partition=o.partition,
+        owners=None if o.owners is None else tuple(o.owners),
+        reduce="default" if o.reduce is True else None if o.reduce is False else o.reduce,
+        reduce_dtype=None if o.reduce_dtype is None else jnp.dtype(o.reduce_dtype),
+        master_dtype=None if o.master_dtype is None else jnp.dtype(o.master_dtype),
+        assume_elementwise=bool(o.assume_elementwise),
+        bucket_bytes=int(o.bucket_bytes),
+        accumulating=accumulating,
+        offload=bool(o.offload),
+        typed_init=typed_init,
+        param_specs=o.param_specs,
+        replica_axes=replicas,
+        quantize=o.quantize,
+    )
+
+
+def _axis_names(value, name: str, what: str, mesh) -> tuple[str, ...]:
+    """`value` (zero1's argument `name`; `what` says what a single name is) as distinct axis names of `mesh`."""
+    axes = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else ()
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ZeroError(f"`{name}` must be {what} or a tuple of distinct axis names, got {value!r}.")
+    missing = [] if mesh is None else [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `{name}` names {missing}.")
+    return axes
+
+
+def _check_quantize(quantize, reduce, master_dtype, axes: tuple[str, ...]) -> None:
+    """Refuses a `quantize` that is no `zo.Quantize` or does not fit the other arguments."""
+    if quantize is None:
+        return
+    if not isinstance(quantize, _quantize.Quantize):
+        raise ZeroError(f"`quantize` must be None or zo.Quantize(...), got {type(quantize).__name__}.")
+    if quantize.axes is not None:
+        unknown = [a for a in quantize.axes if a not in axes]
+        if unknown:
+            raise ZeroError(f"Quantize(axes=...) names {unknown}, but zero1 communicates over {axes} "
+                            "(`axis_name` and `replica_axis`).")
+    if quantize.params is not None and master_dtype is None:
+        raise ZeroError(
+            "Quantize(params=\"int8\") sends the new parameters as int8 blocks, so each device's parameters become "
+            "the block-wise rounding of an exact master copy; it needs one: zero1(..., master_dtype=jnp.float32). "
+            "Without it the rounding error would accumulate step after step.")
+    if quantize.grads is not None and reduce is not True and reduce != "psum_scatter":
+        raise ZeroError(
+            f"Quantize(grads=\"int8\") quantizes the reduce-scatter zero1 reduces gradients with, but "
+            f"reduce={reduce!r} "
+            "reduces none (False: the gradients are already the mean) or all-reduces them (\"psum\"). Use "
+            "reduce=True, or drop grads=.")
+
+
+def _replica_axes(replica_axis, axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+    """`replica_axis` as a tuple of distinct axis names (empty for None), disjoint from `axes`, on `mesh`."""
+    if replica_axis is None:
+        return ()
+    replicas = _axis_names(replica_axis, "replica_axis", "None, the name of a mesh axis", mesh)
+    shared = [a for a in replicas if a in axes]
+    if shared:
+        raise ZeroError(f"`replica_axis` and `axis_name` both name {shared}: the state is sharded over `axis_name` "
+                        "and replicated over `replica_axis`, so an axis can be one or the other. To shard over "
+                        f"both, pass axis_name={tuple(replicas) + axes!r} and no replica_axis.")
+    return replicas

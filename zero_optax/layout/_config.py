@@ -13,7 +13,7 @@ from zero_optax.core import _compat
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The arguments of `zero1`, validated once (`zero_optax.api._arguments`): what every stage receives."""
+    """The arguments of `zero1`, validated once (`zero_optax.api._zero1._config`): what every stage receives."""
 
     inner: optax.GradientTransformationExtraArgs
     axis_name: str | tuple[str, ...]
