@@ -3,16 +3,6 @@ state's arrays per entry outside `shard_map`, which checkpoints read and write (
 
 An entry's 1-D array is its member's columns of every row of its group's array; both are sharded row by row over
 the same mesh axes, so cutting and joining move no data between devices.
-
-Examples:
-  >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
-  >>> from zero_optax.api import _transfer
-  >>> mesh = jax.make_mesh((1,), ("data",))
-  >>> state = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh).init({"a": jnp.ones(3), "b": jnp.ones(2)})
-  >>> [tuple(x.shape) for x in jax.tree.leaves(state.inner_state)]   # count, then mu and nu of both leaves
-  [(1,), (5,), (5,)]
-  >>> {state.layout.entries[j].path: tuple(x.shape) for j, x in _transfer.unowned(state).items()}
-  {'[0].count': (1,), "[0].mu['a']": (3,), "[0].mu['b']": (2,), "[0].nu['a']": (3,), "[0].nu['b']": (2,)}
 """
 
 from __future__ import annotations
@@ -106,8 +96,7 @@ def _entry_order(layout: Layout) -> list[int]:
 
 
 def unowned(state: ZeroState) -> dict[int, jax.Array]:
-    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced ones (1-D), in device
-    memory."""
+    """Entry index -> global array of the shared entries (`[N, *shape]`) and the sliced ones (1-D), on device."""
     layout = state.layout
     out = shared_arrays(canonical(state))
     if not layout.groups:
@@ -175,7 +164,6 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
 def _group_sharding(template: ZeroState, g: int) -> Any:
     arrays = list(template.inner_state.histories[g]) + ([] if template.master is None else [template.master[g]])
     return getattr(arrays[0], "sharding", None) if arrays else None
-
 
 
 def _require_global(state: ZeroState, what: str) -> Layout:
@@ -277,8 +265,8 @@ def master_params(state: Any) -> Any:
     if layout.master_dtype is None:
         raise ZeroError("zo.master_params: this zero1 state keeps no master copy; create the transformation with "
                         "master_dtype=jnp.float32 (say).")
-    by_leaf = {e.leaf: j for j, e in enumerate(layout.entries) if e.role == MASTER}
-    return jax.tree.unflatten(layout.treedef, _values(state, [by_leaf[i] for i in range(len(layout.leaves))]))
+    masters = [j for j, e in enumerate(layout.entries) if e.role == MASTER]  # (one per leaf, in leaf order)
+    return jax.tree.unflatten(layout.treedef, _values(state, masters))
 
 
 def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:

@@ -154,11 +154,8 @@ def pure(tree):
 
 def replicate(x: jax.Array) -> jax.Array:
     """`x` replicated over its mesh, so that it can be sliced freely; unchanged without a mesh sharding."""
-    try:
-        sharding = jax.typeof(x).sharding
-    except (TypeError, AttributeError):  # not a JAX value, or an abstract value without a sharding
-        sharding = None
-    if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(sharding.mesh, "empty", False):
+    sharding = jax.typeof(x).sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
         sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or all(s is None for s in sharding.spec):
         return x
