@@ -29,7 +29,7 @@ from zero_optax.step import _engine
 def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P:
     """The `PartitionSpec` of a global array (or tracer) over `mesh`; replicated when it carries none."""
     sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding):  # (tracers of older JAX releases carry no sharding)
+    if not isinstance(sharding, NamedSharding):  # (a tracer carries its sharding in its type only)
         sharding = getattr(jax.typeof(x), "sharding", None)
     if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
         spec = tuple(sharding.spec)

@@ -54,13 +54,10 @@ class Zero1:
         return self.bound.init(params) if self.outside() else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
-        return self._step(grads, state, params, weight, False, extra_args)
+        return self.step(grads, state, params, weight, False, extra_args)
 
-    def apply_gradients(self, grads, state, params, *, weight=None, **extra_args):
-        """`zero_optax.apply_gradients` for this transformation: new parameters and state."""
-        return self._step(grads, state, params, weight, True, extra_args)
-
-    def _step(self, grads, state, params, weight, apply: bool, extra_args: dict):
+    def step(self, grads, state, params, weight, apply: bool, extra_args: dict):
+        """`update`, or with `apply` (`zero_optax.apply_gradients`) the new parameters, and the new state."""
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
         outside = self.outside()
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
@@ -192,7 +189,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
         raise ZeroError("zo.apply_gradients needs the parameters: it returns the new ones.")
     zero = _handle.find(tx)
     if zero is not None and zero.cfg.accumulating is None and not zero.cfg.offload:
-        return zero.apply_gradients(grads, opt_state, params, weight=weight, **extra_args)
+        return zero.step(grads, opt_state, params, weight, True, extra_args)
     kwargs = dict(extra_args) if weight is None else {**extra_args, "weight": weight}
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
     return optax.apply_updates(params, updates), opt_state
