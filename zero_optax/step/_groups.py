@@ -218,9 +218,8 @@ class Step:
 def _coordinates(layout: Layout, group: Group, mask, ranks) -> _varying.Coordinates:
     """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
     leaf = layout.leaves[group.first]
-    return _varying.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
-                               leaf.shape if leaf.blocks == 1 else None, group_rank(layout, group, ranks), leaf.slots,
-                               leaf.group)
+    return _varying.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (), leaf,
+                               group_rank(layout, group, ranks))
 
 
 def _view(layout: Layout, groups: Sequence[Group], parts: Sequence[jax.Array]) -> Any:

@@ -9,7 +9,6 @@ a chunk (sliced groups) or a bucket (an owner's leaves) of the host arrays throu
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,29 +48,29 @@ def check_devices(devices: Sequence[Any]) -> None:
                 "memory (CPU, GPU and TPU do).")
 
 
-def buckets(arrays: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `arrays` in order, in buckets closed once they hold `bucket_bytes` (`<= 0`: one array each).
+def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Positions of `sizes` (bytes) in order, in buckets of at most `bucket_bytes` (a larger one alone; `0`: one each).
 
     Examples:
-      >>> import numpy as np
-      >>> buckets([np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)], 32)
+      >>> buckets([16, 16, 4], 32)
       [[0, 1], [2]]
     """
-    out: list[list[int]] = [[]]
-    nbytes = 0
-    for i, x in enumerate(arrays):
-        if nbytes >= bucket_bytes:
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if not out or bucket_bytes <= 0 or total + n > bucket_bytes:
             out.append([])
-            nbytes = 0
+            total = 0
         out[-1].append(i)
-        nbytes += math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-    return [b for b in out if b]
+        total += n
+    return out
 
 
 def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
     """Inside `shard_map`: every array of `tree` moved to memory `space`, one `device_put` a bucket."""
     leaves, treedef = jax.tree.flatten(tree)
-    moved = [x for group in buckets(leaves, bucket_bytes) for x in jax.device_put([leaves[i] for i in group], space)]
+    sizes = [x.size * np.dtype(x.dtype).itemsize for x in leaves]
+    moved = [x for group in buckets(sizes, bucket_bytes) for x in jax.device_put([leaves[i] for i in group], space)]
     return jax.tree.unflatten(treedef, moved)
 
 
@@ -128,15 +127,7 @@ def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: 
     for j in layout.rank_entries(r):
         if layout.entries[j].leaf in nbytes:
             nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
-    out: list[list[int]] = []
-    total = 0
-    for i in leaves:
-        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += nbytes[i]
-    return out
+    return [[leaves[k] for k in b] for b in buckets([nbytes[i] for i in leaves], bucket_bytes)]
 
 
 def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
