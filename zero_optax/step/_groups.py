@@ -39,9 +39,9 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     return tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
 
 
-def owned_entries(layout: Layout, r: int, leaves: Sequence[int] | None = None) -> list[int]:
-    """The inner entries of device `r`'s view of `leaves` (all it owns by default): shared entries and histories."""
-    mine = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r} if leaves is None else set(leaves)
+def owned_entries(layout: Layout, leaves: Sequence[int]) -> list[int]:
+    """The inner entries of an owner's view of `leaves`: shared entries and histories."""
+    mine = set(leaves)
     shared = set(layout.view_shared(mine))
     return [j for j in layout.inner_entries if j in shared or layout.entries[j].leaf in mine]
 
@@ -76,12 +76,11 @@ class Views:
             return _fusion.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
         return self._cached((layout, "joint"), make)
 
-    def owned(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
-        """The state treedef of device `r`'s view of `leaves` (all it owns by default)."""
-        present = frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) if leaves is None \
-            else frozenset(leaves)
+    def owned(self, layout: Layout, r: int, leaves: Sequence[int]):
+        """The state treedef of device `r`'s view of `leaves`."""
+        present = frozenset(leaves)
         return self._cached((layout, r, present), lambda: _fusion.view_treedef(
-            self.cfg, layout, set(present), owned_entries(layout, r, present), f"on device {r}"))
+            self.cfg, layout, set(present), owned_entries(layout, present), f"on device {r}"))
 
     def update_dtypes(self, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
         """Per leaf, the dtype of the inner update's result (of `phase`'s under accumulation), from one abstract
