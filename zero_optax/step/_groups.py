@@ -234,7 +234,7 @@ def _assemble(view: tuple[Any, list[int]], shared: dict[int, Any], groups: Seque
     return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
 
 
-def _stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
+def stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
     """The stored `SlicedState` of the shared entries' values and the groups' histories."""
     return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
 
@@ -272,7 +272,7 @@ class Groups:
             if group is not None:
                 mask = valid(layout, group, group_rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
-        return _stored_state(layout, shared, histories)
+        return stored_state(layout, shared, histories)
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
@@ -335,7 +335,7 @@ class Groups:
             updates, shared_new, new = [u for u, _, _ in runs], runs[0][1], [h for _, _, h in runs]
         histories = [tuple(_reduce.skip_if_empty(step.denom.ok, zero_padding(x, mask), y) for x, y in zip(h, old))
                      for h, old, mask in zip(new, stored.histories, masks)]
-        return updates, _stored_state(layout, shared_new, histories), shared_old
+        return updates, stored_state(layout, shared_new, histories), shared_old
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:

@@ -18,9 +18,8 @@ import numpy as np
 from jax import lax
 
 from zero_optax.core._errors import ZeroError
-from zero_optax.layout import _inner_state, _stored
+from zero_optax.layout import _stored
 from zero_optax.layout._layout import Group, Layout
-from zero_optax.layout._state import SlicedState
 from zero_optax.layout._stored import MASTER
 from zero_optax.step import _groups, _packed, _reduce, _wire
 
@@ -130,17 +129,6 @@ def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: 
     return [[leaves[k] for k in b] for b in buckets([nbytes[i] for i in leaves], bucket_bytes)]
 
 
-def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
-    """The contiguous ranges of the packed buffers holding the items `sizes` (item -> size) placed at `offsets`.
-
-    Examples:
-      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
-      ...       {0: 4, 1: 3, 2: 2, 3: 0})
-      [('float32', 0, 7), ('float32', 10, 12)]
-    """
-    return _stored.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
-
-
 def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
     """The index of the range holding the position `where`."""
     return next(k for k, (d, lo, hi) in enumerate(ranges) if d == where[0] and lo <= where[1] < hi)
@@ -213,8 +201,7 @@ def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Ar
 
     done = [one(g, group) for g, group in enumerate(layout.groups)]
     shared_new = done[0][2]
-    new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
-                      tuple(tuple(a[:len(a) - master]) for a, _, _ in done))
+    new = _groups.stored_state(layout, shared_new, [tuple(a[:len(a) - master]) for a, _, _ in done])
     masters = tuple(a[-1] for a, _, _ in done) if master else state.master
     return ([out for _, out, _ in done] if stepping else None), new, masters, shared_old
 
@@ -228,7 +215,7 @@ def stream_owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dic
     for bucket in stream_buckets(layout, r, mine, owned.cfg.bucket_bytes):
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
                    (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
-        ranges = spans(offsets, {j: layout.entries[j].size for j in entries})
+        ranges = _stored.runs(sorted((*offsets[j], layout.entries[j].size) for j in entries if layout.entries[j].size))
         pieces = [fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
         stored = read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
         values, u = owned.view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)
