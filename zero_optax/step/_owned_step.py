@@ -305,7 +305,7 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
     g_whole = {i: grads.whole(layout, r, i) for i in whole}
     if plans.mode == "psum_scatter":
         g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
-    g = g.overlaid(g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
+    g = dataclasses.replace(g, values=g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
     if plans.tp[1] is not None:
         params = dataclasses.replace(plans.tp[1], rows=tp_rows[1])
         p_leaves = [params.whole(layout, r, i) if i in whole else p for i, p in enumerate(step.p_leaves)]
