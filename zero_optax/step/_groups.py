@@ -39,9 +39,9 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     return tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
 
 
-def owned_entries(layout: Layout, r: int, leaves: Sequence[int] | None = None) -> list[int]:
-    """The inner entries of device `r`'s view of `leaves` (all it owns by default): shared entries and histories."""
-    mine = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r} if leaves is None else set(leaves)
+def owned_entries(layout: Layout, leaves: Sequence[int]) -> list[int]:
+    """The inner entries of an owner's view of `leaves`: shared entries and histories."""
+    mine = set(leaves)
     shared = set(layout.view_shared(mine))
     return [j for j in layout.inner_entries if j in shared or layout.entries[j].leaf in mine]
 
@@ -76,12 +76,11 @@ class Views:
             return _fusion.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
         return self._cached((layout, "joint"), make)
 
-    def owned(self, layout: Layout, r: int, leaves: Sequence[int] | None = None):
-        """The state treedef of device `r`'s view of `leaves` (all it owns by default)."""
-        present = frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) if leaves is None \
-            else frozenset(leaves)
+    def owned(self, layout: Layout, r: int, leaves: Sequence[int]):
+        """The state treedef of device `r`'s view of `leaves`."""
+        present = frozenset(leaves)
         return self._cached((layout, r, present), lambda: _fusion.view_treedef(
-            self.cfg, layout, set(present), owned_entries(layout, r, present), f"on device {r}"))
+            self.cfg, layout, set(present), owned_entries(layout, present), f"on device {r}"))
 
     def update_dtypes(self, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
         """Per leaf, the dtype of the inner update's result (of `phase`'s under accumulation), from one abstract
@@ -218,9 +217,8 @@ class Step:
 def _coordinates(layout: Layout, group: Group, mask, ranks) -> _varying.Coordinates:
     """What the joint view's value of `group`'s (only) leaf holds: which of its coordinates, on which axes."""
     leaf = layout.leaves[group.first]
-    return _varying.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (),
-                               leaf.shape if leaf.blocks == 1 else None, group_rank(layout, group, ranks), leaf.slots,
-                               leaf.group)
+    return _varying.Coordinates(mask, layout.zero_axes(leaf) if leaf.group > 1 else (), leaf,
+                               group_rank(layout, group, ranks))
 
 
 def _view(layout: Layout, groups: Sequence[Group], parts: Sequence[jax.Array]) -> Any:
@@ -236,7 +234,7 @@ def _assemble(view: tuple[Any, list[int]], shared: dict[int, Any], groups: Seque
     return jax.tree_util.tree_unflatten(treedef, [shared[j] if j in shared else own[j] for j in order])
 
 
-def _stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
+def stored_state(layout: Layout, shared: dict[int, Any], histories) -> SlicedState:
     """The stored `SlicedState` of the shared entries' values and the groups' histories."""
     return SlicedState(_inner_state.tree(layout, [shared[j][None] for j in layout.shared_entries]), tuple(histories))
 
@@ -274,7 +272,7 @@ class Groups:
             if group is not None:
                 mask = valid(layout, group, group_rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
-        return _stored_state(layout, shared, histories)
+        return stored_state(layout, shared, histories)
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
@@ -337,7 +335,7 @@ class Groups:
             updates, shared_new, new = [u for u, _, _ in runs], runs[0][1], [h for _, _, h in runs]
         histories = [tuple(_reduce.skip_if_empty(step.denom.ok, zero_padding(x, mask), y) for x, y in zip(h, old))
                      for h, old, mask in zip(new, stored.histories, masks)]
-        return updates, _stored_state(layout, shared_new, histories), shared_old
+        return updates, stored_state(layout, shared_new, histories), shared_old
 
 
 def check_returned(updates, new_state, g_tree, old_state, what: str) -> None:

@@ -9,7 +9,6 @@ a chunk (sliced groups) or a bucket (an owner's leaves) of the host arrays throu
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +18,8 @@ import numpy as np
 from jax import lax
 
 from zero_optax.core._errors import ZeroError
-from zero_optax.layout import _inner_state, _stored
+from zero_optax.layout import _stored
 from zero_optax.layout._layout import Group, Layout
-from zero_optax.layout._state import SlicedState
 from zero_optax.layout._stored import MASTER
 from zero_optax.step import _groups, _packed, _reduce, _wire
 
@@ -49,29 +47,29 @@ def check_devices(devices: Sequence[Any]) -> None:
                 "memory (CPU, GPU and TPU do).")
 
 
-def buckets(arrays: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `arrays` in order, in buckets closed once they hold `bucket_bytes` (`<= 0`: one array each).
+def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Positions of `sizes` (bytes) in order, in buckets of at most `bucket_bytes` (a larger one alone; `0`: one each).
 
     Examples:
-      >>> import numpy as np
-      >>> buckets([np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)], 32)
+      >>> buckets([16, 16, 4], 32)
       [[0, 1], [2]]
     """
-    out: list[list[int]] = [[]]
-    nbytes = 0
-    for i, x in enumerate(arrays):
-        if nbytes >= bucket_bytes:
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if not out or bucket_bytes <= 0 or total + n > bucket_bytes:
             out.append([])
-            nbytes = 0
+            total = 0
         out[-1].append(i)
-        nbytes += math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-    return [b for b in out if b]
+        total += n
+    return out
 
 
 def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
     """Inside `shard_map`: every array of `tree` moved to memory `space`, one `device_put` a bucket."""
     leaves, treedef = jax.tree.flatten(tree)
-    moved = [x for group in buckets(leaves, bucket_bytes) for x in jax.device_put([leaves[i] for i in group], space)]
+    sizes = [x.size * np.dtype(x.dtype).itemsize for x in leaves]
+    moved = [x for group in buckets(sizes, bucket_bytes) for x in jax.device_put([leaves[i] for i in group], space)]
     return jax.tree.unflatten(treedef, moved)
 
 
@@ -128,26 +126,7 @@ def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: 
     for j in layout.rank_entries(r):
         if layout.entries[j].leaf in nbytes:
             nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
-    out: list[list[int]] = []
-    total = 0
-    for i in leaves:
-        if not out or bucket_bytes <= 0 or total + nbytes[i] > bucket_bytes:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += nbytes[i]
-    return out
-
-
-def spans(offsets: dict[int, tuple[str, int]], sizes: dict[int, int]) -> list[Span]:
-    """The contiguous ranges of the packed buffers holding the items `sizes` (item -> size) placed at `offsets`.
-
-    Examples:
-      >>> spans({0: ("float32", 0), 1: ("float32", 4), 2: ("float32", 10), 3: ("float32", 7)},
-      ...       {0: 4, 1: 3, 2: 2, 3: 0})
-      [('float32', 0, 7), ('float32', 10, 12)]
-    """
-    return _stored.runs(sorted((*offsets[j], n) for j, n in sizes.items() if n))
+    return [[leaves[k] for k in b] for b in buckets([nbytes[i] for i in leaves], bucket_bytes)]
 
 
 def _span_of(where: tuple[str, int], ranges: Sequence[Span]) -> int:
@@ -222,8 +201,7 @@ def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Ar
 
     done = [one(g, group) for g, group in enumerate(layout.groups)]
     shared_new = done[0][2]
-    new = SlicedState(_inner_state.tree(layout, [shared_new[j][None] for j in layout.shared_entries]),
-                      tuple(tuple(a[:len(a) - master]) for a, _, _ in done))
+    new = _groups.stored_state(layout, shared_new, [tuple(a[:len(a) - master]) for a, _, _ in done])
     masters = tuple(a[-1] for a, _, _ in done) if master else state.master
     return ([out for _, out, _ in done] if stepping else None), new, masters, shared_old
 
@@ -237,7 +215,7 @@ def stream_owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dic
     for bucket in stream_buckets(layout, r, mine, owned.cfg.bucket_bytes):
         entries = [j for j in layout.rank_entries(r) if layout.entries[j].leaf in bucket and
                    (step.stepping or layout.entries[j].role != MASTER)]  # a micro-step leaves the masters alone
-        ranges = spans(offsets, {j: layout.entries[j].size for j in entries})
+        ranges = _stored.runs(sorted((*offsets[j], layout.entries[j].size) for j in entries if layout.entries[j].size))
         pieces = [fetch(buffers[d], lo, hi - lo) for d, lo, hi in ranges]
         stored = read(pieces, ranges, offsets, {j: layout.entries[j].shape for j in entries})
         values, u = owned.view_update(step, r, bucket, {i: g[i] for i in bucket}, stored)

@@ -96,13 +96,6 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
     return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values)
 
 
-def gather(wire: _wire.Wire, layout: Layout, rows: dict[str, jax.Array], plan: Packing, leaves: Sequence[int]
-           ) -> Gathered:
-    """`rows` (this device's row of `plan`) gathered over the tensor-parallel axes of `leaves` (outside the switch)."""
-    axes = tp_axes(layout, leaves)
-    return Gathered(plan, wire.gather_blocks(rows, axes), axes)
-
-
 class _OwnedPlans(NamedTuple):
     """How the owned leaves' values move; `tp`: the static parts of the gathered tensor-parallel gradients, params."""
 
@@ -133,9 +126,9 @@ class OwnedStep:
         def run(r, values, full):
             if full is None:
                 owned = {i for i, leaf in enumerate(layout.leaves) if leaf.owner == r}
-                self.views.owned(layout, r)  # checks the entry order this device packs
+                self.views.owned(layout, r, owned)  # checks the entry order this device packs
                 state = self.cfg.inner.init(_groups.tree(layout, _layout.masked_view(values, owned)))
-                full = dict(zip(_groups.owned_entries(layout, r), jax.tree.leaves(state)))
+                full = dict(zip(_groups.owned_entries(layout, owned), jax.tree.leaves(state)))
             items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
@@ -206,12 +199,16 @@ class OwnedStep:
         layout = step.layout
         if not tp:
             return None, ()
+        axes = tp_axes(layout, tp)
 
         def gathered(values: dict) -> Gathered:  # (this device holds every leaf's blocks: its row of them)
             plan = _packed.leaf_plan(layout, {i: np.dtype(values[i].dtype).name for i in tp})
-            return gather(self.wire, layout, own_row(layout, values, plan, step.rank), plan, tp)
+            return Gathered(plan, self.wire.gather_blocks(own_row(layout, values, plan, step.rank), axes), axes)
         _, plan, reduced = self._gradients(step, tp, g_leaves, mode)
-        grads = gather(self.wire, layout, reduced, plan, tp) if mode == "psum_scatter" else gathered(reduced)
+        if mode == "psum_scatter":  # (already this device's row, reduce-scattered)
+            grads = Gathered(plan, self.wire.gather_blocks(reduced, axes), axes)
+        else:
+            grads = gathered(reduced)
         gathers = step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping
         params = gathered({i: step.p_leaves[i] for i in tp}) if gathers else None
         static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
@@ -248,7 +245,7 @@ class OwnedStep:
     def _view(self, step: _groups.Step, r: int, leaves: list[int], g, stored, p: dict | None) -> tuple[list, dict]:
         """Device `r`'s owned view of `leaves` updated: their updates and new entries (shared ones left out)."""
         layout, shared_old = step.layout, step.shared_old
-        entries = _groups.owned_entries(layout, r, leaves)
+        entries = _groups.owned_entries(layout, leaves)
         old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, leaves),
                                            [shared_old[j] if j in shared_old else stored[j] for j in entries])
         g_view = _groups.masked_tree(layout, {i: g[i] for i in leaves})
@@ -261,7 +258,7 @@ class OwnedStep:
                       ) -> tuple[dict | None, dict | None]:
         """The view of `stack[0]` under `jax.vmap` over `stack` (`(None, None)` where vmap cannot run it)."""
         first = stack[0]
-        views = [_groups.owned_entries(step.layout, r, [i]) for i in stack]
+        views = [_groups.owned_entries(step.layout, [i]) for i in stack]
         own = [k for k, j in enumerate(views[0]) if j not in step.shared_old]
         keys = [tuple(view[k] for view in views) for k in own]
 
@@ -308,7 +305,7 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
     g_whole = {i: grads.whole(layout, r, i) for i in whole}
     if plans.mode == "psum_scatter":
         g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
-    g = g.overlaid(g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
+    g = dataclasses.replace(g, values=g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
     if plans.tp[1] is not None:
         params = dataclasses.replace(plans.tp[1], rows=tp_rows[1])
         p_leaves = [params.whole(layout, r, i) if i in whole else p for i, p in enumerate(step.p_leaves)]

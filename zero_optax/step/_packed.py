@@ -69,17 +69,13 @@ def _concatenated(pieces: list[tuple[int, jax.Array]], size: int, dtype: str) ->
 @dataclasses.dataclass(frozen=True, eq=False)
 class Row:
     """Items packed in one device's 1-D `buffers` (dtype -> buffer) at `offsets`, read on demand, each through
-    `convert(value, item)` (a division, a cast), except `values` read as they are."""
+    `convert(value, item)` (a division, a cast), except `values` (whole tensor-parallel leaves) read as they are."""
 
     buffers: dict[str, jax.Array]
     offsets: dict[int, tuple[str, int]]
     shapes: dict[int, tuple[int, ...]]
     convert: Callable[[jax.Array, int], jax.Array] = lambda x, _: x
     values: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
-
-    def overlaid(self, values: dict[int, jax.Array]) -> Row:
-        """This row, reading `values` in place of those items: tensor-parallel leaves' whole tensors."""
-        return dataclasses.replace(self, values=dict(values))
 
     def __contains__(self, item: int) -> bool:
         return item in self.offsets or item in self.values

@@ -146,24 +146,3 @@ def quantize(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     x = check_vector(x, "quantize")
     x = pad_last(x.astype(jnp.float32), padded_size(x.shape[0], block_size))
     return quantize_rows(x, block_size)
-
-
-def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
-    """The first `size` values `quantize` encoded as `q` and `scales`, as `dtype`.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> x = jnp.array([1.0, -0.5, 0.25, 3.0, 0.0])
-      >>> dequantize(*quantize(x, 3), x.size, jnp.float32)
-      Array([ 1.       , -0.503937 ,  0.2519685,  3.       ,  0.       ], dtype=float32)
-    """
-    if q.ndim != 1 or scales.ndim != 1:
-        raise ZeroError(f"dequantize: q and scales must be 1-D, got shapes {tuple(q.shape)} and "
-                        f"{tuple(scales.shape)}.")
-    nblocks = scales.shape[0]
-    if (nblocks == 0 and q.shape[0]) or (nblocks and q.shape[0] % nblocks):
-        raise ZeroError(f"dequantize: q's length {q.shape[0]} is not a multiple of the {nblocks} scales.")
-    block_size = q.shape[0] // nblocks if nblocks else 1
-    if not _is_int(size) or not 0 <= size <= q.shape[0]:
-        raise ZeroError(f"dequantize: size must be an int in [0, {q.shape[0]}] (q's length), got {size!r}.")
-    return dequantize_rows(q, scales.astype(jnp.float32), block_size)[:size].astype(dtype)

@@ -21,6 +21,7 @@ from jax import lax
 from zero_optax.analysis import _primitives, _programs
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroCouplingError
+from zero_optax.layout._stored import ParamLeaf
 from zero_optax.step import _wire
 
 
@@ -75,15 +76,12 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any], axes: frozenset,
 
 
 class Coordinates(NamedTuple):
-    """This device's `slots` coordinates of a sliced leaf from `rank * slots` on, `valid` where not padding (None:
-    all are); `shape` None for a tensor-parallel block."""
+    """This device's slots of the sliced `leaf` from `rank * leaf.slots` on, `valid` where not padding (None: all)."""
 
     valid: jax.Array | None
     axes: tuple[str, ...]
-    shape: tuple[int, ...] | None = None
-    rank: Any = 0
-    slots: int = 0
-    group: int = 1
+    leaf: ParamLeaf
+    rank: Any
 
 
 def _identity(kind: str, dtype) -> jax.Array:
@@ -183,17 +181,15 @@ def _program_draws(jaxpr) -> bool:
     return _programs.any_equation(jaxpr, _draws)
 
 
-def _whole_draw(eqn, key, where) -> jax.Array:
+def _whole_draw(eqn, key, where: Coordinates) -> jax.Array:
     """This device's slots of the whole leaf's `random_bits` of `key`, as plain optax draws them."""
-    p = eqn.params
-    if where.shape is None:
+    if where.leaf.blocks != 1:
         raise ZeroCouplingError(
             "The inner transformation adds random numbers to a parameter sharded over a tensor-parallel mesh axis; "
             "zero1 reproduces plain optax's numbers only for leaves whole on every device's block. Keep such "
             "parameters replicated over the tensor-parallel axes, or add the noise outside zero1.")
-    whole = _programs.bind(eqn, [key], {**p, "shape": tuple(where.shape)})[0]
-    flat = jnp.pad(whole.reshape(-1), (0, where.slots * where.group - whole.size))
-    return lax.dynamic_slice_in_dim(flat, where.rank * where.slots, where.slots).reshape(p["shape"])
+    whole = _programs.bind(eqn, [key], {**eqn.params, "shape": where.leaf.shape})[0]
+    return _wire.own_slice(whole, where.leaf, where.rank).reshape(eqn.params["shape"])
 
 
 def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
@@ -239,7 +235,7 @@ def _apply(eqn, ins: list, axes: frozenset, where=None) -> list:
     if outs is not None:
         return outs
     p = eqn.params
-    if eqn.primitive.name == "random_bits" and where is not None and math.prod(p["shape"]) == where.slots \
+    if eqn.primitive.name == "random_bits" and where is not None and math.prod(p["shape"]) == where.leaf.slots \
             and not ins[0].shape:
         return [_whole_draw(eqn, ins[0], where)]
     return _programs.bind(eqn, ins)
