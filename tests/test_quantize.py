@@ -70,20 +70,6 @@ def wire_bytes(n_elements: int, block_size: int) -> int:
     return padded + 4 * (padded // block_size)
 
 
-def dequantize(q: jax.Array, scales: jax.Array, size: int, dtype) -> jax.Array:
-    """The first `size` values `qz.quantize` encoded as `q` and `scales`, as `dtype`."""
-    if q.ndim != 1 or scales.ndim != 1:
-        raise ZeroError(f"dequantize: q and scales must be 1-D, got shapes {tuple(q.shape)} and "
-                        f"{tuple(scales.shape)}.")
-    nblocks = scales.shape[0]
-    if (nblocks == 0 and q.shape[0]) or (nblocks and q.shape[0] % nblocks):
-        raise ZeroError(f"dequantize: q's length {q.shape[0]} is not a multiple of the {nblocks} scales.")
-    block_size = q.shape[0] // nblocks if nblocks else 1
-    if not qz._is_int(size) or not 0 <= size <= q.shape[0]:
-        raise ZeroError(f"dequantize: size must be an int in [0, {q.shape[0]}] (q's length), got {size!r}.")
-    return qz.dequantize_rows(q, scales.astype(jnp.float32), block_size)[:size].astype(dtype)
-
-
 def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else x.astype(dtype)
 
@@ -148,7 +134,7 @@ def test_quantize_rounds_half_to_even():
 @pytest.mark.parametrize("name,x,b", cases(), ids=[c[0] for c in cases()])
 def test_dequantize_within_half_a_scale(name, x, b):
     q, scales = qz.quantize(jnp.asarray(x), b)
-    out = dequantize(q, scales, x.size, jnp.float32)
+    out = qz.dequantize_rows(q, scales, b)[: x.size]   # how every receiver decodes a row
     assert out.dtype == jnp.float32 and out.shape == x.shape
     ref = np_dequantize(*np_quantize(x, b), x.size)
     np.testing.assert_array_equal(np.asarray(out), ref)
@@ -158,9 +144,6 @@ def test_dequantize_within_half_a_scale(name, x, b):
     err = np.abs(np.asarray(out, np.float64) - x.astype(np.float64))
     assert np.all(err <= s / 2 + 127 * s * 2.0**-22), (err - s / 2).max()
     assert np.all(out[x == 0] == 0)
-    assert np.asarray(dequantize(q, scales, x.size, jnp.bfloat16)).dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(np.asarray(dequantize(q, scales, x.size, jnp.bfloat16)),
-                                  ref.astype(ml_dtypes.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -385,10 +368,5 @@ def test_bad_arguments_inside_shard_map():
 
 
 def test_bad_sizes():
-    q, scales = qz.quantize(jnp.ones(10), 4)
-    with pytest.raises(ZeroError, match="size"):
-        dequantize(q, scales, 13, jnp.float32)
-    with pytest.raises(ZeroError, match="scales"):
-        dequantize(q[:10], scales, 10, jnp.float32)
     with pytest.raises(ZeroError, match=r"\bn\b"):
         qz.padded_size(-1, 4)
