@@ -17,7 +17,7 @@ from zero_optax.core._errors import (
     ZeroCouplingError,
     ZeroStructureError,
 )
-from zero_optax.layout import _attribution, _fusion, _keys, _owners, _specs, _stored
+from zero_optax.layout import _attribution, _fusion, _keys, _specs, _stored
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import AUTO, FLAT, LEAF, MASTER, MASTER_PREFIX, ParamLeaf, StateEntry
@@ -326,11 +326,11 @@ def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: lis
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
     """Every leaf's owner: `cfg.owners` (checked), or balanced over each owned leaf's state and master bytes."""
     if cfg.owners is not None:
-        return list(_owners.check_owners(cfg.owners, len(real), n, paths))
+        return list(_attribution.check_owners(cfg.owners, len(real), n, paths))
     costs = list(entries)
     if cfg.master_dtype is not None:
         costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
-    return _owners.owners_for_entries(costs, owned, n)
+    return _attribution.owners_for_entries(costs, owned, n)
 
 
 def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str, int]) -> tuple[StateEntry, ...]:
