@@ -130,11 +130,9 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
-    labels = _fusion.labels(treedef)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
+    ins, outs = _fusion.sources(traced, treedef, entries)
     try:
-        found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
-                                         out_sources=(labels, state_labels), collective=cfg.partition == AUTO)
+        found = _coupling.analyze_leaves(traced, sources=ins, out_sources=outs, collective=cfg.partition == AUTO)
     except _coupling.CouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
