@@ -23,9 +23,6 @@ from zero_optax.core._errors import ZeroCouplingError
 Taint = frozenset[int]
 _NONE: Taint = frozenset()
 
-CouplingError = ZeroCouplingError
-"""Raised where an update mixes parameter leaves or draws random numbers into parameter data."""
-
 
 @dataclasses.dataclass(frozen=True)
 class LeafAnalysis:
@@ -92,7 +89,7 @@ class Slices(NamedTuple):
 
 def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: frozenset[int] = frozenset(),
               scalar_leaves: frozenset[int] = frozenset()) -> Slices:
-    """What `fn` needs on coordinate slices; `CouplingError` where it mixes coordinates other than by full
+    """What `fn` needs on coordinate slices; `ZeroCouplingError` where it mixes coordinates other than by full
     reductions outside control flow (`untainted`, `scalar_leaves`: as for `_coordinate_facts`)."""
     closed = _programs.trace(fn, *args).closed
     analysis = _Analysis(strict=True, collective=True)
@@ -102,7 +99,7 @@ def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: 
 
 def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, sources: Any, out_sources: Any = None,
                    collective: bool = False) -> LeafAnalysis:
-    """Which labelled leaves `fn(*args)` mixes the coordinates of; `CouplingError` where it mixes two leaves or
+    """Which labelled leaves `fn(*args)` mixes the coordinates of; `ZeroCouplingError` where it mixes two leaves or
     random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
     an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
     traced = _programs.trace(fn, *args)
@@ -345,11 +342,8 @@ class _Analysis:
     def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
         """Whether `eqn` is a full reduction of values neither random nor position-dependent, outside control
         flow (where alone the evaluator reduces)."""
-        if not self.collective or _programs.collective_kind(eqn) is None or out.random is not None or out.control:
-            return False
-        if any(f.positional is not None for f in facts):
-            return False
-        return not self._in_control()
+        return (self.collective and _programs.collective_kind(eqn) is not None and out.random is None
+                and not out.control and all(f.positional is None for f in facts) and not self._in_control())
 
     def _in_control(self) -> bool:
         """Whether the equation at hand runs in a loop, or in a branch devices may not all take (no collective)."""
@@ -381,21 +375,21 @@ class _Analysis:
     def _couple(self, coords: Taint, eqns: Sequence[Any], reason: str) -> None:
         """Coordinates of the leaves `coords` are mixed, as `eqns[-1]` shows."""
         if self.strict:
-            raise CouplingError(_describe(eqns, reason))
+            raise ZeroCouplingError(_describe(eqns, reason))
         new = coords - self.reasons.keys()
         if new:
             message = _describe(eqns, reason)
             self.reasons.update((label, message) for label in new)
 
-    def _error(self, eqn: Any, reason: str) -> CouplingError:
-        return CouplingError(_describe([*self._stack, eqn], reason))
+    def _error(self, eqn: Any, reason: str) -> ZeroCouplingError:
+        return ZeroCouplingError(_describe([*self._stack, eqn], reason))
 
     @staticmethod
-    def _random(origin: _Origin, where: str) -> CouplingError:
+    def _random(origin: _Origin, where: str) -> ZeroCouplingError:
         """Refuses the random value made at `origin` because its values `where`."""
         things = "the numbers" if origin.number else "values derived from the key"
         why = "zero1 splits the update across devices, which would not draw what optax draws on one device"
-        return CouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: {why}"))
+        return ZeroCouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: {why}"))
 
     def _nested(self, eqn: Any, jaxpr: Any, facts: Sequence[_Fact]) -> list[_Fact]:
         """Runs a sub-jaxpr of `eqn` with `eqn` on the location stack."""

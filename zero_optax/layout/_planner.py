@@ -123,7 +123,7 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
                             if np.size(x) == 1)
         try:
             slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars)
-        except _coupling.CouplingError as e:
+        except ZeroCouplingError as e:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{e}.\n{FLAT_HELP.format(axis=axis)}") from None
@@ -133,7 +133,7 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     ins, outs = _fusion.sources(traced, treedef, entries)
     try:
         found = _coupling.analyze_leaves(traced, sources=ins, out_sources=outs, collective=cfg.partition == AUTO)
-    except _coupling.CouplingError as e:
+    except ZeroCouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
             f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws "
