@@ -157,15 +157,14 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     kept = frozenset(e.leaf for k, e in enumerate(entries)  # (they need an owner)
                      if e.leaf is not None and tuple(e.shape) != shapes[e.leaf] and k not in invariant)
     # An invariant entry's leaf is in `found.reductions`, so it makes the view joint unless it is owned already.
-    found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
-    return dataclasses.replace(found_, invariant=invariant)
+    coupled = found.coupled | kept
+    _check_reductions(cfg, found, coupled, state, entries)
+    return Coupling(coupled, bool(found.reductions - coupled) or bool(found.draws), invariant)
 
 
-def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
-                      ) -> Coupling:
+def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries) -> None:
     """`partition="auto"`: refuses full reductions that owned leaves would have to join."""
     axis = cfg.axes[0]
-    owned_reduced = found.reductions & coupled
     if found.crossing is not None and coupled and found.reductions:
         raise ZeroCouplingError(
             f"zero1(partition=\"auto\") cannot run this inner transformation: it applies {found.crossing}, "
@@ -187,7 +186,6 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
             f"tensors on an owner (the first applies "
             f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}). Use partition=\"flat\" with "
             f"an elementwise optimizer, or add the noise outside zero1.")
-    return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
 
 
 def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
@@ -292,7 +290,7 @@ def _tp_dims(cfg: Config, params, owned: list[bool], placement: list, paths: lis
     out: list[tuple[tuple[str, ...], ...]] = [()] * len(owned)
     if not need:
         return out
-    specs = _specs.declared() if _specs.declared() is not None else cfg.param_specs
+    specs = cfg.param_specs if _specs.DECLARED.get() is None else _specs.DECLARED.get()
     if specs is None:
         i = need[0]
         why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
