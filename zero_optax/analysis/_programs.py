@@ -89,12 +89,8 @@ def size(atom: Any) -> int:
 
 def subjaxprs(params: dict[str, Any]) -> list[Any]:
     """Every sub-jaxpr in an equation's params (ClosedJaxpr or Jaxpr, possibly in tuples), as found."""
-    found: list[Any] = []
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                found.append(item)
-    return found
+    return [item for value in params.values() for item in (value if isinstance(value, (tuple, list)) else (value,))
+            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr))]
 
 
 def call_body(eqn: Any) -> Any:
