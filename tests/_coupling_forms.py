@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zero_optax.analysis import _coupling, _programs
-from zero_optax.analysis._coupling import CouplingError
+from zero_optax.core._errors import ZeroCouplingError as CouplingError
 
 
 def find_coordinate_coupling(fn: Callable[..., Any], *args: Any, collective: bool = False) -> str | None:

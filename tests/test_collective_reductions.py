@@ -162,10 +162,10 @@ def test_offload_refuses_reductions():
 
 
 def test_collective_kind():
-    from zero_optax.analysis import _primitives
+    from zero_optax.analysis import _programs
 
     def kinds(fn, *args):
-        return [_primitives.collective_kind(e) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+        return [_programs.collective_kind(e) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
     x = jnp.ones((3, 4))
     assert "sum" in kinds(jnp.sum, x) and "max" in kinds(jnp.max, x) and "min" in kinds(jnp.min, x)
     assert "sum" in kinds(jnp.vdot, x, x)

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from tests._coupling_forms import find_coordinate_coupling, find_leaf_coupling, program_signature
-from zero_optax.analysis._coupling import CouplingError, analyze_leaves
+from zero_optax.analysis._coupling import analyze_leaves
+from zero_optax.core._errors import ZeroCouplingError as CouplingError
 
 PARAMS = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,)), "c": jnp.ones(())}
 BIG = {"a": jnp.ones((4, 3)), "d": jnp.ones((130, 129))}  # adafactor factors dims >= 128.

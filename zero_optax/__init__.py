@@ -30,8 +30,8 @@ from zero_optax.core._errors import (
     ZeroStructureError,
 )
 from zero_optax.core._version import __version__ as __version__
+from zero_optax.layout._attribution import balanced_owners
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._owners import balanced_owners
 from zero_optax.step._quantize import Quantize
 from zero_optax.step._reduce import reduce_gradients
 from zero_optax.layout._specs import state_specs

@@ -16,16 +16,12 @@ import jaxlib
 import numpy as np
 from jax.extend import core as jcore
 
-from zero_optax.analysis import _primitives as prim
 from zero_optax.analysis import _programs
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroCouplingError
 
 Taint = frozenset[int]
 _NONE: Taint = frozenset()
-
-CouplingError = ZeroCouplingError
-"""Raised where an update mixes parameter leaves or draws random numbers into parameter data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +75,7 @@ def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int] = fro
     """One label for every non-scalar input but the `untainted` ones (a PRNG key's data) and for the
     `scalar_leaves` (one-element parameter data)."""
     tainted, scalar = _Fact(frozenset({0}), frozenset({0})), _Fact(frozenset({0}))
-    return [tainted if prim.size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
+    return [tainted if _programs.size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
             for k, v in enumerate(closed.jaxpr.invars)]
 
 
@@ -93,7 +89,7 @@ class Slices(NamedTuple):
 
 def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: frozenset[int] = frozenset(),
               scalar_leaves: frozenset[int] = frozenset()) -> Slices:
-    """What `fn` needs on coordinate slices; `CouplingError` where it mixes coordinates other than by full
+    """What `fn` needs on coordinate slices; `ZeroCouplingError` where it mixes coordinates other than by full
     reductions outside control flow (`untainted`, `scalar_leaves`: as for `_coordinate_facts`)."""
     closed = _programs.trace(fn, *args).closed
     analysis = _Analysis(strict=True, collective=True)
@@ -103,14 +99,14 @@ def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: 
 
 def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, sources: Any, out_sources: Any = None,
                    collective: bool = False) -> LeafAnalysis:
-    """Which labelled leaves `fn(*args)` mixes the coordinates of; `CouplingError` where it mixes two leaves or
+    """Which labelled leaves `fn(*args)` mixes the coordinates of; `ZeroCouplingError` where it mixes two leaves or
     random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
     an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
     traced = _programs.trace(fn, *args)
     in_labels, out_labels = _programs.labels(traced, sources, out_sources)
     facts = []
     for var, lab in zip(traced.closed.jaxpr.invars, in_labels):
-        big = prim.size(var) > 1
+        big = _programs.size(var) > 1
         if lab is None:
             facts.append(_Fact(positional=_SHARED) if big else _CLEAN)
         else:
@@ -171,9 +167,9 @@ def _describe(eqns: Sequence[Any], reason: str) -> str:
 
 def _opaque(name: str) -> str:
     """What an opaque primitive is, as a phrase."""
-    if name in prim.KERNELS:
+    if name in _programs.KERNELS:
         return "an opaque kernel (custom call / Pallas) the analysis cannot see into"
-    if name in prim.CALLBACKS:
+    if name in _programs.CALLBACKS:
         return "a host callback the analysis cannot see into"
     return "a primitive the analysis does not know"
 
@@ -182,7 +178,7 @@ def _made_here(name: str) -> str:
     """What a position-dependent result of primitive `name` is, as a phrase."""
     if name in ("iota", "iota_2x32_shape"):
         return "makes a value that depends on array positions (`jnp.arange`, `jnp.indices`, a triangular mask, ...)"
-    if name in prim.POSITIONAL:
+    if name in _programs.POSITIONAL:
         return "builds an array whose values may depend on positions"
     return _opaque(name) + "; its result may depend on positions"
 
@@ -190,29 +186,29 @@ def _made_here(name: str) -> str:
 def _structural_violation(eqn: Any, tainted: Sequence[Any]) -> str | None:
     """Why a known first-order equation with the operands `tainted` mixes coordinates, or None."""
     name = eqn.primitive.name
-    out_size = prim.size(eqn.outvars[0]) if eqn.outvars else 0
-    if name in prim.ELEMENTWISE:
-        if any(prim.size(v) != out_size for v in tainted):
+    out_size = _programs.size(eqn.outvars[0]) if eqn.outvars else 0
+    if name in _programs.ELEMENTWISE:
+        if any(_programs.size(v) != out_size for v in tainted):
             return "broadcasts a parameter-derived value to a different number of elements"
         return None
     params = eqn.params
     operand = eqn.invars[0]
-    shape = prim.shape(operand)
+    shape = _programs.shape(operand)
     if name == "squeeze" or (name == "reshape" and params.get("dimensions") is None):
         return None  # row-major reshapes keep element order
     if name == "broadcast_in_dim":
-        if list(tainted) == [operand] and prim.size(operand) == out_size:
+        if list(tainted) == [operand] and _programs.size(operand) == out_size:
             return None  # only unit dimensions added
         return "broadcasts a parameter-derived value to a different number of elements"
     if name == "transpose":
         moved = [p for p in params["permutation"] if shape[p] != 1]
         return None if moved == sorted(moved) else "transposes a parameter-shaped value"
-    if name in prim.REDUCTIONS:
+    if name in _programs.REDUCTIONS:
         sizes = [shape[a] for a in params["axes"]]
         if all(s == 1 for s in sizes):
             return None
         return f"reduces a parameter-derived value over axes of sizes {sizes}"
-    if name in prim.CUMULATIVE:
+    if name in _programs.CUMULATIVE:
         size = shape[params["axis"]]
         return None if size == 1 else f"accumulates a parameter-derived value along an axis of size {size}"
     return "is not elementwise in a parameter-derived operand"
@@ -237,13 +233,13 @@ def _join(facts: Sequence[_Fact]) -> _Fact:
 
 def _fit(var: Any, fact: _Fact) -> _Fact:
     """`fact` for the value `var`: a value of at most one element is never position-dependent."""
-    if fact.positional is not None and prim.size(var) <= 1:
+    if fact.positional is not None and _programs.size(var) <= 1:
         return fact._replace(positional=None)
     return fact
 
 
 def _literal(atom: Any) -> _Fact:
-    return _Fact(positional=_LITERAL) if prim.size(atom) > 1 else _CLEAN
+    return _Fact(positional=_LITERAL) if _programs.size(atom) > 1 else _CLEAN
 
 
 def _key(facts: Sequence[_Fact]) -> list[tuple[Any, ...]]:
@@ -288,17 +284,17 @@ class _Analysis:
     def _equation(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:
         """The result facts of one equation."""
         name = eqn.primitive.name
-        if name in prim.SINKS:
+        if name in _programs.SINKS:
             return [_CLEAN] * len(eqn.outvars)
-        if name in prim.CONTROL:
+        if name in _programs.CONTROL:
             outs = {"cond": self._cond, "while": self._while, "scan": self._scan}[name](eqn, facts)
             if name == "cond":  # (the evaluator follows a leaf's coordinates through branches, not loops)
                 return outs
             return [f._replace(control=True) if self.collective and f.coords else f for f in outs]
-        body = prim.call_body(eqn)
+        body = _programs.call_body(eqn)
         if body is not None:
             return self._nested(eqn, body, facts)
-        if name in prim.PER_OPERAND_IDENTITY and len(facts) == len(eqn.outvars):
+        if name in _programs.PER_OPERAND_IDENTITY and len(facts) == len(eqn.outvars):
             return list(facts)
         return self._first_order(eqn, facts)
 
@@ -317,11 +313,11 @@ class _Analysis:
             return [_Fact(reduced=out.reduced | out.coords | out.labels)] * len(eqn.outvars)
         if out.coords:
             self._check_coordinates(eqn, facts, out.coords)
-        if name in prim.RANDOM:
-            number = name in prim.RANDOM_NUMBERS
+        if name in _programs.RANDOM:
+            number = name in _programs.RANDOM_NUMBERS
             what = "draws random numbers" if number else "makes or transforms a PRNG key"
             out = out._replace(random=_Origin(what, (*self._stack, eqn), number, name == "random_bits"))
-        elif out.positional is None and (name in prim.POSITIONAL or name not in prim.KNOWN):
+        elif out.positional is None and (name in _programs.POSITIONAL or name not in _programs.KNOWN):
             out = out._replace(positional=_Origin(_made_here(name), (*self._stack, eqn)))
         if out.random is not None:
             out = self._drawn(eqn, facts, out)
@@ -346,11 +342,8 @@ class _Analysis:
     def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
         """Whether `eqn` is a full reduction of values neither random nor position-dependent, outside control
         flow (where alone the evaluator reduces)."""
-        if not self.collective or prim.collective_kind(eqn) is None or out.random is not None or out.control:
-            return False
-        if any(f.positional is not None for f in facts):
-            return False
-        return not self._in_control()
+        return (self.collective and _programs.collective_kind(eqn) is not None and out.random is None
+                and not out.control and all(f.positional is None for f in facts) and not self._in_control())
 
     def _in_control(self) -> bool:
         """Whether the equation at hand runs in a loop, or in a branch devices may not all take (no collective)."""
@@ -361,7 +354,7 @@ class _Analysis:
         name = eqn.primitive.name
         chain = (*self._stack, eqn)
         positional = next((f.positional for f in facts if f.positional is not None), None)
-        if name not in prim.KNOWN:
+        if name not in _programs.KNOWN:
             self._couple(coords, chain, f"{_opaque(name)}; it consumes a parameter-derived value")
         elif positional is not None:
             wrong = "a coordinate slice would pair it with the wrong coordinates"
@@ -372,7 +365,7 @@ class _Analysis:
                 self._couple(coords, chain, f"combines a parameter-derived value with {positional.what}: {wrong}")
         else:
             reason = _structural_violation(eqn, [v for v, f in zip(eqn.invars, facts) if f.coords])
-            if reason is not None and self.collective and prim.collective_kind(eqn) is not None:
+            if reason is not None and self.collective and _programs.collective_kind(eqn) is not None:
                 reason += (" inside a loop (`while`, `scan`) or a branch on parameter data, or of a value computed "
                            "there: zero1 runs full reductions on slices as collectives only where every device "
                            "runs them")
@@ -382,21 +375,21 @@ class _Analysis:
     def _couple(self, coords: Taint, eqns: Sequence[Any], reason: str) -> None:
         """Coordinates of the leaves `coords` are mixed, as `eqns[-1]` shows."""
         if self.strict:
-            raise CouplingError(_describe(eqns, reason))
+            raise ZeroCouplingError(_describe(eqns, reason))
         new = coords - self.reasons.keys()
         if new:
             message = _describe(eqns, reason)
             self.reasons.update((label, message) for label in new)
 
-    def _error(self, eqn: Any, reason: str) -> CouplingError:
-        return CouplingError(_describe([*self._stack, eqn], reason))
+    def _error(self, eqn: Any, reason: str) -> ZeroCouplingError:
+        return ZeroCouplingError(_describe([*self._stack, eqn], reason))
 
     @staticmethod
-    def _random(origin: _Origin, where: str) -> CouplingError:
+    def _random(origin: _Origin, where: str) -> ZeroCouplingError:
         """Refuses the random value made at `origin` because its values `where`."""
         things = "the numbers" if origin.number else "values derived from the key"
         why = "zero1 splits the update across devices, which would not draw what optax draws on one device"
-        return CouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: {why}"))
+        return ZeroCouplingError(_describe(origin.eqns, f"{origin.what}, and {things} {where}: {why}"))
 
     def _nested(self, eqn: Any, jaxpr: Any, facts: Sequence[_Fact]) -> list[_Fact]:
         """Runs a sub-jaxpr of `eqn` with `eqn` on the location stack."""

@@ -26,7 +26,7 @@ from zero_optax.checkpoint import _arrays, _install, _paths, _record, _regions, 
 from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout import _owners
+from zero_optax.layout import _attribution
 from zero_optax.layout._stored import LEAF, ParamLeaf, StoredLayout, slot_count
 
 Progress = Callable[[int, int], None]
@@ -117,8 +117,8 @@ def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str,
                owners: Sequence[int] | None, specs: Specs, where: str) -> StoredLayout:
     """`old` on the target mesh: sliced leaves cut anew, owned leaves given `owners` (default: balanced)."""
     n, sizes = _target_sizes(old, world_size, axis_sizes, where)
-    owners = (_owners.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
-              else _owners.check_owners(owners, len(old.leaves), n, old.paths))
+    owners = (_attribution.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
+              else _attribution.check_owners(owners, len(old.leaves), n, old.paths))
     zero = old.axes
     leaves = []
     for x, o in zip(old.leaves, owners):

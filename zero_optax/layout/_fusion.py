@@ -26,9 +26,11 @@ parameters and pass the tree instead, e.g. `mask=jax.tree.map(lambda x: x.ndim >
 partition="leaf" (or "auto"), which gives the inner transformation whole parameters."""
 
 
-def labels(treedef):
-    """The parameter tree with each leaf replaced by its index."""
-    return jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+def sources(traced: _programs.Traced, treedef, entries: tuple[StateEntry, ...]) -> tuple[tuple, tuple]:
+    """`sources` and `out_sources` of the traced update for the analyses: leaf indices, the entries' leaves."""
+    leaves = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    state = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
+    return (leaves, state, leaves, None), (leaves, state)
 
 
 def _shape_error(path: str, real: tuple[str, ...], part: tuple[str, ...]) -> ZeroCouplingError:
@@ -59,11 +61,9 @@ FUSE_BYTES = 1 << 14
 
 def leaf_programs(traced: _programs.Traced, treedef, entries: tuple[StateEntry, ...],
                   names: dict[str, str], reductions: bool = False) -> dict[int | None, tuple[str, ...]]:
-    """Each leaf's program in the update traced on the parameters; key None the shared state's."""
-    leaf_labels = labels(treedef)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(traced.args[1]), [e.leaf for e in entries])
-    return _programs.leaf_programs(traced, sources=(leaf_labels, state_labels, leaf_labels, None),
-                                   out_sources=(leaf_labels, state_labels), names=names, collective=reductions)
+    """Each leaf's program in the traced update (on the parameters, or on a view); key None the shared state's."""
+    ins, outs = sources(traced, treedef, entries)
+    return _programs.leaf_programs(traced, sources=ins, out_sources=outs, names=names, collective=reductions)
 
 
 def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -160,24 +160,18 @@ def _view_programs(views: Views, groups: list[list[int]]) -> dict[int | None, tu
     """The programs on one view of the sliced leaves, each group's first member holding all its members' slots."""
     cfg, treedef, leaves = views.cfg, views.treedef, views.leaves
     structs: list[Any] = [optax.MaskedNode()] * len(leaves)
-    labels: list[Any] = [optax.MaskedNode()] * len(leaves)
     for members in groups:
         first = members[0]
         structs[first] = jax.ShapeDtypeStruct((sum(leaves[i].slots for i in members),),
                                               cfg.inner_dtype(leaves[first].dtype))
-        labels[first] = first
     tree = jax.tree_util.tree_unflatten(treedef, structs)
-    label_tree = jax.tree_util.tree_unflatten(treedef, labels)
     try:
         entries, marked = _attribution.discover_entries(cfg.inner.init, treedef, structs,
-                                                   sliced=[m[0] for m in groups])
+                                                        sliced=[m[0] for m in groups])
         state = jax.tree.unflatten(jax.tree.structure(marked), [jax.ShapeDtypeStruct(e.shape, e.dtype)
                                                                 for e in entries])
-        state_labels = jax.tree.unflatten(jax.tree.structure(marked), [e.leaf for e in entries])
-        return _programs.leaf_programs(_inner.update_fn(cfg.inner), tree, state, tree, views.extra,
-                                       sources=(label_tree, state_labels, label_tree, None),
-                                       out_sources=(label_tree, state_labels), names=views.names,
-                                       collective=views.reductions)
+        traced = _programs.trace(_inner.update_fn(cfg.inner), tree, state, tree, views.extra)
+        return leaf_programs(traced, treedef, entries, views.names, views.reductions)
     except ZeroError:
         raise
     except Exception as e:  # the user's transformation failed: refused, naming its error

@@ -17,7 +17,7 @@ from zero_optax.core._errors import (
     ZeroCouplingError,
     ZeroStructureError,
 )
-from zero_optax.layout import _attribution, _fusion, _keys, _owners, _specs, _stored
+from zero_optax.layout import _attribution, _fusion, _keys, _specs, _stored
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import AUTO, FLAT, LEAF, MASTER, MASTER_PREFIX, ParamLeaf, StateEntry
@@ -123,19 +123,17 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
                             if np.size(x) == 1)
         try:
             slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars)
-        except _coupling.CouplingError as e:
+        except ZeroCouplingError as e:
             raise ZeroCouplingError(
                 f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
                 f"{e}.\n{FLAT_HELP.format(axis=axis)}") from None
         return Coupling(frozenset(), slices.joint,
                         frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
     n_leaves = treedef.num_leaves
-    labels = _fusion.labels(treedef)
-    state_labels = jax.tree_util.tree_unflatten(jax.tree.structure(state), [e.leaf for e in entries])
+    ins, outs = _fusion.sources(traced, treedef, entries)
     try:
-        found = _coupling.analyze_leaves(traced, sources=(labels, state_labels, labels, None),
-                                         out_sources=(labels, state_labels), collective=cfg.partition == AUTO)
-    except _coupling.CouplingError as e:
+        found = _coupling.analyze_leaves(traced, sources=ins, out_sources=outs, collective=cfg.partition == AUTO)
+    except ZeroCouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
             f"applies {e}. Either it combines several parameter leaves (a global norm, for example), or it draws "
@@ -159,15 +157,14 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     kept = frozenset(e.leaf for k, e in enumerate(entries)  # (they need an owner)
                      if e.leaf is not None and tuple(e.shape) != shapes[e.leaf] and k not in invariant)
     # An invariant entry's leaf is in `found.reductions`, so it makes the view joint unless it is owned already.
-    found_ = _check_reductions(cfg, found, frozenset(found.coupled | kept), state, entries)
-    return dataclasses.replace(found_, invariant=invariant)
+    coupled = found.coupled | kept
+    _check_reductions(cfg, found, coupled, state, entries)
+    return Coupling(coupled, bool(found.reductions - coupled) or bool(found.draws), invariant)
 
 
-def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries
-                      ) -> Coupling:
+def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries) -> None:
     """`partition="auto"`: refuses full reductions that owned leaves would have to join."""
     axis = cfg.axes[0]
-    owned_reduced = found.reductions & coupled
     if found.crossing is not None and coupled and found.reductions:
         raise ZeroCouplingError(
             f"zero1(partition=\"auto\") cannot run this inner transformation: it applies {found.crossing}, "
@@ -189,7 +186,6 @@ def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: froze
             f"tensors on an owner (the first applies "
             f"{found.reasons.get(min(coupled), 'state that is not per coordinate')}). Use partition=\"flat\" with "
             f"an elementwise optimizer, or add the noise outside zero1.")
-    return Coupling(coupled, bool(found.reductions - owned_reduced) or bool(found.draws))
 
 
 def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], owned: list[bool], slots: list[int],
@@ -294,7 +290,7 @@ def _tp_dims(cfg: Config, params, owned: list[bool], placement: list, paths: lis
     out: list[tuple[tuple[str, ...], ...]] = [()] * len(owned)
     if not need:
         return out
-    specs = _specs.declared() if _specs.declared() is not None else cfg.param_specs
+    specs = cfg.param_specs if _specs.DECLARED.get() is None else _specs.DECLARED.get()
     if specs is None:
         i = need[0]
         why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
@@ -326,11 +322,11 @@ def _entries_on_slices(cfg: Config, treedef, mixed: list, real_state, owned: lis
 def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: list[str]) -> list[int | None]:
     """Every leaf's owner: `cfg.owners` (checked), or balanced over each owned leaf's state and master bytes."""
     if cfg.owners is not None:
-        return list(_owners.check_owners(cfg.owners, len(real), n, paths))
+        return list(_attribution.check_owners(cfg.owners, len(real), n, paths))
     costs = list(entries)
     if cfg.master_dtype is not None:
         costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
-    return _owners.owners_for_entries(costs, owned, n)
+    return _attribution.owners_for_entries(costs, owned, n)
 
 
 def _master_entries(cfg: Config, leaves: tuple[ParamLeaf, ...], sizes: dict[str, int]) -> tuple[StateEntry, ...]:

@@ -17,22 +17,18 @@ from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import ParamLeaf
 from zero_optax.layout._state import SlicedState, ZeroState, is_state
 
-_DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
+DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
+"""The parameters' `PartitionSpec`s that `declared_specs` declares, or None."""
 
 
 @contextlib.contextmanager
 def declared_specs(specs: Any):
     """While active, `init` reads the parameters' `PartitionSpec`s, which a `shard_map` body cannot know, here."""
-    token = _DECLARED.set(specs)
+    token = DECLARED.set(specs)
     try:
         yield
     finally:
-        _DECLARED.reset(token)
-
-
-def declared() -> Any:
-    """The specs `declared_specs` declares, or None."""
-    return _DECLARED.get()
+        DECLARED.reset(token)
 
 
 def context_mesh() -> Any:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zero_optax.analysis import _primitives, _programs
+from zero_optax.analysis import _programs
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroCouplingError
 from zero_optax.layout._stored import ParamLeaf
@@ -172,7 +172,7 @@ def _one(tags: Sequence[Any]) -> Any:
 
 def _draws(eqn) -> bool:
     """Whether `eqn` draws random numbers (`random_bits`), itself or in a program it calls."""
-    subs = _primitives.subjaxprs(eqn.params)
+    subs = _programs.subjaxprs(eqn.params)
     return eqn.primitive.name == "random_bits" or any(_program_draws(_compat.jaxpr_parts(sub)[0]) for sub in subs)
 
 
@@ -196,7 +196,7 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]
     """One equation's results and their tags (a result holds the coordinates of a tagged operand of its size)."""
     if eqn.primitive.name in _compat.CALLS or eqn.primitive.name == "cond":
         return _programs_tagged(eqn, ins, in_tags, axes)
-    kind = _primitives.collective_kind(eqn)
+    kind = _programs.collective_kind(eqn)
     if kind is not None:
         where = next(t for t in in_tags if t is not None)
         ins = [without_padding(x, where, kind) for x in ins]  # (a dot's operands both: 0 * inf is nan)
