@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.checkpoint import _arrays, _install, _paths, _record, _regions, _restore, _schema, _shapes, _store
+from zero_optax.checkpoint import _arrays, _install, _paths, _record, _regions, _restore, _schema, _store
 from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
@@ -215,15 +215,17 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
            layouts: list[StoredLayout], specs: list[Specs], progress: Progress | None) -> None:
     """Writes every array of `layouts` into `dst`, then the record, then the commit file."""
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
+    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
     done = 0
     with _store.ItemWriter(dst) as writer:
         plans = []
-        for old, lay, arrays, values, spec in zip(saved.states, layouts, outputs, shared, specs):
+        for old, lay, arrays, values, spec, state in zip(saved.states, layouts, outputs, shared, specs, states):
             remap = _regions.Remap(old, lay, store.read, values, f"state {old.index}", spec)
+            copy = {_record.SHAPES_KEY: _record.shapes_table(state)}
             for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks, None if i else {_shapes.KEY: _shapes.describe(lay)})
+                writer.create(a.name, a.shape, a.dtype, chunks, None if i else copy)
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _chunk_regions(a.shape, chunks):
@@ -232,7 +234,6 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                 done += data.nbytes
                 if progress is not None:
                     progress(done, total)
-    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
     _install.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
 
