@@ -199,10 +199,9 @@ def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str 
         name = c.str(pair[0], f"{f}.{field}[{i}][0]")
         if name in zero or name in axes:
             c.fail(f"{f}.{field}[{i}][0]", f"repeats the axis `{name}`")
-        axes[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
-    for i, name in enumerate(axes):
         if name in (mesh or {}):
             c.fail(f"{f}.{field}[{i}][0]", f"names `{name}`, which is one of `mesh_axes`")
+        axes[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
     return axes
 
 
