@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _arrays, _install, _paths, _store
+from zero_optax.checkpoint import _arrays, _paths, _store
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
@@ -165,12 +165,12 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, its size, syntax, format and version checked (its fields: `_schema`);
-    on object stores also that the directory was marked finished (`_install`)."""
+    on object stores also that the directory was marked finished (`_paths`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     with _paths.reading(path):
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
-        _install.check(path.parent)
+        _paths.check(path.parent)
         if not path.exists():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
                                       "missing.")
