@@ -202,11 +202,8 @@ def mark(path: epath.Path) -> None:
 def retract(path: epath.Path) -> None:
     """Deletes the checkpoint at `path`, its commit file and then its record first, so no reader takes it for one."""
     for name in (COMMIT_FILE, _names.RECORD_FILE):
-        target = path / name
-        if target.exists():
-            target.unlink()
-    if path.exists():
-        path.rmtree()
+        (path / name).unlink(missing_ok=True)
+    path.rmtree(missing_ok=True)
 
 
 def overlap(a: Any, b: Any) -> bool:
