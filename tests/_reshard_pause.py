@@ -11,7 +11,7 @@ import importlib
 import sys
 import time
 
-from zero_optax.checkpoint import _install, _record, _store
+from zero_optax.checkpoint import _paths, _record, _store
 
 cli = importlib.import_module("zero_optax.reshard")  # the module (`zero_optax.reshard` is also the function)
 
@@ -50,7 +50,7 @@ if __name__ == "__main__":
     elif point == "record":
         _after(_record, "write")
     elif point == "retracted":
-        _after(_install, "retract")
+        _after(_paths, "retract")
     else:
         raise SystemExit(f"unknown pause point {point!r}")
     sys.exit(cli.main(sys.argv[1:]))

@@ -34,7 +34,7 @@ from tests import test_checkpoint_auto as auto_test
 from tests import test_reshard as R
 from tests.test_auto import PARAMS, muon_recipe
 from tests.test_master import bf16_grads, reference
-from zero_optax.checkpoint import _install, _record
+from zero_optax.checkpoint import _paths, _record
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -169,7 +169,7 @@ def items(gcs, tmp_path_factory):
 
 def test_commit_file_is_orbaxs():
     from orbax.checkpoint._src.path import atomicity_types  # pylint: disable=import-outside-toplevel
-    assert _install.COMMIT_FILE == atomicity_types.COMMIT_SUCCESS_FILE
+    assert _paths.COMMIT_FILE == atomicity_types.COMMIT_SUCCESS_FILE
 
 
 @pytest.mark.parametrize("name", SETUPS)
@@ -190,7 +190,7 @@ def test_checkpoint_manager_on_gs_equals_local_disk_and_continues(gcs, tmp_path,
         assert remote.all_steps() == local.all_steps() == [t]
         objects = gcs.objects(key(root) + "/")
         assert all(o.startswith(f"{key(root)}/{t}/") for o in objects), objects  # earlier steps deleted
-        assert {f"{key(root)}/{t}/{_install.COMMIT_FILE}", f"{key(root)}/{t}/opt_state/{_install.COMMIT_FILE}",
+        assert {f"{key(root)}/{t}/{_paths.COMMIT_FILE}", f"{key(root)}/{t}/opt_state/{_paths.COMMIT_FILE}",
                 f"{key(root)}/{t}/opt_state/zero_record.json"} <= set(objects)
         R.assert_same_checkpoint(f"{root}/{t}/opt_state", tmp_path / str(t) / "opt_state")
         assert _record.read(f"{root}/{t}/opt_state")["storage"] == "orbax"
@@ -233,7 +233,7 @@ def assert_resharded(gcs, dst: str, name: str, items, oracle_root: str) -> None:
     want = local_oracle(oracle_root, name, items[name][0], setup.m)
     R.assert_same_checkpoint(dst, want)
     if dst.startswith("gs://"):
-        assert f"{key(dst)}/{_install.COMMIT_FILE}" in gcs.objects(key(dst) + "/")
+        assert f"{key(dst)}/{_paths.COMMIT_FILE}" in gcs.objects(key(dst) + "/")
     target = setup.target(setup.m)
     got = orbax_restore(dst, target)
     zs.assert_bit_equal(got, orbax_restore(want, target))
@@ -299,14 +299,14 @@ def test_a_gs_checkpoint_without_its_commit_file_is_refused(gcs):
         mngr.save(1, args=ocp.args.Composite(opt_state=zo.ZeroSave(_final("leaf")[2])))
         mngr.wait_until_finished()
     item = f"{root}/1/opt_state"
-    epath.Path(item, _install.COMMIT_FILE).unlink()
+    epath.Path(item, _paths.COMMIT_FILE).unlink()
     refused_by_every_reader(item)
     target = SETUPS["leaf"].target(SETUPS["leaf"].n)
     with ocp.CheckpointManager(root) as mngr:  # the step is still marked finished; the item is not
         assert mngr.all_steps() == [1]
         with pytest.raises(zo.ZeroCheckpointError, match="commit_success.txt is missing"):
             mngr.restore(1, args=ocp.args.Composite(opt_state=zo.ZeroRestore(target)))
-    epath.Path(root, "1", _install.COMMIT_FILE).unlink()
+    epath.Path(root, "1", _paths.COMMIT_FILE).unlink()
     with ocp.CheckpointManager(root) as mngr:
         assert mngr.all_steps() == []
 
@@ -323,7 +323,7 @@ def test_existing_destination_refused_unless_force(gcs, items, oracle_root):
     assert _record.read(dst)["states"][0]["world_size"] == 2
     zo.reshard(remote, dst, world_size=SETUPS[name].m, force=True)
     assert_resharded(gcs, dst, name, items, oracle_root)
-    fixed = {f"{key(dst)}/{f}" for f in ("manifest.ocdbt", "zero_record.json", _install.COMMIT_FILE)}
+    fixed = {f"{key(dst)}/{f}" for f in ("manifest.ocdbt", "zero_record.json", _paths.COMMIT_FILE)}
     assert set(gcs.objects(key(dst) + "/")) & set(before) <= fixed  # the old data files (random names) are gone
     for bad in (remote, remote.rsplit("/", 1)[0]):  # force would delete the source first
         with pytest.raises(zo.ZeroCheckpointError, match="must not be .* or lie inside or around it"):
@@ -371,7 +371,7 @@ def test_reshard_killed_midway_leaves_no_checkpoint(gcs, tmp_path, items, oracle
                 assert written and f"{key(dst)}/zero_record.json" not in written  # arrays half-written
             if point == "record":
                 assert f"{key(dst)}/zero_record.json" in written  # only the commit file is missing
-            assert f"{key(dst)}/{_install.COMMIT_FILE}" not in written
+            assert f"{key(dst)}/{_paths.COMMIT_FILE}" not in written
         else:
             assert not os.path.exists(dst)
         refused_by_every_reader(dst, name)
@@ -380,7 +380,7 @@ def test_reshard_killed_midway_leaves_no_checkpoint(gcs, tmp_path, items, oracle
         time.sleep(0.002)
     plain.kill()
     plain.communicate(timeout=60)
-    if f"{key(plain_dst)}/{_install.COMMIT_FILE}" in gcs.objects(key(plain_dst) + "/"):
+    if f"{key(plain_dst)}/{_paths.COMMIT_FILE}" in gcs.objects(key(plain_dst) + "/"):
         assert_resharded(gcs, plain_dst, name, items, oracle_root)
     else:
         refused_by_every_reader(plain_dst, name)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero_optax as zo
 from tests import _harness as h
-from zero_optax.checkpoint import _install, _record, _store
+from zero_optax.checkpoint import _paths, _record, _store
 from zero_optax.core import _names
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,7 +287,7 @@ def test_output_is_flushed_before_it_is_renamed_into_place(root, tmp_path, monke
     if force:
         zo.reshard(src, dst, world_size=2)
     events = []
-    fsync_tree, fsync_path, renameat2, rename = _install.fsync_tree, _install.fsync_path, _install.renameat2, os.rename
+    fsync_tree, fsync_path, renameat2, rename = _paths.fsync_tree, _paths.fsync_path, _paths.renameat2, os.rename
 
     def spy_tree(path):
         events.append(("fsync_tree", path, files(path)))
@@ -300,16 +300,16 @@ def test_output_is_flushed_before_it_is_renamed_into_place(root, tmp_path, monke
     def spy_renameat2(a, b, flags):
         done = exchange and renameat2(a, b, flags)
         if done:
-            events.append(("exchange" if flags == _install._RENAME_EXCHANGE else "rename", a, b))
+            events.append(("exchange" if flags == _paths._RENAME_EXCHANGE else "rename", a, b))
         return done
 
     def spy_rename(a, b):
         events.append(("rename", os.fspath(a), os.fspath(b)))
         rename(a, b)
 
-    monkeypatch.setattr(_install, "fsync_tree", spy_tree)
-    monkeypatch.setattr(_install, "fsync_path", spy_path)
-    monkeypatch.setattr(_install, "renameat2", spy_renameat2)
+    monkeypatch.setattr(_paths, "fsync_tree", spy_tree)
+    monkeypatch.setattr(_paths, "fsync_path", spy_path)
+    monkeypatch.setattr(_paths, "renameat2", spy_renameat2)
     monkeypatch.setattr(os, "rename", spy_rename)
     zo.reshard(src, dst, world_size=3, force=force)
     tmp = events[0][1]

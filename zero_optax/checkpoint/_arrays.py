@@ -133,31 +133,25 @@ def state_values(state: ZeroState) -> list[Any]:
     per_entry = _transfer.unowned(state)
     values = [per_entry[j] for j in unowned_entries(state.layout)]
     values += [state.buffers[d] for d in sorted(state.buffers)]
-    return values + ([] if state.local is None else jax.tree.leaves(state.local))
+    return values + jax.tree.leaves(state.local)
 
 
 def target_structs(state: ZeroState) -> list[jax.ShapeDtypeStruct]:
     """Shape, dtype and sharding of every array `stored_arrays` lists, for restoring into `state` (or abstract)."""
     def struct(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    layout = state.layout
     shardings = _transfer.sliced_shardings(state)
     shared = shared_arrays(canonical(state))
-    out = []
-    for j in unowned_entries(layout):
-        if j in shared:
-            out.append(struct(shared[j]))
-        else:
-            e, leaf = layout.entries[j], layout.leaves[layout.entries[j].leaf]
-            out.append(jax.ShapeDtypeStruct((leaf.blocks * leaf.group * leaf.slots,), e.dtype, sharding=shardings[j]))
+    out = [struct(shared[a.entry]) if a.entry in shared else
+           jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[a.entry])
+           for a in stored_arrays(state.layout, 0) if a.entry is not None]
     rest = [state.buffers[d] for d in sorted(state.buffers)] + jax.tree.leaves(state.local)
     return out + [struct(x) for x in rest]
 
 
 def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     """A state like `template` holding `values` (in `stored_arrays` order), each in `template`'s memory kinds."""
-    layout = template.layout
-    unowned = unowned_entries(layout)
+    unowned = unowned_entries(template.layout)
     inner, master = _transfer.stored(template, dict(zip(unowned, values)))
     inner = inner._replace(shared=_placed_like(inner.shared, template.inner_state.shared))
     n = len(unowned)
@@ -165,7 +159,7 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     buffers = _placed_like(dict(zip(sorted(template.buffers), values[n:n + n_buffers])), template.buffers)
     local = _placed_like(jax.tree.unflatten(jax.tree.structure(template.local), values[n + n_buffers:]),
                          template.local)  # None without local accumulators
-    return ZeroState(inner, buffers, master, layout, local)
+    return ZeroState(inner, buffers, master, template.layout, local)
 
 
 def _placed_like(tree: Any, template: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _arrays, _paths, _record, _restore, _schema, _shapes
+from zero_optax.checkpoint import _arrays, _paths, _record, _restore, _schema
 from zero_optax.core._errors import ZeroCheckpointError
 
 
@@ -53,16 +53,6 @@ def save_plan(tree: Any) -> SavePlan:
             arrays[spec.name] = value
         states.append(_record.state_record(layout, k, _record.read_clocks(state)))
     return SavePlan(arrays, _record.new_record(parts.signature, states, _record.STORAGE_ORBAX))
-
-
-def _run_sync(coro) -> Any:
-    """Runs a coroutine to completion, also from inside a running event loop (a notebook)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -125,7 +115,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         path = _paths.as_path(directory)
         _paths.check_writable(path)
         plan = save_plan(args.item)
-        futures = list(await self._impl.async_save(path, args=_shapes.pytree_save(plan.arrays, plan.record)) or [])
+        futures = list(await self._impl.async_save(path, args=_record.pytree_save(plan.arrays, plan.record)) or [])
         if ocp.utils.is_primary_host(self._primary_host):
             async def write_record():
                 _record.write(path, plan.record)
@@ -134,12 +124,18 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         return futures
 
     def save(self, directory: Any, item: Any = None, args: ZeroSave | None = None) -> None:
-        """Saves synchronously."""
+        """Saves synchronously, also from inside a running event loop (a notebook)."""
         async def run():
             for f in await self.async_save(directory, item, args) or []:
                 f.result()
 
-        _run_sync(run())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(run())
+            return
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, run()).result()
 
     def restore(self, directory: Any, item: Any = None, args: ZeroRestore | None = None) -> Any:
         """Restores into the structure, layouts and shardings of `args.target`, after validating everything.

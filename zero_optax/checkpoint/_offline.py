@@ -2,7 +2,7 @@
 
 Every array of the new layout is written chunk by chunk from `_regions.Remap`, as zarr3 over OCDBT by TensorStore
 alone (Orbax's own metadata can only come from whole `jax.Array`s). The result appears atomically: by a rename on a
-local file system, on `gs://` by Orbax's commit file, written last (both `_install`).
+local file system, on `gs://` by Orbax's commit file, written last (both `_paths`).
 
 Examples:
   >>> from zero_optax.checkpoint import _offline
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zero_optax.checkpoint import _arrays, _install, _paths, _record, _regions, _restore, _schema, _shapes, _store
+from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _restore, _schema, _store
 from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
@@ -215,15 +215,17 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
            layouts: list[StoredLayout], specs: list[Specs], progress: Progress | None) -> None:
     """Writes every array of `layouts` into `dst`, then the record, then the commit file."""
     outputs = [_arrays.stored_arrays(x, k) for k, x in enumerate(layouts)]
+    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for arrays in outputs for a in arrays)
     done = 0
     with _store.ItemWriter(dst) as writer:
         plans = []
-        for old, lay, arrays, values, spec in zip(saved.states, layouts, outputs, shared, specs):
+        for old, lay, arrays, values, spec, state in zip(saved.states, layouts, outputs, shared, specs, states):
             remap = _regions.Remap(old, lay, store.read, values, f"state {old.index}", spec)
+            copy = {_record.SHAPES_KEY: _record.shapes_table(state)}
             for i, a in enumerate(arrays):
                 chunks = _chunks(a, lay)
-                writer.create(a.name, a.shape, a.dtype, chunks, None if i else {_shapes.KEY: _shapes.describe(lay)})
+                writer.create(a.name, a.shape, a.dtype, chunks, None if i else copy)
                 plans.append((remap, a, chunks))
         for remap, a, chunks in plans:
             for region in _chunk_regions(a.shape, chunks):
@@ -232,9 +234,8 @@ def _write(dst: Any, saved: _schema.Saved, store: _store.ItemArrays, shared: lis
                 done += data.nbytes
                 if progress is not None:
                     progress(done, total)
-    states = [_record.state_record(lay, k, old.clocks) for k, (old, lay) in enumerate(zip(saved.states, layouts))]
     _record.write(dst, _record.new_record(saved.tree, states, _record.STORAGE_TENSORSTORE))
-    _install.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
+    _paths.mark(_paths.as_path(dst))  # last: what Orbax's and zero_optax's readers take as finished
 
 
 def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
@@ -280,8 +281,8 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
     if axis_sizes is not None:
         axis_sizes = _check_axis_sizes(axis_sizes)
     if dst.exists() and not force:
-        raise _install.already_exists(dst)
-    if not _paths.is_local(dst) and force and _install.overlap(src, dst):
+        raise _paths.already_exists(dst)
+    if not _paths.is_local(dst) and force and _paths.overlap(src, dst):
         raise ZeroCheckpointError(
             f"{dst}: on an object store, replacing a checkpoint deletes it before the new one is written, so the "
             f"destination must not be {src} or lie inside or around it; write to another directory.")
@@ -295,14 +296,14 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
                for s, p, o in zip(saved.states, specs, per_state)]
     if not _paths.is_local(dst):
         if force and dst.exists():
-            _install.retract(dst)
+            _paths.retract(dst)
         _write(dst, saved, store, shared, layouts, specs, progress)
         return
-    tmp = _install.temporary_sibling(str(dst), "reshard")
+    tmp = _paths.temporary_sibling(str(dst), "reshard")
     try:
         _write(tmp, saved, store, shared, layouts, specs, progress)
-        _install.install(tmp, str(dst), force)
+        _paths.install(tmp, str(dst), force)
     except FileExistsError:
-        raise _install.already_exists(dst) from None
+        raise _paths.already_exists(dst) from None
     finally:
-        _install.remove(tmp)
+        _paths.remove(tmp)

@@ -141,6 +141,7 @@ def _sources(where: str, m: Migration, records: Sequence[RankRecord]) -> list[Ra
         if not isinstance(s, (int, np.integer)) or not 0 <= s < len(records):
             raise _Error(f"{where}: source index {s!r} is out of range for {len(records)} records.")
     group = [records[s] for s in m.sources]
+    first, seen = m.sources[0], {}
     for s, rec in zip(m.sources, group):
         if m.param not in rec.params:
             raise _Error(f"{where}: source records[{s}] (rank {rec.rank}) lacks the parameter.")
@@ -149,18 +150,14 @@ def _sources(where: str, m: Migration, records: Sequence[RankRecord]) -> list[Ra
                          f"world size {rec.world_size}; name exactly one record per rank of that group.")
         if not 0 <= rec.rank < rec.world_size:
             raise _Error(f"{where}: records[{s}] has rank {rec.rank}, out of range for world size {rec.world_size}.")
-    seen: dict[int, int] = {}
-    for s, rec in zip(m.sources, group):
         if rec.rank in seen:
             raise _Error(f"{where}: records[{seen[rec.rank]}] and records[{s}] both hold rank {rec.rank}: repeated "
                          "source ranks.")
         seen[rec.rank] = s
-    first, a = m.sources[0], group[0].params[m.param]
-    size = math.prod(a.shape)
-    for s, rec in zip(m.sources, group):
         if diff := clock_difference(group[0].clocks, rec.clocks):
             raise _Error(f"{where}: clocks differ between sources records[{first}] and records[{s}]: {diff}.")
-        b = rec.params[m.param]
+        a, b = group[0].params[m.param], rec.params[m.param]
+        size = math.prod(a.shape)
         if set(b.buffers) != set(a.buffers):
             raise _Error(f"{where}: optional buffers differ between sources: records[{first}] has "
                          f"{sorted(a.buffers)}, records[{s}] has {sorted(b.buffers)}.")

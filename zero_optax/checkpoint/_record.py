@@ -24,6 +24,17 @@ the offline `zo.reshard`), under the same names. The record (format version 2)::
 
 Shapes are local blocks. Nothing is pickled, and `_schema` checks every field before anything is read. Optional
 fields are written only where used, so records without them stay byte-identical to format 2's.
+
+Two record fields reach no array: a leaf's shape where only its size matters (`[5, 3]` and `[15]` store the same
+history), and an owned entry's shape that ends a packed buffer short of its size. So every checkpoint also keeps
+a copy of all leaf and entry shapes (`shapes_table`) where editing the record alone does not reach: Orbax's
+`_METADATA` (`custom_metadata`), or for `zo.reshard`'s output the zarr3 `attributes` of each state's first array.
+Checkpoints of 0.2.0 lack the copy.
+
+Examples:
+  >>> from zero_optax.checkpoint import _record
+  >>> _record.shapes_table({"leaves": [{"shape": [5, 3]}, {"shape": []}], "entries": [{"shape": [2]}]})
+  {'leaves': [[5, 3], []], 'entries': [[2]]}
 """
 
 from __future__ import annotations
@@ -34,8 +45,9 @@ import re
 from typing import Any
 
 import numpy as np
+import orbax.checkpoint as ocp
 
-from zero_optax.checkpoint import _arrays, _install, _paths
+from zero_optax.checkpoint import _arrays, _paths, _store
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
@@ -50,6 +62,10 @@ MAX_RECORD_BYTES = 64 << 20
 """Records larger than this are refused before they are read (a 1024-device, 1000-leaf record is about 1 MB)."""
 MAX_DEPTH = 16
 """JSON nesting deeper than this is refused before parsing (the format nests 7 levels)."""
+SHAPES_KEY = "zero_optax_shapes"
+"""The key of the copy of the shapes in Orbax's `custom_metadata` and in a zarr3 array's `attributes`."""
+ORBAX_METADATA = "_METADATA"
+"""Orbax's metadata file of a PyTree item (`tree_metadata`, `custom_metadata`, ...)."""
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _OPTIONAL = ("local", "dims", "key_impl")
 
@@ -149,12 +165,12 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
 
 def read(directory: Any) -> dict[str, Any]:
     """The record of an item directory, its size, syntax, format and version checked (its fields: `_schema`);
-    on object stores also that the directory was marked finished (`_install`)."""
+    on object stores also that the directory was marked finished (`_paths`)."""
     path = _paths.as_path(directory) / _names.RECORD_FILE
     with _paths.reading(path):
         if not path.parent.is_dir():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: no such directory.")
-        _install.check(path.parent)
+        _paths.check(path.parent)
         if not path.exists():
             raise ZeroCheckpointError(f"{path.parent} is not a zero_optax checkpoint: {_names.RECORD_FILE} is "
                                       "missing.")
@@ -173,3 +189,71 @@ def short(x: Any) -> str:
     except (TypeError, ValueError):
         s = repr(x)
     return s if len(s) < 200 else s[:197] + "..."
+
+
+def shapes_table(state: dict[str, Any]) -> dict[str, list]:
+    """The copy of a state's record (JSON): the shapes of its leaves and of its entries."""
+    return {field: [list(x["shape"]) for x in state[field]] for field in ("leaves", "entries")}
+
+
+def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTreeSave:
+    """Orbax's save arguments for the arrays of `record`, with the copy in `custom_metadata`."""
+    return ocp.args.PyTreeSave(arrays, custom_metadata={SHAPES_KEY: [shapes_table(s) for s in record["states"]]})
+
+
+def _json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_RECORD_BYTES:
+        raise ZeroCheckpointError(f"{where} is {len(data)} bytes, more than zero_optax reads "
+                                  f"({MAX_RECORD_BYTES}); the checkpoint is damaged.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ZeroCheckpointError(f"{where} is not valid JSON ({type(e).__name__}); the checkpoint is damaged.") \
+            from None
+
+
+def stored_shapes(directory, saved, store: _store.ItemArrays) -> list[Any]:
+    """The copy of every state's shapes kept with the arrays (None for a state, or all, where there is none)."""
+    if saved.storage == STORAGE_ORBAX:
+        path = directory / ORBAX_METADATA
+        with _paths.reading(path):
+            if not path.exists():
+                raise ZeroCheckpointError(f"{directory} is incomplete or damaged: Orbax's {ORBAX_METADATA} is "
+                                          "missing. Nothing was loaded.")
+            meta = _json(path.read_bytes(), str(path))
+        custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+        copy = custom.get(SHAPES_KEY) if isinstance(custom, dict) else None
+        if copy is None:  # written by zero_optax 0.2.0
+            return [None] * len(saved.states)
+        if not isinstance(copy, list) or len(copy) != len(saved.states):
+            raise ZeroCheckpointError(f"{path}: its `custom_metadata.{SHAPES_KEY}` does not describe the record's "
+                                      f"{len(saved.states)} zero1 states; the checkpoint is damaged.")
+        return copy
+    out = []
+    for s in saved.states:
+        value = store.read_key(f"{s.arrays[0].name}/zarr.json") if s.arrays else None
+        meta = _json(value, f"{directory}: array {s.arrays[0].name}'s zarr.json") if value is not None else None
+        attributes = meta.get("attributes") if isinstance(meta, dict) else None
+        out.append(attributes.get(SHAPES_KEY) if isinstance(attributes, dict) else None)
+    return out
+
+
+def check_shapes(directory, saved, store: _store.ItemArrays) -> None:
+    """Refuses, naming the first field that differs, a record whose shapes differ from the copy."""
+    for s, copy in zip(saved.states, stored_shapes(directory, saved, store)):
+        want = shapes_table(state_record(s.layout, s.index))
+        if copy is None or copy == want:
+            continue
+        for field in ("leaves", "entries"):
+            got = copy.get(field) if isinstance(copy, dict) else None
+            if not isinstance(got, list) or len(got) != len(want[field]):
+                raise ZeroCheckpointError(
+                    f"{directory}: the record's `states[{s.index}].{field}` has {len(want[field])} items, but the "
+                    f"stored arrays' metadata lists "
+                    f"{len(got) if isinstance(got, list) else short(got)} shapes; the record is damaged.")
+            for i, (a, b) in enumerate(zip(want[field], got)):
+                if a != b:
+                    raise ZeroCheckpointError(
+                        f"{directory}: the record's `states[{s.index}].{field}[{i}].shape` is {a}, but the stored "
+                        f"arrays' metadata says {short(b)}; the record is damaged.")
+        raise ZeroCheckpointError(f"{directory}: the stored arrays' metadata of state {s.index} is damaged.")

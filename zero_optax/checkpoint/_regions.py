@@ -67,11 +67,6 @@ class Recut:
     target: Blocks
     dims: tuple[tuple[str, int], ...]
 
-    @property
-    def identity(self) -> bool:
-        """Whether every target block is the saved block of the same number."""
-        return self.saved == self.target
-
     def sources(self, b: int, box: Box) -> list[tuple[int, Box, Box]]:
         """`(saved block, box in it, box in target block b)` for every saved block overlapping `box` of block `b`."""
         index = self.target.index(b)
@@ -285,7 +280,7 @@ class Remap(Regions):
         while start < stop:
             b, lo = divmod(start, new_block)
             hi = min(new_block, lo + stop - start)
-            if cut.identity and old.sliced and lo < new.size <= hi:
+            if cut.saved == cut.target and old.sliced and lo < new.size <= hi:
                 pieces.append(self._block_end(self.names[(j, None)], read(b, lo, old.group * old.slots), new.size,
                                               lo, hi))
             else:
@@ -329,7 +324,7 @@ class Remap(Regions):
         top = min(hi, math.prod(shape))
         if lo >= top:
             return out
-        if cut.identity:  # the same block, sliced on one side and owned on the other
+        if cut.saved == cut.target:  # the same block, sliced on one side and owned on the other
             out[:top - lo] = read(b, lo, top)
             return out
         row, saved_row = math.prod(shape[1:]), math.prod(saved[1:])

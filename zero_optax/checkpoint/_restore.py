@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _schema, _shapes, _store
+from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _schema, _store
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._stored import AUTO, StoredLayout, StoredViews
 from zero_optax.step import _offload
@@ -77,7 +77,7 @@ def on_device(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 def checked_arrays(path: epath.Path, saved: _schema.Saved) -> tuple[_store.ItemArrays, list[dict[int, np.ndarray]]]:
     """The arrays of the item at `path`, checked present and complete, and each state's shared entries' values."""
     store = _store.ItemArrays(path)
-    _shapes.check(path, saved, store)
+    _record.check_shapes(path, saved, store)
     store.check([a for s in saved.states for a in s.arrays])
     return store, [_regions.shared_values(s, store.read, str(path)) for s in saved.states]
 

@@ -199,10 +199,9 @@ def _mesh_axes(c: _Checker, rec: Any, f: str, zero: tuple[str, ...], field: str 
         name = c.str(pair[0], f"{f}.{field}[{i}][0]")
         if name in zero or name in axes:
             c.fail(f"{f}.{field}[{i}][0]", f"repeats the axis `{name}`")
-        axes[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
-    for i, name in enumerate(axes):
         if name in (mesh or {}):
             c.fail(f"{f}.{field}[{i}][0]", f"names `{name}`, which is one of `mesh_axes`")
+        axes[name] = c.int(pair[1], f"{f}.{field}[{i}][1]", 1, MAX_WORLD_SIZE)
     return axes
 
 
@@ -249,12 +248,12 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
     size = math.prod(shape)
     dims = _dims(c, rec, f, shape, axes) if "dims" in rec else ()
     owner = rec["owner"]
+    slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
     if owner is None:
         if dims:
             c.fail(f"{f}.dims", "is given for a sliced leaf (it applies to owned leaves only)")
         if partition == LEAF:
             c.fail(f"{f}.owner", "is null, but every leaf of the leaf partition has an owner")
-        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
         if slots != slot_count(size, group):
             c.fail(f"{f}.slots", f"is {slots}, but a block of {size} elements on {group} devices has "
                    f"{slot_count(size, group)}")
@@ -266,7 +265,6 @@ def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], 
             c.fail(f"{f}.owner", f"is {owner}, but the flat partition has no owners")
         if axes and not dims or group != n:  # owned leaves hold the whole leaf, cut only over their `dims`
             c.fail(f"{f}", "is owned by one device but sharded over other mesh axes")
-        slots = c.int(rec["slots"], f"{f}.slots", 0, MAX_ELEMENTS)
         if slots != size:
             c.fail(f"{f}.slots", f"is {slots}, but an owned leaf keeps all its {size} elements")
     return ParamLeaf(path, shape, dtype, slots, owner, axes, blocks, group, dims)
