@@ -151,7 +151,12 @@ def zero1(
       >>> zo.describe(state).slots
       (6,)
     """
-    z = Zero1(_config(types.SimpleNamespace(**locals())), mesh)
+    arguments = types.SimpleNamespace(
+        inner=inner, axis_name=axis_name, replica_axis=replica_axis, partition=partition, owners=owners,
+        reduce=reduce, reduce_dtype=reduce_dtype, master_dtype=master_dtype, mesh=mesh,
+        assume_elementwise=assume_elementwise, bucket_bytes=bucket_bytes, accumulate_steps=accumulate_steps,
+        accumulate=accumulate, offload=offload, param_specs=param_specs, quantize=quantize)
+    z = Zero1(_config(arguments), mesh)
     tx = optax.GradientTransformationExtraArgs(z.init, z.update)
     _handle.record(tx.init, z)
     return tx
