@@ -4,11 +4,23 @@ from zero_optax.api._flax import (
     ZeroOptimizer,
     ZeroTrainState,
 )
+from zero_optax.api._transfer import (
+    gather_state,
+    master_params,
+    scatter_state,
+)
+from zero_optax.api._zero1 import (
+    apply_gradients,
+    as_local,
+    describe,
+    zero1,
+)
 from zero_optax.checkpoint._handler import (
     ZeroCheckpointHandler,
     ZeroRestore,
     ZeroSave,
 )
+from zero_optax.checkpoint._offline import reshard
 from zero_optax.checkpoint._rank_migration import (
     Migration,
     ParamSlice,
@@ -17,7 +29,6 @@ from zero_optax.checkpoint._rank_migration import (
     reshard_explicit,
     state_from_rank_records,
 )
-from zero_optax.checkpoint._offline import reshard
 from zero_optax.core._errors import (
     OwnersError,
     StoreError,
@@ -32,25 +43,14 @@ from zero_optax.core._errors import (
 from zero_optax.core._version import __version__ as __version__
 from zero_optax.layout._attribution import balanced_owners
 from zero_optax.layout._layout import Layout
-from zero_optax.step._quantize import Quantize
-from zero_optax.step._reduce import reduce_gradients
 from zero_optax.layout._specs import state_specs
 from zero_optax.layout._state import (
     ZeroFlatState,
     ZeroLeafState,
     ZeroState,
 )
-from zero_optax.api._transfer import (
-    gather_state,
-    master_params,
-    scatter_state,
-)
-from zero_optax.api._zero1 import (
-    apply_gradients,
-    as_local,
-    describe,
-    zero1,
-)
+from zero_optax.step._quantize import Quantize
+from zero_optax.step._reduce import reduce_gradients
 
 __all__ = (
     "Layout",

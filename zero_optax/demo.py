@@ -21,6 +21,7 @@ The exit status is 0 only if every check passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import shutil
 import sys
@@ -66,10 +67,8 @@ def simulate_cpu_devices(count: int) -> None:
     Accelerators are unaffected (the setting concerns the CPU backend); where the backend has already started
     (for example in a test session that set it first) the current count stays.
     """
-    try:
+    with contextlib.suppress(Exception):  # the backend is up: keep what it has
         jax.config.update("jax_num_cpu_devices", count)
-    except Exception:  # noqa: BLE001  (the backend is up: keep what it has)
-        pass
 
 
 def pick_devices(count: int | None) -> list[jax.Device]:
@@ -454,8 +453,8 @@ def plot(results: Sequence[Result], path: Path) -> None:
         ax.plot(steps[:k], r.zero_losses[:k], "C0.-", ms=3, label=f"zero1 on {r.devices} devices")
         ax.plot(steps[k:], r.zero_losses[k:], "C1.-", ms=3, label=f"restored, resumed on {r.resumed_on}")
         ax.axvline(k + 0.5, color="k", ls=":", lw=1)
-        ax.annotate(f" checkpoint: {r.devices} -> {r.resumed_on} devices", (k + 0.5, 0.5), xycoords=("data", "axes fraction"),
-                    fontsize=8)
+        ax.annotate(f" checkpoint: {r.devices} -> {r.resumed_on} devices", (k + 0.5, 0.5),
+                    xycoords=("data", "axes fraction"), fontsize=8)
         ax.set(title=f"zero1({r.recipe.name.lower()}), partition={r.recipe.partition!r}", xlabel="step",
                ylabel="loss (cross-entropy, nats)")
         ax.legend(frameon=False)

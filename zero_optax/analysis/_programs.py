@@ -211,7 +211,7 @@ class _LeafPrograms:
         self.names = names
         self.collective = collective
         self.label_of: dict[Any, int] = {}
-        self.name: dict[Any, str] = {v: "c?" for v in closed.jaxpr.constvars}
+        self.name: dict[Any, str] = dict.fromkeys(closed.jaxpr.constvars, "c?")
         self.name.update((v, f"k{x}") for v, x in known_consts(closed).items())
         self.programs: dict[int | None, list[str]] = {None: []}
         self.counts: dict[int, int] = {}

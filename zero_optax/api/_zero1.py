@@ -12,15 +12,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_optax.api import _bound
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.step import _accumulate, _engine, _offload, _quantize, _wire
 from zero_optax.layout import _handle, _keys
 from zero_optax.layout._config import Config
-from zero_optax.api import _bound
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._stored import LEAF, PARTITIONS, SHARDED
 from zero_optax.layout._state import ZeroState, canonical, find_states
+from zero_optax.layout._stored import LEAF, PARTITIONS, SHARDED
+from zero_optax.step import _accumulate, _engine, _offload, _quantize, _wire
 
 
 class _NoParameterTrees:

@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_optax.api import _transfer
 from zero_optax.core import _compat, _names
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.api import _transfer
-from zero_optax.step import _offload
-from zero_optax.layout._stored import LOCAL, MASTER, StoredViews
 from zero_optax.layout._state import ZeroState, canonical, is_state, shared_arrays
+from zero_optax.layout._stored import LOCAL, MASTER, StoredViews
+from zero_optax.step import _offload
 
 
 @dataclasses.dataclass(frozen=True)

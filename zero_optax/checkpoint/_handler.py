@@ -78,7 +78,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
 
     def __init__(self, *, save_concurrent_gb: int = 96, restore_concurrent_gb: int = 96,
-                 multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions()):
+                 multiprocessing_options: ocp.options.MultiprocessingOptions = ocp.options.MultiprocessingOptions()):  # noqa: B008 (immutable)
         """Creates the handler.
 
         Args:

@@ -51,8 +51,8 @@ from zero_optax.checkpoint import _arrays, _paths, _store
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
-from zero_optax.layout._stored import LOCAL, StoredViews
 from zero_optax.layout._state import canonical, shared_arrays
+from zero_optax.layout._stored import LOCAL, StoredViews
 
 FORMAT = "zero_optax.record"
 FORMAT_VERSION = 2

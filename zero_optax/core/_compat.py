@@ -146,7 +146,9 @@ def pure(tree):
     nnx = sys.modules.get("flax.nnx")
     if tree is None or nnx is None:
         return tree
-    is_var = lambda x: isinstance(x, nnx.Variable)
+    def is_var(x) -> bool:
+        return isinstance(x, nnx.Variable)
+
     if not any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
         return tree
     return jax.tree.map(lambda x: pure(x.get_value()) if is_var(x) else x, tree, is_leaf=is_var)

@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 
-
 _KEYS = {jax.tree_util.DictKey: lambda k: f"[{k.key!r}]", jax.tree_util.GetAttrKey: lambda k: f".{k.name}",
          jax.tree_util.SequenceKey: lambda k: f"[{k.idx}]", jax.tree_util.FlattenedIndexKey: lambda k: f"[{k.key}]"}
 

@@ -69,7 +69,7 @@ def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> 
     path is on exactly one of the views holding the leaves with `b` set and with `b` clear."""
     if not rest:
         return {}
-    bits = {path: 0 for path in rest}
+    bits = dict.fromkeys(rest, 0)
     for b in range(max(len(owned) - 1, 0).bit_length()):
         on = {i for k, i in enumerate(owned) if k >> b & 1}
         with_on, with_off = paths_of(on), paths_of(set(owned) - on)

@@ -12,11 +12,11 @@ import numpy as np
 import optax
 
 from zero_optax.layout._stored import (
-    STATE,
+    ACC_PREFIX,
+    LOCAL,
     MASTER,
     SHARDED,
-    LOCAL,
-    ACC_PREFIX,
+    STATE,
     ParamLeaf,
     StateEntry,
     StoredViews,

@@ -14,8 +14,8 @@ from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.layout import _handle, _inner_state
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._stored import ParamLeaf
 from zero_optax.layout._state import SlicedState, ZeroState, is_state
+from zero_optax.layout._stored import ParamLeaf
 
 DECLARED: contextvars.ContextVar = contextvars.ContextVar("zero_optax_param_specs", default=None)
 """The parameters' `PartitionSpec`s that `declared_specs` declares, or None."""

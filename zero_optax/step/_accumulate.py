@@ -18,10 +18,10 @@ import optax
 
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.step import _reduce
 from zero_optax.layout import _inner_state
-from zero_optax.layout._stored import ACCUMULATE_MODES, MICRO_STEP_PATH, SHARDED, WEIGHT_SUM_PATH
 from zero_optax.layout._state import shared_arrays
+from zero_optax.layout._stored import ACCUMULATE_MODES, MICRO_STEP_PATH, SHARDED, WEIGHT_SUM_PATH
+from zero_optax.step import _reduce
 
 
 class AccumulateState(NamedTuple):

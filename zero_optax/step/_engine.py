@@ -19,8 +19,8 @@ from zero_optax.core._errors import WeightError, ZeroStructureError
 from zero_optax.core._names import tree_signature
 from zero_optax.layout import _planner
 from zero_optax.layout._layout import Layout
-from zero_optax.layout._stored import LOCAL
 from zero_optax.layout._state import ZeroState
+from zero_optax.layout._stored import LOCAL
 from zero_optax.step import (
     _accumulate,
     _groups,

@@ -20,13 +20,13 @@ from jax import lax
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.core._names import tree_signature
 from zero_optax.layout import _fusion, _inner_state, _layout, _planner, _stored
+from zero_optax.layout._layout import Group, Layout
+from zero_optax.layout._state import SlicedState
 from zero_optax.step import (
     _reduce,
     _varying,
     _wire,
 )
-from zero_optax.layout._layout import Group, Layout
-from zero_optax.layout._state import SlicedState
 
 
 def tree(layout: Layout, values: list) -> Any:

@@ -93,7 +93,7 @@ class MasterCopies(NoMasters):
                 "the returned updates move them onto the master copy.")
 
     def update_dtypes(self, views, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
-        return {i: self.dtype.name for i in range(len(layout.leaves))}
+        return dict.fromkeys(range(len(layout.leaves)), self.dtype.name)
 
     def sent_dtypes(self, views, step: _groups.Step, owned: list[int]) -> dict[int, str]:
         return {i: np.dtype(step.p_leaves[i].dtype).name for i in owned}

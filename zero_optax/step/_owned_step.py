@@ -26,9 +26,9 @@ from zero_optax.layout._stored import MASTER, Packing, ParamLeaf
 from zero_optax.step import (
     _groups,
     _master,
+    _offload,
     _packed,
     _reduce,
-    _offload,
     _wire,
 )
 

@@ -19,8 +19,8 @@ from zero_optax.layout._state import ZeroState
 from zero_optax.step import (
     _groups,
     _master,
-    _reduce,
     _offload,
+    _reduce,
     _wire,
 )
 

@@ -19,9 +19,9 @@ import numpy as np
 from jax import lax
 
 from zero_optax.core import _compat, _errors
-from zero_optax.step import _quantize
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._stored import ParamLeaf
+from zero_optax.step import _quantize
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Keeps a tree of B bytes within 2 x ceil(B / 4 MiB) collectives a step, each long enough to amortise its launch."""
