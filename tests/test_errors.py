@@ -269,3 +269,13 @@ def test_opaque_kernels_are_refused_unless_assumed_elementwise():
     zp, zs, _ = h.run_zero(zo.zero1(_host_kernel(), axis_name="data", assume_elementwise=True), params, grads, 3)
     rp, rs = h.run_oracle(_host_kernel(), params, grads)
     h.assert_matches(zp, zs, rp, rs)
+
+
+@pytest.mark.parametrize("partition", ["flat", "auto"])
+def test_a_function_valued_extra_argument_is_refused_by_name(partition):
+    """optax.contrib.sophia needs `obj_fn`, a function of the whole parameters: zero1 refuses it at init, naming it,
+    where optax alone would stop deep inside its Hutchinson estimator."""
+    mesh = h.mesh_of(2)
+    tx = zo.zero1(optax.contrib.sophia(1e-2), axis_name="data", partition=partition)
+    with pytest.raises(zo.ZeroCouplingError, match=r"obj_fn[\s\S]*function of the whole\s+parameters"):
+        jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data"))(h.small_params())

@@ -18,7 +18,7 @@ import numpy as np
 
 from zero_optax.analysis import _programs
 from zero_optax.core import _names
-from zero_optax.core._errors import ZeroCouplingError, ZeroStructureError
+from zero_optax.core._errors import ZeroCouplingError, ZeroError, ZeroStructureError
 
 LIMIT = 20_000
 """How many objects a walk visits at most."""
@@ -84,12 +84,15 @@ def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[st
     extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
     try:
         traced = _programs.trace(update_fn(inner), grads, state, params, extra)
-    except TypeError as err:
+    except ZeroError:
+        raise
+    except (TypeError, ValueError) as err:  # (optax raises ValueError for a missing extra argument: sophia's obj_fn)
         raise ZeroCouplingError(
             f"zero1 could not trace the inner transformation's update on the parameters' shapes: "
             f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
             f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
-            f"are keyword-only arguments of its update.") from err
+            f"are keyword-only arguments of its update. An extra argument that is a function of the whole "
+            f"parameters (sophia's `obj_fn`) cannot run on the shards and owned leaves zero1 updates.") from err
     updates, new_state = traced.out_shape
     for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
         if jax.tree.structure(got) != jax.tree.structure(want):
