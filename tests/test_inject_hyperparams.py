@@ -127,6 +127,23 @@ def test_inject_hyperparams_around_zero1_eager(partition):
         assert_close(u, w)
 
 
+@pytest.mark.parametrize("partition", ["flat", "auto"])
+def test_inject_hyperparams_around_zero1_of_an_optimizer_whose_init_reads_the_hyperparameter(partition):
+    """optax.contrib.dog's init combines its hyperparameter with the parameters, which zero1 hands it sliced: the
+    hoisted hyperparameter and the sliced parameters meet in one operation inside zero1's `shard_map`."""
+    mesh = h.mesh_of(N)
+    params = h.small_params()
+    grads_seq = gradients(params)
+
+    def make(learning_rate):
+        return zo.zero1(optax.contrib.dog(learning_rate), axis_name="data", mesh=mesh, partition=partition)
+    tx = optax.inject_hyperparams(make)(learning_rate=1.0)
+    got, _, _ = run_jitted(tx, mesh, params, grads_seq)
+    want = oracle(optax.contrib.dog(1.0), params, grads_seq)
+    for u, w in zip(got, want):
+        assert_close(u, w, rtol=1e-5, atol=1e-6)
+
+
 def test_zero1_over_a_hyperparameter_array_typed_on_the_mesh():
     """A zero1 built once around an array typed on the mesh (not through inject_hyperparams), eager and jitted."""
     mesh = h.mesh_of(N)

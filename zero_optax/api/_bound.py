@@ -171,10 +171,16 @@ def _local(value: Any) -> Any:
 
 
 def _evaluate(program, args: list, consts=None) -> list:
-    """`program` on `args` (and `consts`, if given) in the current trace, its sub-programs retraced."""
+    """`program` on `args` (and `consts`, if given) in the current trace, its sub-programs retraced. Operands are
+    typed varying over the same axes first, as tracing would type them (a hoisted value meets sliced parameters)."""
     jaxpr, own = _compat.jaxpr_parts(program)
-    return _programs.evaluate(jaxpr, own if consts is None else consts, args,
-                              lambda eqn, ins: _programs.retraced(eqn, ins, _evaluate))
+
+    def rule(eqn, ins: list) -> list:
+        axes = tuple(sorted(frozenset().union(*map(_compat.varying_axes, ins))))
+        ins = [_compat.pvary(x, axes) for x in ins] if axes else ins
+        outs = _programs.retraced(eqn, ins, _evaluate)
+        return _programs.bind(eqn, ins) if outs is None else outs
+    return _programs.evaluate(jaxpr, own if consts is None else consts, args, rule)
 
 
 class _Hoisted:
