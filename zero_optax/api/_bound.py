@@ -176,8 +176,9 @@ def _evaluate(program, args: list, consts=None) -> list:
     jaxpr, own = _compat.jaxpr_parts(program)
 
     def rule(eqn, ins: list) -> list:
-        axes = tuple(sorted(frozenset().union(*map(_compat.varying_axes, ins))))
-        ins = [_compat.pvary(x, axes) for x in ins] if axes else ins
+        typed = [_compat.varying_axes(x) for x in ins]
+        axes = frozenset().union(*typed)
+        ins = [x if t == axes else _compat.pvary(x, tuple(sorted(axes))) for x, t in zip(ins, typed)]
         outs = _programs.retraced(eqn, ins, _evaluate)
         return _programs.bind(eqn, ins) if outs is None else outs
     return _programs.evaluate(jaxpr, own if consts is None else consts, args, rule)
