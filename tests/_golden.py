@@ -25,12 +25,12 @@ MESH_SHAPES = {"w": (4, 6), "b": (3,)}
 
 def mesh_bound(data: int = 2, model: int = 2):
     """The mesh-bound zero1(adam) on a (data, model) mesh and its parameters (`w` sharded over `model`)."""
+    import _zero_setup as zs  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import optax  # pylint: disable=import-outside-toplevel
     from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
     from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
-    import _zero_setup as zs  # pylint: disable=import-outside-toplevel
     import zero_optax as zo  # pylint: disable=import-outside-toplevel
     mesh = jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
     specs = {"w": P(None, "model"), "b": P()}
@@ -40,11 +40,10 @@ def mesh_bound(data: int = 2, model: int = 2):
 
 def states():
     """The flat, the leaf and the mesh-bound state after two steps (the first two with their trainers, for tests)."""
+    import _zero_setup as zs  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import optax  # pylint: disable=import-outside-toplevel
-
-    import _zero_setup as zs  # pylint: disable=import-outside-toplevel
     out = []
     for kind in ("adamw", "muon"):
         tr = zs.trainer(kind, N)
