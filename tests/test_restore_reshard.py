@@ -203,6 +203,7 @@ def test_2d_state_records_its_placement_and_restores_on_the_same_mesh(saved_2d):
     assert record["mesh_axes"] == [["model", 2]]
     w = next(x for x in record["leaves"] if x["path"] == "['w']")
     assert (w["shape"], w["axes"], w["blocks"], w["group"]) == ([6, 4], ["model"], 2, 4)
+    assert (w["spec"], w["global_shape"]) == (None, None)  # its own shard_map, no `param_specs`: unknown
     assert [a["spec"] for a in record["arrays"] if a["entry"] == 2] == [[["model", "data"]]]
     tr = zs.MeshTrainer("adam", {"data": 4, "model": 2}, "data", SPECS_2D, SHAPES_2D)
     zs.assert_bit_equal(restore(item, tr.abstract(), reshard=False), source)
