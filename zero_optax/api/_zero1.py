@@ -43,15 +43,17 @@ class Zero1:
         self.mesh = mesh
         self.bound = None if mesh is None else _bound.Bound(self, mesh)
 
-    def outside(self) -> bool:
-        """Whether a mesh-bound transformation runs outside a `shard_map` binding its axes."""
-        return self.bound is not None and not _compat.is_bound(self.cfg.axes)
+    def outside(self) -> _bound.Bound | None:
+        """The `Bound` that runs a mesh-bound transformation outside a `shard_map` binding its axes; None inside one
+        or without a mesh."""
+        return self.bound if self.bound is not None and not _compat.is_bound(self.cfg.axes) else None
 
-    def init(self, params) -> ZeroState:
+    def init(self, params: optax.Params) -> ZeroState | _NoParameterTrees:
         if _compat.is_params_placeholder(params):
             return NO_PARAMETER_TREES
         params = _compat.pure(params)
-        return self.bound.init(params) if self.outside() else self.engine.init(params)
+        bound = self.outside()
+        return bound.init(params) if bound is not None else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self.step(grads, state, params, weight, False, extra_args)
@@ -62,10 +64,10 @@ class Zero1:
         outside = self.outside()
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
             axes = state.layout.axes
-            state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(self.mesh, P(axes))))
-                     if outside else canonical(state, rows=1, place=lambda x: _compat.pvary(x, axes)))
-        if outside:
-            return self.bound.update(grads, state, params, weight=weight, apply=apply, **extra_args)
+            state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(outside.mesh, P(axes))))
+                     if outside is not None else canonical(state, rows=1, place=lambda x: _compat.pvary(x, axes)))
+        if outside is not None:
+            return outside.update(grads, state, params, weight=weight, apply=apply, **extra_args)
         return self.engine.update(grads, state, params, weight=weight, apply=apply, **extra_args)
 
 
@@ -157,7 +159,9 @@ def zero1(
         assume_elementwise=assume_elementwise, bucket_bytes=bucket_bytes, accumulate_steps=accumulate_steps,
         accumulate=accumulate, offload=offload, param_specs=param_specs, quantize=quantize)
     z = Zero1(_config(arguments), mesh)
-    tx = optax.GradientTransformationExtraArgs(z.init, z.update)
+    # (optax types the update of a GradientTransformationExtraArgs as taking no extra arguments, and the state as
+    # arrays: an init may return `NO_PARAMETER_TREES`)
+    tx = optax.GradientTransformationExtraArgs(z.init, z.update)  # pyright: ignore[reportArgumentType]
     _handle.record(tx.init, z)
     return tx
 
@@ -300,7 +304,7 @@ def _axis_names(value, name: str, what: str, mesh) -> tuple[str, ...]:
     if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
         raise ZeroError(f"`{name}` must be {what} or a tuple of distinct axis names, got {value!r}.")
     missing = [] if mesh is None else [a for a in axes if a not in mesh.axis_names]
-    if missing:
+    if mesh is not None and missing:
         raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `{name}` names {missing}.")
     return axes
 

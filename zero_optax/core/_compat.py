@@ -19,7 +19,7 @@ from jax import lax
 
 from zero_optax.core._errors import ZeroAxisError
 
-Axes = str | tuple[str, ...]
+Axes = str | Sequence[str]
 
 SHARD_MAP_PATTERN = """\
 zero1 runs inside jax.shard_map over the data axis, for example:

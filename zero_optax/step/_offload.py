@@ -9,7 +9,7 @@ a chunk (sliced groups) or a bucket (an owner's leaves) of the host arrays throu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,7 +31,7 @@ HOST = "pinned_host"
 DEVICE = "device"
 
 
-def check_devices(devices: Sequence[Any]) -> None:
+def check_devices(devices: Iterable[Any]) -> None:
     """Refuses `offload=True` on devices that have no `pinned_host` memory.
 
     Examples:
