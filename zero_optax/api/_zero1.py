@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,15 +80,15 @@ def zero1(
     partition: str = "flat",
     owners: Sequence[int] | None = None,
     reduce: bool | str = True,
-    reduce_dtype=None,
-    master_dtype=None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
+    master_dtype: jax.typing.DTypeLike | None = None,
     mesh: jax.sharding.Mesh | None = None,
     assume_elementwise: bool = False,
     bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
     accumulate_steps: int = 1,
     accumulate: str = SHARDED,
     offload: bool = False,
-    param_specs=None,
+    param_specs: Any = None,
     quantize: _quantize.Quantize | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
@@ -166,7 +167,8 @@ def zero1(
     return tx
 
 
-def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
+def apply_gradients(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, *,
+                    weight: jax.typing.ArrayLike | None = None, **extra_args: Any) -> tuple[Any, Any]:
     """One optimizer step: the new parameters and state, what `tx.update` followed by `optax.apply_updates` gives.
 
     For a zero1 transformation, each device adds the updates of the coordinates it owns to its own slice of the
@@ -204,7 +206,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     return optax.apply_updates(params, updates), opt_state
 
 
-def describe(state) -> Layout:
+def describe(state: Any) -> Layout:
     """The read-only layout of a zero1 state: world size, axis, partition, leaves, slots, owners, bytes.
 
     Works on concrete states, on `jax.eval_shape` results, and on a zero1 state nested in a larger optax state
@@ -226,7 +228,7 @@ def describe(state) -> Layout:
     return found[0].layout
 
 
-def as_local(params, axis_name: str | Sequence[str]):
+def as_local(params: Any, axis_name: str | Sequence[str]) -> Any:
     """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
 
     Inside `jax.shard_map` (with `check_vma=True`, the default), autodiff already all-reduces the gradient with

@@ -118,7 +118,7 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
     return [chosen.get(i) for i in range(len(owned))]
 
 
-def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
+def balanced_owners(params: Any, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
     Leaves go largest first to the least-loaded device, ties to the lower index.

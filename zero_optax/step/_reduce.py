@@ -118,7 +118,8 @@ class ReduceGradientsState(NamedTuple):
     """`reduce_gradients` keeps no state."""
 
 
-def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransformationExtraArgs:
+def reduce_gradients(axis_name: str | Sequence[str], *, reduce_dtype: jax.typing.DTypeLike | None = None
+                     ) -> optax.GradientTransformationExtraArgs:
     """Reduces each device's local gradients to their global mean, or weighted mean, across `axis_name`.
 
     Use it before global operations that must see the full reduced gradient, followed by `zero1(...,
