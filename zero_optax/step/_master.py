@@ -30,7 +30,7 @@ class NoMasters:
 
     gathers_tp_params = True  # owners of tensor-parallel leaves need the parameters' blocks gathered
 
-    def init(self, rows: list, layout: Layout):
+    def init(self, rows: list, layout: Layout) -> tuple | None:
         """The sliced leaves' master copies a new state stores: none."""
         return None
 
@@ -45,11 +45,11 @@ class NoMasters:
         """Per owned leaf, the dtype its owner sends every device."""
         return {i: d for i, d in views.update_dtypes(step.layout, step.extra, step.phase).items() if i in owned}
 
-    def group_params(self, state, slices: Callable[[], list]) -> list:
+    def group_params(self, state, slices: Callable[[], list]) -> list | None:
         """The parameters each group's view sees: this device's slices (`state` None: a streamed group's chunks)."""
         return slices()
 
-    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, None]:
+    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, tuple | None]:
         """What every device receives of each group (the updates, zero where the step is skipped)."""
         return [_groups.stepped(u, None, None, ok, None)[1] for u in u_parts], state.master
 
@@ -86,7 +86,7 @@ class MasterCopies(NoMasters):
     def __init__(self, dtype):
         self.dtype = np.dtype(dtype)
 
-    def init(self, rows: list, layout: Layout):
+    def init(self, rows: list, layout: Layout) -> tuple | None:
         return tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
 
     def check(self, p_leaves: list | None) -> None:
