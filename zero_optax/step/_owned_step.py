@@ -86,6 +86,11 @@ class Gathered:
         return assemble(layout, leaf, x)
 
 
+def owned_by(layout: Layout) -> list[tuple[int, ...]]:
+    """Per device along the ZeRO axes, the leaves it owns: all of a device's branch depends on."""
+    return [tuple(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) for r in range(layout.world_size)]
+
+
 def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: jax.Array) -> dict[str, jax.Array]:
     """This device's row of `plan`: the blocks of the leaves its ZeRO rank owns, packed (a switch on the rank)."""
     varying = layout.axes + tp_axes(layout, list(values))
@@ -93,7 +98,7 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
     def branch(r):
         return lambda v: _compat.pvary(_packed.pack({i: v[i] for i in plan.offsets[r]}, plan.offsets[r],
                                                    plan.sizes), varying)
-    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values)
+    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values, owns=owned_by(layout))
 
 
 class _OwnedPlans(NamedTuple):
@@ -133,7 +138,8 @@ class OwnedStep:
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
 
-        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full)
+        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full,
+                                 owns=owned_by(layout))
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
@@ -149,7 +155,8 @@ class OwnedStep:
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
                     for r in range(n)]
-        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
+        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows,
+                             owns=owned_by(layout))
         if not step.stepping:
             return {d: b[None] for d, b in out.items()}, {}
         new, u_out, t_out = out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +154,15 @@ def gathered_leaves(gathered: dict[str, jax.Array], plan: Packing, layout: Layou
     return out
 
 
-def switch(rank: jax.Array, branches: Sequence[Callable], *operands):
-    """`lax.switch` on the device index, or the only branch directly."""
+def switch(rank: jax.Array, branches: Sequence[Callable], *operands, owns: Sequence[Any] | None = None):
+    """`lax.switch` on the device index, or the only branch directly; with `owns` (per device, what it owns),
+    devices that own alike (nothing, say) share one branch, so the program grows with the owned leaves, not the
+    devices."""
+    if owns is not None:
+        index: dict[Any, int] = {}
+        table = [index.setdefault(k, len(index)) for k in owns]
+        branches = [branches[table.index(b)] for b in range(len(index))]
+        rank = jnp.asarray(table, jnp.int32)[rank] if len(branches) > 1 else rank
     if len(branches) == 1:
         return branches[0](*operands)
     return lax.switch(rank, list(branches), *operands)
