@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from zero_optax.analysis import _programs
 from zero_optax.core import _names
@@ -78,9 +79,27 @@ def update_fn(inner) -> Callable:
     return lambda g, s, p, e: inner.update(g, s, p, **e)
 
 
+PER_EXAMPLE_HELP = """\
+zero1 cannot run optax.contrib.differentially_private_aggregate (optax.contrib.dpsgd): its update clips each
+example's gradient, so it takes per-example gradients with a batch axis first, while zero1 gives it the gradient
+already averaged over examples and devices, shaped like the parameters. Aggregate before zero1 instead: on each
+device clip its per-example gradients and sum them (optax.per_example_global_norm_clip), sum over the devices
+(jax.lax.psum), add Gaussian noise of standard deviation l2_norm_clip * noise_multiplier drawn from a key every
+device shares, divide by the global batch size, and pass the result to zero1(rest, ..., reduce=False), `rest` being
+the rest of the chain (for dpsgd, optax.sgd(learning_rate, momentum, nesterov))."""
+
+
+def refuse_per_example(state) -> None:
+    """Refuses a state holding optax's differentially private aggregation (`PER_EXAMPLE_HELP`)."""
+    private = optax.contrib.DifferentiallyPrivateAggregateState
+    if any(isinstance(x, private) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, private))):
+        raise ZeroCouplingError(PER_EXAMPLE_HELP)
+
+
 def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[str, jax.ShapeDtypeStruct]]:
     """The inner update traced on the real shapes (`update_fn`) with scalar stand-ins for the keyword arguments it
-    requires, and those stand-ins; refuses results structured unlike the inputs."""
+    requires, and those stand-ins; refuses results structured or shaped unlike the inputs."""
+    refuse_per_example(state)
     extra = {name: jax.ShapeDtypeStruct((), np.float32) for name in required_keywords(inner.update)}
     try:
         traced = _programs.trace(update_fn(inner), grads, state, params, extra)
@@ -100,4 +119,9 @@ def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[st
                 f"The inner transformation's update returns {what} structured as {_names.tree_signature(got)}, "
                 f"but zero1 gave it {_names.tree_signature(want)}: its results must have the structure of its "
                 "inputs.")
+    for path, got, want in zip(_names.leaf_paths(grads), jax.tree.leaves(updates), jax.tree.leaves(grads)):
+        if np.shape(got) != np.shape(want):
+            raise ZeroStructureError(
+                f"The inner transformation's update returns updates of shape {np.shape(got)} at `{path}`, where "
+                f"zero1 gave it gradients of shape {np.shape(want)}: its updates must be shaped like its gradients.")
     return traced, extra

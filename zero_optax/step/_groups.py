@@ -3,7 +3,9 @@
 A group's leaves run one program, so the inner update runs once per group, on the view of its first member holding
 this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole group. A view
 is the parameter tree with some leaves present, every other one `optax.MaskedNode()`: a group's first member holding
-the group's part, the joint view of every sliced leaf, or an owner's leaves (`Views`, computed once per layout).
+the group's part, the joint view of every sliced leaf, or an owner's leaves (`Views`, computed once per layout). Without sliced leaves
+the view of no leaf computes the shared entries (step counts), or one leaf's view where the inner update cannot run
+on a tree whose every leaf is masked (`Views.stand_in`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zero_optax.core._errors import ZeroStructureError
+from zero_optax.core._errors import ZeroError, ZeroStructureError
 from zero_optax.core._names import tree_signature
 from zero_optax.layout import _fusion, _inner_state, _layout, _planner, _stored
 from zero_optax.layout._layout import Group, Layout
@@ -85,8 +87,7 @@ class Views:
     def update_dtypes(self, layout: Layout, extra: dict, phase=None) -> dict[int, str]:
         """Per leaf, the dtype of the inner update's result (of `phase`'s under accumulation), from one abstract
         trace of a view holding one member of each group and stack and every other owned leaf."""
-        key = (layout, phase, jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x))
-                                                                for x in jax.tree.leaves(extra)))
+        key = (layout, phase, _signature(extra))
         inner = self.cfg.inner if phase is None else phase.inner
 
         def make():
@@ -101,6 +102,35 @@ class Views:
             got = {i: np.dtype(u.dtype).name for i, u in zip(sorted(present), jax.tree.leaves(updates))}
             return {i: got[first.get(i, i)] for i in range(len(layout.leaves))}
         return self._cached(key, make)
+
+    def stand_in(self, step: Step, with_params: bool) -> int | None:
+        """None where the inner update runs on the view with no leaf; else the leaf whose view computes the new
+        shared entries instead (the smallest; init proved they depend on no leaf). optax's galore, for one, fails
+        on a tree whose every leaf is masked."""
+        layout = step.layout
+
+        def make():
+            treedef, order = self.group(layout, None)
+            state = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(layout.entries[j].shape,
+                                                                                layout.entries[j].dtype)
+                                                           for j in order])
+            view = masked_tree(layout, {})
+            try:
+                jax.eval_shape(lambda s, e: step.inner.update(view, s, view if with_params else None, **e),
+                               state, step.extra)
+            except ZeroError:
+                raise
+            except (ValueError, TypeError):  # (what JAX raises on a tree with too few leaves)
+                if not layout.leaves:
+                    raise
+                return min(range(len(layout.leaves)), key=lambda i: (layout.leaves[i].size, i))
+            return None
+        return self._cached((layout, "stand_in", step.phase, with_params, _signature(step.extra)), make)
+
+
+def _signature(extra: dict) -> tuple:
+    """The structure, shapes and dtypes of the extra arguments of `update` (a cache key)."""
+    return jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(extra))
 
 
 def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
@@ -292,6 +322,8 @@ class Groups:
         """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories."""
         layout = step.layout
         assert step.shared_old is not None  # (set by `update`, `stream_groups`)
+        if g is None and (leaf := self.views.stand_in(step, with_params)) is not None:
+            return None, self._stand_in_shared(step, leaf, with_params), []
         groups = [] if g is None else [layout.groups[g]]
         g_view = _view(layout, groups, [grads])
         old = _assemble(self.views.group(layout, g), step.shared_old, groups, [histories])
@@ -301,6 +333,22 @@ class Groups:
         new_shared, new_histories = self._disassemble(layout, g, new)
         u = jax.tree.leaves(u)
         return (u[0] if u else None), new_shared, new_histories
+
+    def _stand_in_shared(self, step: Step, i: int, with_params: bool) -> dict[int, Any]:
+        """The new shared values from leaf `i`'s view (`Views.stand_in`), its gradient, parameter and state zeros."""
+        layout, shared_old = step.layout, step.shared_old
+        assert shared_old is not None  # (set by `update`)
+        leaf = layout.leaves[i]
+        entries = owned_entries(layout, [i])
+        old = jax.tree_util.tree_unflatten(self.views.owned(layout, leaf.owner, [i]), [
+            shared_old[j] if j in shared_old else jnp.zeros(layout.entries[j].shape, layout.entries[j].dtype)
+            for j in entries])
+        g_view = masked_tree(layout, {i: jnp.zeros(layout.view_shape(leaf), step.inner_dt[i])})
+        p_view = masked_tree(layout, {i: jnp.zeros(layout.view_shape(leaf), self.cfg.inner_dtype(leaf.dtype))})
+        u, new = run_inner(step, g_view, old, p_view if with_params else None)
+        check_returned(u, new, g_view, old, f"leaf `{leaf.path}` standing in for the view with no leaf")
+        values = dict(zip(entries, jax.tree.leaves(new)))
+        return {j: values[j] for j in layout.shared_entries}
 
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:

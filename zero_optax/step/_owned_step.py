@@ -244,7 +244,7 @@ class OwnedStep:
             u.update(done[0])
             values.update(done[1])
         rest.sort()
-        if rest or not stacks:
+        if rest:  # (a device that owns no leaf has nothing to update: the group views compute the shared entries)
             u_rest, v_rest = self._view(step, r, rest, g, stored, p)
             u.update(zip(rest, u_rest))
             values.update(v_rest)
