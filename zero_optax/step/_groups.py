@@ -3,9 +3,9 @@
 A group's leaves run one program, so the inner update runs once per group, on the view of its first member holding
 this device's slots of all members, with one history array per kind (Adam's `mu`, `nu`) for the whole group. A view
 is the parameter tree with some leaves present, every other one `optax.MaskedNode()`: a group's first member holding
-the group's part, the joint view of every sliced leaf, or an owner's leaves (`Views`, computed once per layout). Without sliced leaves
-the view of no leaf computes the shared entries (step counts), or one leaf's view where the inner update cannot run
-on a tree whose every leaf is masked (`Views.stand_in`).
+the group's part, the joint view of every sliced leaf, or an owner's leaves (`Views`, computed once per layout).
+Without sliced leaves the view of no leaf computes the shared entries (step counts), or one leaf's view where the
+inner update cannot run on a tree whose every leaf is masked (`Views.stand_in`).
 """
 
 from __future__ import annotations
