@@ -337,8 +337,8 @@ class Groups:
     def _stand_in_shared(self, step: Step, i: int, with_params: bool) -> dict[int, Any]:
         """The new shared values from leaf `i`'s view (`Views.stand_in`), its gradient, parameter and state zeros."""
         layout, shared_old = step.layout, step.shared_old
-        assert shared_old is not None  # (set by `update`)
         leaf = layout.leaves[i]
+        assert shared_old is not None and leaf.owner is not None  # (set by `update`; no leaf is sliced)
         entries = owned_entries(layout, [i])
         old = jax.tree_util.tree_unflatten(self.views.owned(layout, leaf.owner, [i]), [
             shared_old[j] if j in shared_old else jnp.zeros(layout.entries[j].shape, layout.entries[j].dtype)
