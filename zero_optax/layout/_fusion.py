@@ -127,10 +127,10 @@ def _program_number(leaf: int, programs: dict, inits: dict, numbers: dict) -> in
     """`Group.program` of a group whose first member is `leaf`: the number in `numbers` (added if new) of its
     programs in the inner update and `init`; None without one, or for one reading an operand it does not name
     (`c?`, an array constant: its value may differ between leaves)."""
-    named = (programs.get(leaf), inits.get(leaf))
-    if None in named or any("?" in op for program in named for op in program):
+    update, init = programs.get(leaf), inits.get(leaf)
+    if update is None or init is None or any("?" in op for op in update + init):
         return None
-    return numbers.setdefault(named, len(numbers))
+    return numbers.setdefault((update, init), len(numbers))
 
 
 STACK_BYTES = 1 << 24
