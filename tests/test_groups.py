@@ -93,3 +93,66 @@ def test_an_update_that_fails_on_slices_names_the_failure():
     tx = zo.zero1(optax.chain(optax.sgd(1e-2), two_d_only()), axis_name="data")
     with pytest.raises(zo.ZeroCouplingError, match="fails on their 1-D coordinate slices.*IndexError"):
         jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(params)
+
+
+def equal_leaves(count: int) -> dict:
+    """`count` leaves of one shape, each large enough to keep arrays of its own (a group of one)."""
+    rng = np.random.default_rng(5)
+    return {f"w{i}": jnp.asarray(rng.normal(size=(_fusion.FUSE_BYTES // 4 * 8 + 5,)), jnp.float32)
+            for i in range(count)}
+
+
+def counting(inner: optax.GradientTransformation) -> tuple[optax.GradientTransformationExtraArgs, list]:
+    """`inner`, and the list its update appends to each time it is called (traced)."""
+    calls = []
+
+    def update(updates, state, params=None, **extra):
+        calls.append(1)
+        return inner.update(updates, state, params, **extra)
+    return optax.GradientTransformationExtraArgs(inner.init, update), calls
+
+
+def test_groups_of_one_program_trace_it_once():
+    """Groups that run one program on views of one shape trace the inner update once, however many there are."""
+    traced = []
+    for count in (3, 6):
+        params = equal_leaves(count)
+        inner, calls = counting(optax.adam(1e-2))
+        grads = h.gradient_sequence(params, 8, steps=2)
+        zp, zs, _ = h.run_zero(zo.zero1(inner, axis_name="data"), params, grads, 8)
+        rp, rs = h.run_oracle(optax.adam(1e-2), params, grads)
+        h.assert_matches(zp, zs, rp, rs)
+        layout = zo.describe(zs)
+        assert len(layout.groups) == count and len({g.program for g in layout.groups}) == 1
+        traced.append(len(calls))
+    assert traced[0] == traced[1]
+
+
+def offset_accumulator(offsets: dict[str, float]) -> optax.GradientTransformation:
+    """Adagrad whose accumulator starts at a value per leaf, by path: one update program, `init`s that differ."""
+    def init(params):
+        return jax.tree_util.tree_map_with_path(lambda path, p: jnp.full_like(p, offsets[jax.tree_util.keystr(path)]),
+                                                params)
+
+    def update(updates, state, params=None):
+        state = jax.tree.map(lambda s, g: s + g * g, state, updates)
+        return jax.tree.map(lambda g, s: -0.1 * g / jnp.sqrt(s), updates, state), state
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("case", ["labels", "init"])
+def test_leaves_whose_program_depends_on_their_path_trace_their_own(case):
+    """Leaves of one shape that two labels' states (or `init`s) treat apart are no groups of one program."""
+    params = equal_leaves(4)
+    side = {k: i % 2 for i, k in enumerate(sorted(params))}
+    if case == "labels":  # one optimizer under two labels: each has a step count of its own
+        inner = optax.partition({0: optax.adam(1e-2), 1: optax.adam(1e-2)}, side)
+    else:
+        inner = offset_accumulator({f"['{k}']": 0.5 + side[k] for k in params})
+    grads = h.gradient_sequence(params, 8, steps=2)
+    zp, zs, _ = h.run_zero(zo.zero1(inner, axis_name="data"), params, grads, 8)
+    rp, rs = h.run_oracle(inner, params, grads)
+    h.assert_matches(zp, zs, rp, rs)
+    layout = zo.describe(zs)
+    program = {layout.leaves[g.first].path: g.program for g in layout.groups}
+    assert program["['w0']"] == program["['w2']"] != program["['w1']"] == program["['w3']"]

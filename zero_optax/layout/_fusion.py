@@ -66,6 +66,16 @@ def leaf_programs(traced: _programs.Traced, treedef, entries: tuple[StateEntry, 
     return _programs.leaf_programs(traced, sources=ins, out_sources=outs, names=names, collective=reductions)
 
 
+def init_programs(cfg: Config, tree: Any, entries: tuple[StateEntry, ...]) -> dict[int | None, tuple[str, ...]]:
+    """Each leaf's program in the inner `init` on the parameters `tree` (`entries`: its state's leaves); key None
+    the shared state's."""
+    traced = _programs.trace(cfg.inner.init, tree)
+    treedef = jax.tree.structure(tree)
+    leaves = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    state = jax.tree_util.tree_unflatten(jax.tree.structure(traced.out_shape), [e.leaf for e in entries])
+    return _programs.leaf_programs(traced, sources=(leaves,), out_sources=state, names={})
+
+
 def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[int]], dict[int, int]]:
     """Each leaf's inner-state entries (its histories, in state order) and its master-copy entry."""
     histories: dict[int, list[int]] = {}
@@ -78,9 +88,10 @@ def _entries_by_leaf(entries: tuple[StateEntry, ...]) -> tuple[dict[int, list[in
     return histories, masters
 
 
-def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tuple[Group, ...]:
+def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict, inits: dict) -> tuple[Group, ...]:
     """The sliced leaves grouped by the program their inner update runs (`_layout.Group`), after checking that
-    each runs on its slots what it runs on the parameter (a candidate group's first member holding it whole)."""
+    each runs on its slots what it runs on the parameter (a candidate group's first member holding it whole);
+    `inits`: each leaf's program in the inner `init` (`init_programs`), part of what `Group.program` names."""
     cfg, leaves, reductions = views.cfg, views.leaves, views.reductions
     own, master_of = _entries_by_leaf(entries)
     histories = {i: own.get(i, []) for i, leaf in enumerate(leaves) if leaf.sliced}
@@ -101,14 +112,25 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict) -> tup
             raise _shape_error(leaves[i].path, programs[i], found.get(i) or ())
     groups += [[i] for i in alone]
     out = []
+    numbers: dict[tuple[str, ...], int] = {}
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
         leaf = leaves[members[0]]  # a lone leaf that one device holds whole keeps its shape, unless offloaded
         own_shape = len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
-                         leaf.shape if own_shape else None))
+                         leaf.shape if own_shape else None, _program_number(members[0], programs, inits, numbers)))
     return tuple(out)
+
+
+def _program_number(leaf: int, programs: dict, inits: dict, numbers: dict) -> int | None:
+    """`Group.program` of a group whose first member is `leaf`: the number in `numbers` (added if new) of its
+    programs in the inner update and `init`; None without one, or for one reading an operand it does not name
+    (`c?`, an array constant: its value may differ between leaves)."""
+    update, init = programs.get(leaf), inits.get(leaf)
+    if update is None or init is None or any("?" in op for op in update + init):
+        return None
+    return numbers.setdefault((update, init), len(numbers))
 
 
 STACK_BYTES = 1 << 24

@@ -33,6 +33,8 @@ class Group:
       masters: per member, its master-copy entry (empty without `master_dtype`).
       size: the length of a device's part, the sum of the members' slots.
       shape: None, or a lone 2+-D leaf's own shape (XLA updates a donated buffer in place only in its own shape).
+      program: a number naming the programs the members' inner update and `init` run, equal for the groups whose
+        members run the same (None: programs of their own); such groups trace them once per shape of their views.
     """
 
     leaves: tuple[int, ...]
@@ -41,6 +43,7 @@ class Group:
     offsets: tuple[int, ...]
     size: int
     shape: tuple[int, ...] | None = None
+    program: int | None = None
 
     @property
     def first(self) -> int:

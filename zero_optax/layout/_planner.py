@@ -282,7 +282,8 @@ def build_layout(cfg: Config, params) -> Layout:
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    groups = () if all(owned) else _fusion.groups(views, entries, programs)
+    groups = () if all(owned) else _fusion.groups(views, entries, programs,
+                                                  _fusion.init_programs(cfg, real_tree, by_leaf))
     return Layout(
         partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,
         treedef=treedef, state_tree=_names.tree_signature(real_state), state_treedef=jax.tree.structure(real_state),

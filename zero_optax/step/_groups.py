@@ -11,10 +11,12 @@ inner update cannot run on a tree whose every leaf is masked (`Views.stand_in`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -64,11 +66,17 @@ class Views:
         """Group `g`'s view (of no leaf when None): its state treedef and the entries it stands for, in order."""
         def make():
             group = None if g is None else layout.groups[g]
-            present = set() if group is None else {group.first}
-            order = sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
             what = "with no leaf" if group is None else f"on the sliced leaf `{layout.leaves[group.first].path}`"
+            present, order = set() if group is None else {group.first}, self.order(layout, g)
             return _fusion.view_treedef(self.cfg, layout, present, order, what), order
         return self._cached((layout, g), make)
+
+    @staticmethod
+    def order(layout: Layout, g: int | None) -> list[int]:
+        """The entries group `g`'s view (of no leaf when None) stands for, in order (`group`, without its treedef)."""
+        group = None if g is None else layout.groups[g]
+        present = set() if group is None else {group.first}
+        return sorted(layout.view_shared(present) + (() if group is None else group.histories[0]))
 
     def joint(self, layout: Layout) -> tuple[Any, list[int]]:
         """The view of every sliced leaf (`Layout.joint`): its state treedef and the entries, in order."""
@@ -133,10 +141,12 @@ def _signature(extra: dict) -> tuple:
     return jax.tree.structure(extra), tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(extra))
 
 
-def run_inner(step: Step, grads, state, params, slices: list | None = None) -> tuple[Any, Any]:
-    """The inner update on values typed varying, `slices` per argument leaf None or its `_varying.Coordinates`."""
+def run_inner(step: Step, grads, state, params, slices: list | None = None, key: Any = None) -> tuple[Any, Any]:
+    """The inner update on values typed varying, `slices` per argument leaf None or its `_varying.Coordinates`; the
+    program it was traced to, if it was, kept in `step.programs` at `key` (unless None)."""
+    keep = None if key is None else functools.partial(step.programs.__setitem__, key)
     u, new = _varying.run(lambda g, s, p, e: step.inner.update(g, s, p, **e), (grads, state, params, step.extra),
-                          step.layout.axes, slices)
+                          step.layout.axes, slices, keep)
     return _varying.like(u, grads), _varying.like(new, state)
 
 
@@ -223,6 +233,7 @@ class Step:
       p_leaves: the parameter leaves (None without), as the reading code holds them (in a branch, its operand).
       shared_old: the shared entries' old values, once the group views have read them.
       phase: under accumulation, the side of the call that runs (`_accumulate.Phase`).
+      programs: the inner update's programs traced on group views so far, by `Groups.program_key`.
     """
 
     layout: Layout
@@ -237,6 +248,7 @@ class Step:
     p_leaves: list | None = None
     shared_old: dict | None = None
     phase: Any = None
+    programs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self):
@@ -280,8 +292,7 @@ class Groups:
         return list(range(len(layout.groups))) or [None]
 
     def _disassemble(self, layout: Layout, g: int | None, state: Any) -> tuple[dict[int, Any], list[Any]]:
-        _, order = self.views.group(layout, g)
-        values = dict(zip(order, jax.tree.leaves(state)))
+        values = dict(zip(self.views.order(layout, g), jax.tree.leaves(state)))
         own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
         return {j: values[j] for j in layout.shared_entries if j in values}, own
 
@@ -289,11 +300,11 @@ class Groups:
         """The groups' stored state: the inner `init` on each group's part `rows`, or an optax state's `full` cut."""
         shared: dict[int, Any] | None = None
         histories = []
+        programs: dict = {}
         for g in self.targets(layout):
             group = None if g is None else layout.groups[g]
             if full is None:
-                values = {} if g is None or group is None else {group.first: rows[g].reshape(group.part_shape)}
-                s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
+                s, h = self._init_view(layout, g, rows, programs)
             else:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
                 h = [] if group is None else [self._cut(layout, group, full, k, ranks)
@@ -304,6 +315,28 @@ class Groups:
                 histories.append(tuple(zero_padding(x, mask) for x in h))
         assert shared is not None  # (there is always a target)
         return stored_state(layout, shared, histories)
+
+    def _init_view(self, layout: Layout, g: int | None, rows: list[jax.Array], programs: dict
+                   ) -> tuple[dict[int, Any], list[Any]]:
+        """The inner `init` on group `g`'s view of its part of `rows` (of no leaf when None): the shared values and
+        the histories. Its program is traced once per `Group.program` and type of the part (in `programs`) and
+        evaluated on the later parts of that key, whose shared values `init` does not keep (the first view's)."""
+        if g is None:
+            self.views.group(layout, g)  # (refuses a state whose order changes when leaves are masked)
+            return self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, {})))
+        group = layout.groups[g]
+        x = rows[g].reshape(group.part_shape)
+        key = None if group.program is None or layout.replicas else (group.program, self.held(layout, g),
+                                                                     jax.typeof(x))
+        if key in programs:
+            return self._disassemble(layout, g, jax.core.eval_jaxpr(programs[key].jaxpr, programs[key].consts, x))
+        self.views.group(layout, g)  # (the same check, once per program traced)
+
+        def init(x):
+            return self.cfg.inner.init(masked_tree(layout, {group.first: x}))
+        if key is not None:
+            programs[key] = jax.make_jaxpr(init)(x)
+        return self._disassemble(layout, g, init(x))
 
     @staticmethod
     def _cut(layout: Layout, group: Group, full: list, k: int, ranks) -> jax.Array:
@@ -319,16 +352,22 @@ class Groups:
 
     def run_view(self, step: Step, g: int | None, grads, params, histories: Sequence, with_params: bool
                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
-        """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories."""
+        """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories;
+        a program traced on another group's view of the same `program_key` is evaluated on this view's leaves."""
         layout = step.layout
-        assert step.shared_old is not None  # (set by `update`, `stream_groups`)
         if g is None and (leaf := self.views.stand_in(step, with_params)) is not None:
             return None, self._stand_in_shared(step, leaf, with_params), []
-        groups = [] if g is None else [layout.groups[g]]
-        g_view = _view(layout, groups, [grads])
-        old = _assemble(self.views.group(layout, g), step.shared_old, groups, [histories])
-        u, new = run_inner(step, g_view, old, _view(layout, groups, [params]) if with_params else None)
-        what = "leaves" if g is None else f"sliced leaves of `{layout.leaves[groups[0].first].path}`'s group"
+        g_part, state, p_part = self._view_leaves(step, g, grads, params if with_params else None, histories)
+        leaves = [*g_part, *state, *p_part, *jax.tree.leaves(step.extra)]
+        key = self.program_key(step, g, leaves)
+        if g is not None and key in step.programs:
+            return self._rerun(step, g, step.programs[key], leaves)
+        first = [] if g is None else [layout.groups[g].first]
+        g_view = masked_tree(layout, dict(zip(first, g_part)))
+        old = jax.tree_util.tree_unflatten(self.views.group(layout, g)[0], state)
+        p_view = masked_tree(layout, dict(zip(first, p_part))) if with_params else None
+        u, new = run_inner(step, g_view, old, p_view, key=key)
+        what = "leaves" if g is None else f"sliced leaves of `{layout.leaves[first[0]].path}`'s group"
         check_returned(u, new, g_view, old, what)
         new_shared, new_histories = self._disassemble(layout, g, new)
         u = jax.tree.leaves(u)
@@ -349,6 +388,40 @@ class Groups:
         check_returned(u, new, g_view, old, f"leaf `{leaf.path}` standing in for the view with no leaf")
         values = dict(zip(entries, jax.tree.leaves(new)))
         return {j: values[j] for j in layout.shared_entries}
+
+    def _view_leaves(self, step: Step, g: int | None, grads, params, histories: Sequence) -> tuple[list, list, list]:
+        """Group `g`'s view as leaves: its part of the gradients and of the parameters (in the group's `shape`; none
+        without group or parameters), and the leaves of its state, in order."""
+        assert step.shared_old is not None  # (set by `update`, `stream_groups`)
+        group = None if g is None else step.layout.groups[g]
+        own = {} if group is None else dict(zip(group.histories[0], histories))
+        state = [step.shared_old[j] if j in step.shared_old else own[j] for j in self.views.order(step.layout, g)]
+
+        def part(x) -> list:
+            return [] if group is None or x is None else [x if group.shape is None else x.reshape(group.shape)]
+        return part(grads), state, part(params)
+
+    def program_key(self, step: Step, g: int | None, leaves: list) -> tuple | None:
+        """What the inner update's program on group `g`'s view of `leaves` (as `run_inner` flattens them) depends
+        on: the group's `Group.program`, what its state holds (`held`), the leaves' shapes and dtypes. None: the
+        group traces a program of its own."""
+        if g is None or step.layout.groups[g].program is None:
+            return None
+        return (step.layout.groups[g].program, self.held(step.layout, g),
+                tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+
+    def held(self, layout: Layout, g: int) -> tuple[tuple[str, int], ...]:
+        """What group `g`'s view state holds, in order: `("history", k)`, the group's `k`-th, or `("shared", j)`."""
+        histories = layout.groups[g].histories[0]
+        return tuple(("history", histories.index(j)) if j in histories else ("shared", j)
+                     for j in self.views.order(layout, g))
+
+    def _rerun(self, step: Step, g: int, program, leaves: list) -> tuple[jax.Array, dict[int, Any], list[Any]]:
+        """`run_view` of group `g` on its view's `leaves` by `program`, traced on another group's view of the same
+        `program_key`: `check_returned` found its results structured like that view's arguments, so like these."""
+        out = _varying.evaluate(program, leaves, step.layout.axes)
+        out = _varying.like(out, leaves[:len(out)])  # (the update and the new state, like the gradient and state)
+        return out[0], *self._disassemble(step.layout, g, out[1:])
 
     def _run_joint(self, step: Step, grads: list, params: list | None, masks: list, stored: SlicedState
                    ) -> tuple[list, dict[int, Any], list[tuple]]:

@@ -26,8 +26,10 @@ from zero_optax.layout._stored import ParamLeaf
 from zero_optax.step import _wire
 
 
-def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None) -> Any:
-    """`fn(*args)`, every value typed varying across `axes`; `slices`: per leaf of `args`, its coordinates or None."""
+def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = None,
+        traced: Callable | None = None) -> Any:
+    """`fn(*args)`, every value typed varying across `axes`; `slices`: per leaf of `args`, its coordinates or None;
+    `traced(program)` receives the program `fn` was traced to, when it was (for `evaluate`)."""
     vma = _compat.vma_enabled(axes)
     if not vma and slices is None:
         return fn(*args)
@@ -35,8 +37,17 @@ def run(fn: Callable, args: Sequence[Any], axes, slices: Sequence[Any] | None = 
     flat, tree = jax.tree.flatten(args)
     stand_ins = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*stand_ins)
+    if traced is not None:
+        traced(closed)
     out, _ = _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes, slices)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+
+def evaluate(closed: _programs.ClosedJaxpr, flat: Sequence[Any], axes) -> list:
+    """The results, flat, of a program `run` traced (and gave `traced`), on leaves `flat` of the shapes and dtypes
+    it was traced on, computed as `run` computes them."""
+    axes = frozenset(_compat.as_tuple(axes)) if _compat.vma_enabled(axes) else frozenset()
+    return _eval(closed.jaxpr, closed.consts, [_cast(x, axes) for x in flat], axes)[0]
 
 
 def like(tree: Any, reference: Any) -> Any:
