@@ -77,7 +77,7 @@ def test_round_trip_and_continue(tmp_path, kind, chain, asynchronous):
             zs.assert_bit_equal(p_new, p_ref)
             zs.assert_bit_equal(zs.host(s_new), s_ref_host)
         meta = mngr.item_metadata(2)["opt_state"]
-    assert meta["format_version"] == _record.FORMAT_VERSION == 2
+    assert meta["format_version"] == _record.FORMAT_VERSION == 3
     assert meta["storage"] == "orbax"
     assert meta["states"][0]["partition"] == zs.PARTITION[kind]
     assert 2 in meta["states"][0]["clocks"].values()  # Two steps taken.
@@ -298,8 +298,8 @@ def _edit_record(directory, edit):
 
 
 @pytest.mark.parametrize("version,message", [
-    (3, r"record format version 3; this zero_optax .* reads version 2 only. Upgrade"),
-    (1, r"record format version 1; .* reads version 2 only. Checkpoints of zero_optax 0.1 \(version 1\)"),
+    (4, r"record format version 4; this zero_optax .* reads versions 2 and 3 only. Upgrade"),
+    (1, r"record format version 1; .* reads versions 2 and 3 only. Checkpoints of zero_optax 0.1 \(version 1\)"),
     ("2", r"record format version \"2\"; .* The record is damaged"),
 ])
 def test_other_format_versions(saved, reads, tmp_path, version, message):

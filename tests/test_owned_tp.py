@@ -142,6 +142,31 @@ def test_shard_map_without_specs_is_refused_naming_the_fixes():
         jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(TP_SPECS,), out_specs=P()), params)
 
 
+def test_every_leaf_records_its_placement_and_a_wrong_spec_for_a_sliced_leaf_is_refused():
+    """With `param_specs`, a sliced leaf sharded over `model` has its placement too (checkpoints record it), and a
+    spec that disagrees with its blocks is refused as a tensor-parallel owned leaf's is; without them it is
+    unknown (None), a replicated leaf's placement trivially known."""
+    mesh = mesh_of()
+    params = placed(params_np(), mesh, TP_SPECS)
+    captured = []
+
+    def init(tx):
+        def capture(p):
+            captured.append(tx.init(p).layout)
+            return ()
+        jax.eval_shape(jax.shard_map(capture, mesh=mesh, in_specs=(TP_SPECS,), out_specs=()), params)
+        return {x.path: x.spec for x in captured.pop().leaves}
+
+    assert init(zo.zero1(optax.adam(1e-2), axis_name="data", param_specs=TP_SPECS)) == {
+        "['emb']": ((), ()), "['ln']": ((),), "['w_in']": ((), ("model",)), "['w_out']": (("model",), ())}
+    assert init(zo.zero1(optax.adam(1e-2), axis_name="data")) == {"['emb']": ((), ()), "['ln']": ((),),
+                                                                    "['w_in']": None, "['w_out']": None}
+    wrong = dict(TP_SPECS, w_out=P(None, None))
+    with pytest.raises(zo.ZeroStructureError, match=r"(?s)records from the PartitionSpec .* of `\['w_out'\]` which "
+                                                     r"mesh axes cut.*varies over\s+the mesh axes \['model'\]"):
+        init(zo.zero1(optax.adam(1e-2), axis_name="data", param_specs=wrong))
+
+
 def test_a_spec_that_disagrees_with_the_blocks_is_refused():
     mesh = mesh_of()
     wrong = dict(TP_SPECS, w_in=P())

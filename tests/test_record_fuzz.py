@@ -294,7 +294,7 @@ def test_scalar_leaf_shape_changed_to_one_is_refused(items, tmp_path, kind, stor
     item, record, targets, _, _ = items[kind]
     src = item if storage == "orbax" else item.parent / f"{kind}-resharded"
     i = next(i for i, x in enumerate(record["states"][0]["leaves"]) if x["shape"] == [])
-    bad = _edited(src, tmp_path, lambda s: s["leaves"][i].update(shape=[1]))
+    bad = _edited(src, tmp_path, lambda s: s["leaves"][i].update(shape=[1], spec=[[]], global_shape=[1]))
     targets = targets if storage == "orbax" else {True: targets[True], False: targets[True]}
     _refused_everywhere(bad, tmp_path, targets, rf"the record's `states\[0\]\.leaves\[{i}\]\.shape` is \[1\], but "
                         r"the stored arrays' metadata says \[\]")

@@ -7,7 +7,9 @@ The offline `zo.reshard` followed by a plain restore must hold the same.
 """
 
 import functools
+import json
 import os
+import shutil
 
 import _zero_setup as zs
 import jax
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import zero_optax as zo
 from tests import _harness as h
 from zero_optax.checkpoint import _arrays, _store
+from zero_optax.core import _names
 
 PAIRS = [(8, 3), (3, 8), (8, 1), (1, 5)]
 KINDS = [("adamw", True), ("muon", False)]  # flat behind reduce_gradients + clip; leaf
@@ -200,6 +203,7 @@ def test_2d_state_records_its_placement_and_restores_on_the_same_mesh(saved_2d):
     assert record["mesh_axes"] == [["model", 2]]
     w = next(x for x in record["leaves"] if x["path"] == "['w']")
     assert (w["shape"], w["axes"], w["blocks"], w["group"]) == ([6, 4], ["model"], 2, 4)
+    assert (w["spec"], w["global_shape"]) == (None, None)  # its own shard_map, no `param_specs`: unknown
     assert [a["spec"] for a in record["arrays"] if a["entry"] == 2] == [[["model", "data"]]]
     tr = zs.MeshTrainer("adam", {"data": 4, "model": 2}, "data", SPECS_2D, SHAPES_2D)
     zs.assert_bit_equal(restore(item, tr.abstract(), reshard=False), source)
@@ -278,3 +282,191 @@ def test_a_lone_leaf_is_restored_without_a_second_copy():
     for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(state), strict=True):
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------- recorded placement (record format 3): square blocks
+
+
+SQUARE_SHAPES = {"w": (4, 8), "v": (8, 4), "b": (5,)}
+SQUARE_SPECS = {"w": P(None, "model"), "v": P("model", None), "b": P()}
+"""At model=2 both matrices have (4, 4) blocks, which cannot tell which dimension `model` cuts."""
+SQUARE_CUTS = {"w": 1, "v": 0}
+"""The dimension `model` cuts, by leaf: how the test lays out a block by hand."""
+
+
+def square_grads() -> list[dict]:
+    rng = np.random.default_rng(77)
+    return [{k: rng.standard_normal(s).astype(np.float32) for k, s in SQUARE_SHAPES.items()} for _ in range(STEPS)]
+
+
+def bound(kind: str, data: int, model: int, specs=SQUARE_SPECS):
+    """A mesh-bound zero1 of `kind` on a (data, model) mesh, and the parameters laid out by `specs` on it."""
+    mesh = jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
+    tx = zo.zero1(zs.inner(kind), axis_name="data", partition=zs.PARTITION[kind], mesh=mesh)
+    params = {k: zs.global_array(v, NamedSharding(mesh, specs[k])) for k, v in zs.params_np(SQUARE_SHAPES).items()}
+    return tx, params
+
+
+def assert_holds_square(state, want, model: int) -> None:
+    """A mesh-bound state on a (data, model) mesh holds plain optax's state `want`: sliced histories laid out by
+    hand block by block (`SQUARE_CUTS`), owned entries whole from the packed buffers, shared ones everywhere."""
+    layout, ref = zo.describe(state), by_path(want)
+    stored = h.stored_entries(state)
+    buffers = {d: np.asarray(b) for d, b in state.buffers.items()}
+    owned = {j: buffers[d][r, off:off + layout.entries[j].size].reshape(layout.entries[j].shape)
+             for r in range(layout.world_size) for j in layout.rank_entries(r)
+             for d, off in [layout.state_packing.offsets[r][j]]}
+    for j in layout.inner_entries:
+        e = layout.entries[j]
+        if e.leaf is None:
+            got, expected = stored[j], np.broadcast_to(ref[e.path], stored[j].shape)
+        elif layout.leaves[e.leaf].sliced:
+            leaf = layout.leaves[e.leaf]
+            name = leaf.path[2:-2]
+            blocks = np.split(ref[e.path], model, axis=SQUARE_CUTS[name]) if name in SQUARE_CUTS else [ref[e.path]]
+            got, expected = stored[j], laid_out(blocks, leaf.group)
+        else:
+            got, expected = owned[j], ref[e.path]
+        assert got.dtype == expected.dtype, e.path
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL, err_msg=e.path)
+
+
+@pytest.fixture(scope="module")
+def saved_square(tmp_path_factory):
+    """Per kind (adam: sliced, muon: owned tensor-parallel), a checkpoint of a mesh-bound run on (data=4, model=2),
+    the state, and plain optax's state after the same steps."""
+    out = {}
+    for kind in ("adam", "muon"):
+        tx, p = bound(kind, 4, 2)
+        s = tx.init(p)
+        for g in square_grads():
+            u, s = tx.update({k: jax.device_put(v, p[k].sharding) for k, v in g.items()}, s, p)
+            p = optax.apply_updates(p, u)
+        want = optax_state(zs.inner(kind), zs.params_np(SQUARE_SHAPES), square_grads())
+        out[kind] = save(str(tmp_path_factory.mktemp(f"square_{kind}")), s), s, want
+    return out
+
+
+def _leaf_record(item, path: str) -> dict:
+    return next(x for x in zo.ZeroCheckpointHandler().metadata(item)["states"][0]["leaves"] if x["path"] == path)
+
+
+@pytest.mark.parametrize("kind", ["adam", "muon"])
+@pytest.mark.parametrize("data,model", [(8, 1), (2, 4)])
+def test_square_blocks_move_between_meshes_without_param_specs(saved_square, tmp_path, kind, data, model):
+    """The record's placement tells which dimension `model` cuts: offline and at load time, no `param_specs`."""
+    item, _, want = saved_square[kind]
+    assert _leaf_record(item, "['w']")["spec"] == [[], ["model"]]
+    assert _leaf_record(item, "['v']")["global_shape"] == [8, 4]
+    tx, p = bound(kind, data, model)
+    target = tx.init(p)
+    zo.reshard(item, tmp_path / "dst", axis_sizes={"data": data, "model": model})
+    offline = restore(tmp_path / "dst", target, reshard=False)
+    assert_holds_square(offline, want, model)
+    loaded = restore(item, target, reshard=True)
+    zs.assert_bit_equal(loaded, offline)
+    w = _leaf_record(tmp_path / "dst", "['w']")  # the placement carried forward for the new mesh
+    assert (w["spec"], w["global_shape"], w["axes"]) == ([[], ["model"]], [4, 8], ["model"])
+    u, _ = tx.update({k: jax.device_put(v, p[k].sharding) for k, v in square_grads()[0].items()}, loaded, p)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))  # and it trains on
+
+
+def test_square_blocks_round_trip_exactly(saved_square, tmp_path):
+    """(4, 2) -> (2, 4) -> (4, 2) offline gives back the saved state bit for bit."""
+    for kind in ("adam", "muon"):
+        item, source, _ = saved_square[kind]
+        zo.reshard(item, tmp_path / kind / "a", axis_sizes={"data": 2, "model": 4})
+        zo.reshard(tmp_path / kind / "a", tmp_path / kind / "b", axis_sizes={"data": 4, "model": 2})
+        tx, p = bound(kind, 4, 2)
+        zs.assert_bit_equal(restore(tmp_path / kind / "b", tx.init(p), reshard=False), source)
+
+
+def test_a_spec_that_contradicts_the_record_is_refused(saved_square, tmp_path):
+    item, _, _ = saved_square["adam"]
+    swapped = {"w": P("model", None), "v": P("model", None), "b": P()}
+    with pytest.raises(zo.ZeroCheckpointError, match=r"`param_specs` gives leaf `\['w'\]` the spec \('model', None\), "
+                                                     r"which cuts `model` along dimension 0, but the checkpoint "
+                                                     r"records that `model` cuts dimension 1"):
+        zo.reshard(item, tmp_path / "dst", axis_sizes={"data": 8, "model": 1}, param_specs=swapped)
+    assert not os.path.exists(tmp_path / "dst")
+    tx, p = bound("adam", 4, 2, swapped)
+    with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['w'\]` is cut over `model` along dimension 1 in the "
+                                                     r"checkpoint .* but along dimension 0 in the target"):
+        restore(item, tx.init(p), reshard=True)
+
+
+def _as_format_2(item, tmp_path):
+    """A copy of `item` whose record is format 2's: no placement."""
+    out = tmp_path / "v2"
+    shutil.copytree(item, out)
+    record = json.loads((out / _names.RECORD_FILE).read_text())
+    record["format_version"] = 2
+    for state in record["states"]:
+        for leaf in state["leaves"]:
+            del leaf["spec"], leaf["global_shape"]
+    (out / _names.RECORD_FILE).write_text(json.dumps(record))
+    return out
+
+
+def test_a_format_2_record_still_needs_param_specs_for_square_blocks(saved_square, tmp_path):
+    item, source, want = saved_square["adam"]
+    old = _as_format_2(item, tmp_path)
+    tx, p = bound("adam", 4, 2)
+    zs.assert_bit_equal(restore(old, tx.init(p), reshard=False), source)
+    with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['v'\]` .* it could cut dimensions \[0, 1\]: pass "
+                                                     r"`param_specs`"):
+        zo.reshard(old, tmp_path / "dst", axis_sizes={"data": 8, "model": 1})
+    zo.reshard(old, tmp_path / "dst", axis_sizes={"data": 8, "model": 1}, param_specs=SQUARE_SPECS)
+    tx, p = bound("adam", 8, 1)
+    assert_holds_square(restore(tmp_path / "dst", tx.init(p), reshard=False), want, 1)
+    assert _leaf_record(tmp_path / "dst", "['v']")["spec"] == [["model"], []]  # what `param_specs` told
+
+
+@pytest.mark.parametrize("leaf,edit,match", [
+    (1, {"spec": [["model"], ["tensor"]]}, r"leaves\[1\]\.spec` names `tensor`, which is neither a ZeRO axis"),
+    (1, {"spec": [["model"]]}, r"leaves\[1\]\.spec` is \[\[\"model\"\]\], which does not cut the 2 dimensions"),
+    (1, {"spec": [["model"], ["model"]]}, r"leaves\[1\]\.spec` .* over the leaf's axes \[\"model\"\], each once"),
+    (1, {"spec": [["model", "model"], []]}, r"leaves\[1\]\.spec\[0\]` repeats an axis name"),
+    (1, {"spec": [[], "model"]}, r"leaves\[1\]\.spec\[1\]` is a str, not a list"),
+    (0, {"spec": None, "global_shape": None}, r"leaves\[0\]\.spec` is null, but a leaf sharded over no other"),
+    (1, {"spec": None}, r"leaves\[1\]\.global_shape` is \[8, 4\], but .* it must be null"),
+    (1, {"global_shape": [4, 4]}, r"leaves\[1\]\.global_shape` is \[4, 4\], but the block \[4, 4\] cut as `spec` "
+                                  r"says over the axis sizes \{\"model\": 2\} is \[8, 4\]"),
+    (1, {"global_shape": [8, 4, 1]}, r"leaves\[1\]\.global_shape` is \[8, 4, 1\]"),
+    (1, {"global_shape": None}, r"leaves\[1\]\.global_shape` is a NoneType, not a list"),
+    (1, {"global_shape": ..., "spec": ...}, r"leaves\[1\]` lacks 'global_shape', 'spec'"),
+])
+def test_placement_fields_are_checked(saved_square, tmp_path, leaf, edit, match):
+    item, _, _ = saved_square["adam"]
+    bad = tmp_path / "bad"
+    shutil.copytree(item, bad)
+    record = json.loads((bad / _names.RECORD_FILE).read_text())
+    x = record["states"][0]["leaves"][leaf]
+    assert x["path"] == ["['b']", "['v']"][leaf]
+    for k, v in edit.items():
+        if v is ...:
+            del x[k]
+        else:
+            x[k] = v
+    (bad / _names.RECORD_FILE).write_text(json.dumps(record))
+    with pytest.raises(zo.ZeroCheckpointError, match=match):
+        zo.ZeroCheckpointHandler().metadata(bad)
+    with pytest.raises(zo.ZeroCheckpointError, match=match):
+        zo.reshard(bad, tmp_path / "dst", axis_sizes={"data": 8, "model": 1})
+
+
+def test_format_2_fields_are_checked(saved_square, tmp_path):
+    """A format-2 record has no placement; a tensor-parallel owned leaf's spec is its `dims`."""
+    for kind, edit, match in [
+            ("adam", lambda r: r.update(format_version=2),
+             r"leaves\[0\]` has unknown fields \"global_shape\", \"spec\""),
+            ("muon", lambda r: r["states"][0]["leaves"][1].update(spec=[[], ["model"]], global_shape=[4, 8]),
+             r"leaves\[1\]\.spec` is \[\[\], \[\"model\"\]\], but the leaf's `dims` are \[\[\"model\"\], \[\]\]")]:
+        item, _, _ = saved_square[kind]
+        bad = tmp_path / kind
+        shutil.copytree(item, bad)
+        record = json.loads((bad / _names.RECORD_FILE).read_text())
+        edit(record)
+        (bad / _names.RECORD_FILE).write_text(json.dumps(record))
+        with pytest.raises(zo.ZeroCheckpointError, match=match):
+            zo.ZeroCheckpointHandler().metadata(bad)

@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--world-size", type=int, help="the new number of devices along the ZeRO axes")
     target.add_argument("--axis-sizes", help="the target mesh, every axis: NAME=SIZE,... (data=2,model=4)")
-    parser.add_argument("--param-specs", help="a JSON file of leaf path -> PartitionSpec ([null, \"model\"])")
+    parser.add_argument("--param-specs", help="a JSON file of leaf path -> PartitionSpec ([null, \"model\"]) on the "
+                        "target; needed only where the record lacks a leaf's placement or for a new axis")
     parser.add_argument("--owners", default="auto", help="'auto' (balanced) or a JSON file of leaf owners")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
     args = parser.parse_args(argv)

@@ -123,20 +123,49 @@ def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str,
     leaves = []
     for x, o in zip(old.leaves, owners):
         if not x.sliced:
-            leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, specs.get(x.path), where), group=n, owner=o))
+            spec = _spec(x, specs.get(x.path), (), where)
+            leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, spec, where), group=n, owner=o))
             continue
         saved = _regions.leaf_blocks(old, x, where)
-        cut, shape = _regions.target_blocks(saved, sizes, specs.get(x.path), x.path, where)
+        spec = _spec(x, specs.get(x.path), saved.axes, where)
+        cut, shape = _regions.target_blocks(saved, sizes, spec, x.path, where)
         axes = tuple(a for a in sizes if a in cut or a in x.axes)  # size-1 axes stay where they were
         group = math.prod(sizes[a] for a in zero if a not in axes) if all(a in sizes for a in zero) else n
         blocks = math.prod(sizes[a] for a in axes)
         leaves.append(dataclasses.replace(x, shape=shape, axes=axes, blocks=blocks, group=group,
-                                          slots=slot_count(math.prod(shape), group)))
+                                          slots=slot_count(math.prod(shape), group), spec=_kept(spec, axes, shape)))
     entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
                     if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
     used = {a for x in leaves for a in x.axes} | set(zero)
     axis_sizes = tuple((a, k) for a, k in sizes.items() if a in used)
     return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=axis_sizes)
+
+
+def _spec(x: ParamLeaf, given: Sequence[Any] | None, cut: tuple[tuple[str, int], ...], where: str
+          ) -> Sequence[Any] | None:
+    """The spec leaf `x` is laid out by on the target: `given` (`param_specs`'), refused where it places an axis of
+    `cut` (those the saved blocks differ along) on another dimension than the record; else the recorded one."""
+    if given is None:
+        return x.spec
+    if x.spec is not None:
+        was, now = _regions.spec_dims(x.spec), _regions.spec_dims(given)
+        for a, _ in cut:
+            if now.get(a, was[a]) != was[a]:
+                raise ZeroCheckpointError(
+                    f"{where}: `param_specs` gives leaf `{x.path}` the spec {tuple(given)}, which cuts `{a}` along "
+                    f"dimension {now[a]}, but the checkpoint records that `{a}` cuts dimension {was[a]} (spec "
+                    f"{_regions.show_spec(x.spec)}); give the spec the parameter was trained with, or leave it out "
+                    "of `param_specs` to use the recorded one.")
+    return given
+
+
+def _kept(spec: Sequence[Any] | None, axes: tuple[str, ...], shape: tuple[int, ...]
+          ) -> tuple[tuple[str, ...], ...] | None:
+    """A target leaf's `ParamLeaf.spec`: `spec` on the target's `axes` (None where unknown and `axes` are some)."""
+    if spec is None and axes:
+        return None
+    cut = _regions.spec_entries(spec or ())[:len(shape)]
+    return tuple(tuple(a for a in c if a in axes) for c in cut) + ((),) * (len(shape) - len(cut))
 
 
 def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Sequence[Any] | None, where: str
@@ -151,7 +180,8 @@ def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Se
     dims = tuple(tuple(a for a in c if a not in old.axes and a in sizes and (sizes[a] > 1 or a in x.axes))
                  for c in cut)
     if not any(dims):
-        return dataclasses.replace(x, shape=whole, axes=(), blocks=1, dims=(), slots=math.prod(whole))
+        return dataclasses.replace(x, shape=whole, axes=(), blocks=1, dims=(), slots=math.prod(whole),
+                                   spec=((),) * len(whole))
     k = [math.prod(sizes[a] for a in c) for c in dims]
     if len(dims) != len(whole) or any(w % m for w, m in zip(whole, k)):
         raise ZeroCheckpointError(
@@ -161,7 +191,7 @@ def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Se
     shape = tuple(w // m for w, m in zip(whole, k))
     axes = tuple(a for a in sizes if any(a in c for c in dims))
     return dataclasses.replace(x, shape=shape, axes=axes, blocks=math.prod(sizes[a] for a in axes), dims=dims,
-                               slots=math.prod(shape))
+                               slots=math.prod(shape), spec=dims)
 
 
 def _owners_per_state(owners: Any, layouts: list[StoredLayout]) -> list[Sequence[int] | None]:
@@ -255,9 +285,14 @@ def reshard(src_dir: Any, dst_dir: Any, world_size: int | None = None, *,
       world_size: the new number of devices along each state's ZeRO axes (the other axes keep their sizes).
       axis_sizes: the target mesh, every axis (the ZeRO axes included), e.g. `{"data": 2, "model": 4}`, instead
         of `world_size`; an axis left out is not in the target mesh.
-      param_specs: the parameters' `PartitionSpec`s (a pytree like the parameters, or a mapping of leaf paths
-        such as `"['w']"`), where a leaf's blocks cannot tell which dimension a resized axis cuts (a square
-        block) or a leaf is to be sharded over a new axis. `ZeroRestore(target, reshard=True)` needs none.
+      param_specs: the parameters' `PartitionSpec`s on the target (a pytree like the parameters, or a mapping
+        of leaf paths such as `"['w']"`). A checkpoint of record format 3 (zero_optax 0.5 on) records every
+        leaf's placement whenever the run knew it (the mesh-bound form, `param_specs` or `zo.state_specs`), so
+        it needs none to resize or drop axes; they are needed where the record lacks it (format 2, a raw
+        `shard_map` without `param_specs`) and a leaf's blocks cannot tell which dimension a resized axis cuts
+        (a square block), and always to shard a leaf over an axis the checkpoint does not have (`model=4` from
+        a run without `model`). A spec that places an axis of the checkpoint on another dimension than the
+        record is refused. `ZeroRestore(target, reshard=True)` needs none.
       owners: leaf partition only: one device index per leaf of the checkpoint's only leaf state, or one item
         (a list or None) per zero1 state. None balances them the way `zero1` does.
       force: replace an existing `dst_dir`.

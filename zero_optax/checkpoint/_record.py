@@ -1,9 +1,9 @@
 """The record of a zero1 checkpoint: a versioned JSON document, `<item>/zero_record.json`, beside the arrays.
 
 The arrays are zarr3 over OCDBT, written by Orbax (`"storage": "orbax"`) or by TensorStore alone (`"tensorstore"`,
-the offline `zo.reshard`), under the same names. The record (format version 2)::
+the offline `zo.reshard`), under the same names. The record (format version 3)::
 
-    {"format": "zero_optax.record", "format_version": 2, "zero_optax_version": "0.4.0",
+    {"format": "zero_optax.record", "format_version": 3, "zero_optax_version": "0.5.0",
      "storage": "orbax" | "tensorstore",
      "tree": "<zero_optax.core._names.tree_signature of the saved pytree, each zero1 state shown as *>",
      "states": [{                    # one per zero1 state of the saved pytree, in tree order
@@ -13,9 +13,12 @@ the offline `zo.reshard`), under the same names. The record (format version 2)::
         "master_dtype": null | "float32",
         "accumulate": {"mode": "local", "steps": 4},  # optional: accumulate="local"'s per-device sums are stored
         "owners": null | [int or null per leaf],
-        "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"[, "dims"]}],
+        "leaves":  [{"path", "shape", "dtype", "slots", "owner", "axes", "blocks", "group"[, "dims"],
+                     "spec", "global_shape"}],
                      # dims: an owned leaf sharded over tensor-parallel axes, the axes cutting each dimension;
-                     # its entries have the whole parameter's shape
+                     # its entries have the whole parameter's shape.
+                     # spec: the placement, the axes cutting each dimension (naming exactly `axes`), null where
+                     # the run did not know it; global_shape: the parameter's logical shape, null without spec
         "state_tree": "<tree_signature of the inner optimizer's state>",
         "entries": [{"path", "leaf", "shape", "dtype", "role"[, "key_impl"]}],   # key_impl: a typed key's data
         "clocks":  {entry path: number},  # shared scalar entries (step counts), the same on every device
@@ -23,7 +26,8 @@ the offline `zo.reshard`), under the same names. The record (format version 2)::
         "packing": null | {"sizes": {dtype: n}, "offsets": [[[entry, dtype, offset], ...] per device]}}]}
 
 Shapes are local blocks. Nothing is pickled, and `_schema` checks every field before anything is read. Optional
-fields are written only where used, so records without them stay byte-identical to format 2's.
+fields are written only where used. Format 2 (zero_optax 0.2 to 0.4) is format 3 without `spec` and
+`global_shape`: its leaves' placement is unknown, and it is still read.
 
 Two record fields reach no array: a leaf's shape where only its size matters (`[5, 3]` and `[15]` store the same
 history), and an owned entry's shape that ends a packed buffer short of its size. So every checkpoint also keeps
@@ -52,10 +56,14 @@ from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.core._version import __version__
 from zero_optax.layout._state import canonical, shared_arrays
-from zero_optax.layout._stored import LOCAL, StoredViews
+from zero_optax.layout._stored import LOCAL, ParamLeaf, StoredViews, known_sizes, whole_shape
 
 FORMAT = "zero_optax.record"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
+"""The record format versions this release reads (it writes `FORMAT_VERSION`)."""
+PLACEMENT = ("spec", "global_shape")
+"""The leaf fields format 3 adds: what format-2 records lack."""
 STORAGE_ORBAX = "orbax"
 STORAGE_TENSORSTORE = "tensorstore"
 MAX_RECORD_BYTES = 64 << 20
@@ -80,18 +88,26 @@ def _lists(x: Any) -> Any:
     return [_lists(y) for y in x] if isinstance(x, tuple) else x
 
 
+def global_shape(mesh: dict[str, int], leaf: ParamLeaf) -> tuple[int, ...] | None:
+    """A leaf's logical shape, from its block's shape, `spec` and the axis sizes a record keeps (`mesh`, its
+    `mesh_axes`, and the leaf's block count); None where the spec, or the size of an axis it names, is unknown."""
+    sizes = known_sizes(mesh, leaf)
+    return None if leaf.spec is None or sizes is None else whole_shape(leaf.shape, leaf.spec, sizes)
+
+
 def state_record(layout: StoredViews, k: int, clocks: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of zero1 state number `k` of a checkpoint, with layout `layout`."""
     zero = set(layout.axes)
+    mesh = {a: s for a, s in layout.axis_sizes if a not in zero}
     pack = layout.state_packing
     out = {
         "partition": layout.partition,
         "axis_name": layout.axis_name if isinstance(layout.axis_name, str) else list(layout.axis_name),
         "world_size": layout.world_size,
-        "mesh_axes": [[a, s] for a, s in layout.axis_sizes if a not in zero],
+        "mesh_axes": [[a, s] for a, s in mesh.items()],
         "master_dtype": layout.master_dtype,
         "owners": None if layout.owners is None else list(layout.owners),
-        "leaves": [as_json(x) for x in layout.leaves],
+        "leaves": [dict(as_json(x), global_shape=_lists(global_shape(mesh, x))) for x in layout.leaves],
         "state_tree": layout.state_tree,
         "entries": [as_json(e) for e in layout.entries],
         "clocks": dict(clocks or {}),
@@ -152,13 +168,13 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
         raise ZeroCheckpointError(f"{where} is not a zero_optax record (format is {short(found)}, expected "
                                   f"{FORMAT!r}).")
     version = record.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READ_VERSIONS or not isinstance(version, int) or isinstance(version, bool):
         raise ZeroCheckpointError(
-            f"{where} has record format version {short(version)}; this zero_optax ({__version__}) reads version "
-            f"{FORMAT_VERSION} only. "
+            f"{where} has record format version {short(version)}; this zero_optax ({__version__}) reads versions "
+            f"{' and '.join(map(str, READ_VERSIONS))} only. "
             + ("Checkpoints of zero_optax 0.1 (version 1) cannot be read: save them again with zero_optax 0.1's "
                "restore and this release's save." if version == 1 else
-               "Upgrade zero_optax to read newer checkpoints." if isinstance(version, int) and version > 2 else
+               "Upgrade zero_optax to read newer checkpoints." if isinstance(version, int) and version > 3 else
                "The record is damaged."))
     return record
 

@@ -148,12 +148,43 @@ def recut(saved: Blocks, target: Blocks, where: str, spec: Sequence[Any] | None 
     return Recut(saved, target, tuple(zip(changed, fits[0])))
 
 
+def placement(old: ParamLeaf, new: ParamLeaf, saved: Blocks, where: str) -> tuple[tuple[str, ...], ...] | None:
+    """The spec a recut of `old` (cut into `saved` blocks) into `new` reads: the target's placement, and the
+    checkpoint's for the axes the target's leaves out (where one lacks it, the other's); refuses an axis the saved
+    blocks differ along that the target places on another dimension."""
+    if old.spec is None or new.spec is None:
+        return new.spec if old.spec is None else old.spec
+    was, now = spec_dims(old.spec), spec_dims(new.spec)
+    for axis, _ in saved.axes:
+        if now.get(axis, was[axis]) != was[axis]:
+            raise ZeroCheckpointError(
+                f"{where}: leaf `{old.path}` is cut over `{axis}` along dimension {was[axis]} in the checkpoint (spec "
+                f"{show_spec(old.spec)}) but along dimension {now[axis]} in the target (spec {show_spec(new.spec)}). "
+                "Resharding keeps which dimension each mesh axis cuts: lay the target's parameter out as it was "
+                "trained.")
+    return tuple(y + tuple(a for a in x if a not in now) for x, y in zip(old.spec, new.spec))
+
+
+def show_spec(spec: Sequence[Any]) -> str:
+    """How error messages show a spec (per dimension, the axes cutting it)."""
+    return "(" + ", ".join("None" if not cut else repr(cut[0]) if len(cut) == 1 else repr(tuple(cut))
+                           for cut in spec_entries(spec)) + ")"
+
+
 def recuts(saved: StoredViews, target: StoredViews, where: str, specs: Mapping[str, Sequence[Any]] | None = None
            ) -> list[Recut | None]:
-    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both); `specs` by leaf path."""
-    return [recut(leaf_blocks(saved, old, where), leaf_blocks(target, new, where), f"{where}: leaf `{old.path}`",
-                  (specs or {}).get(old.path)) if old.sliced or new.sliced else None
-            for old, new in zip(saved.leaves, target.leaves)]
+    """Per leaf, its `Recut` from `saved` to `target` (None for a leaf owned in both); `specs` by leaf path, else
+    the placement the layouts record."""
+    specs = specs or {}
+    out: list[Recut | None] = []
+    for old, new in zip(saved.leaves, target.leaves):
+        if not (old.sliced or new.sliced):
+            out.append(None)
+            continue
+        blocks = leaf_blocks(saved, old, where)
+        spec = specs[old.path] if old.path in specs else placement(old, new, blocks, where)
+        out.append(recut(blocks, leaf_blocks(target, new, where), f"{where}: leaf `{old.path}`", spec))
+    return out
 
 
 def target_blocks(saved: Blocks, sizes: Mapping[str, int], spec: Sequence[Any] | None, path: str,

@@ -34,7 +34,7 @@ PLAIN_KEYS = ("partition", "owners", "leaves", "state_tree", "entries", "master_
 RESHARD_KEYS = ("partition", "leaves", "state_tree", "entries", "master_dtype")
 _PER_MESH = ("slots", "owner", "group")
 """Leaf fields that resharding changes; a sliced leaf's `_BLOCKS` too (`_regions`)."""
-_BLOCKS = ("shape", "axes", "blocks", "dims")
+_BLOCKS = ("shape", "axes", "blocks", "dims", *_record.PLACEMENT)
 
 
 def concrete_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
@@ -157,6 +157,18 @@ def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, 
     return None
 
 
+def _comparable(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two state records without the placement of every leaf one of them does not know it for (format 2, or a
+    `shard_map` without `param_specs`): a placement is compared only where both know it."""
+    unknown = [x["spec"] is None or y["spec"] is None for x, y in zip(a["leaves"], b["leaves"])]
+
+    def known(rec):
+        leaves = [{k: v for k, v in x.items() if k not in _record.PLACEMENT} if u else x
+                  for x, u in zip(rec["leaves"], unknown)]
+        return dict(rec, leaves=leaves + rec["leaves"][len(unknown):])
+    return known(a), known(b)
+
+
 def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> dict[str, Any]:
     """The parts of a state record that resharding keeps. Leaves `blocked` (sliced, or owned in tensor-parallel
     blocks, on either side) may change blocks; entries of leaves `sliced` on either side may change shape."""
@@ -181,7 +193,7 @@ def check_layouts(saved_layout: StoredLayout, target: StoredViews, k: int, where
     elif difference is None:
         sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
         blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
-        a, b = _record.state_record(saved_layout, k), _record.state_record(target, k)
+        a, b = _comparable(_record.state_record(saved_layout, k), _record.state_record(target, k))
         difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
                                       RESHARD_KEYS)
     if difference is not None:
@@ -192,7 +204,8 @@ def check_layouts(saved_layout: StoredLayout, target: StoredViews, k: int, where
 
 def plain_difference(saved: StoredViews, target: StoredViews, k: int, where: str) -> str | None:
     """The first difference between the records of two layouts of state `k` that a plain restore cannot bridge."""
-    return first_difference(_record.state_record(saved, k), _record.state_record(target, k), where, PLAIN_KEYS)
+    return first_difference(*_comparable(_record.state_record(saved, k), _record.state_record(target, k)), where,
+                            PLAIN_KEYS)
 
 
 def partition_difference(saved: StoredViews, target: StoredViews, where: str, reshard: bool = False) -> str | None:

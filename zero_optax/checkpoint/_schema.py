@@ -142,10 +142,11 @@ def parse(record: dict[str, Any], where: str) -> Saved:
     states = c.list(record["states"], "states", MAX_ITEMS)
     if not states:
         c.fail("states", "is empty: the checkpoint holds no zero1 state")
-    return Saved(tree, storage, tuple(_state(c, s, k) for k, s in enumerate(states)))
+    placed = record["format_version"] != 2  # (format 2 records no placement)
+    return Saved(tree, storage, tuple(_state(c, s, k, placed) for k, s in enumerate(states)))
 
 
-def _state(c: _Checker, rec: Any, k: int) -> SavedState:
+def _state(c: _Checker, rec: Any, k: int, placed: bool) -> SavedState:
     f = f"states[{k}]"
     c.dict(rec, f, _STATE, {"accumulate", "replica_axes"})
     partition = rec["partition"]
@@ -157,7 +158,8 @@ def _state(c: _Checker, rec: Any, k: int) -> SavedState:
     master_dtype = rec["master_dtype"]
     if master_dtype is not None:
         c.dtype(master_dtype, f"{f}.master_dtype")
-    leaves = tuple(_leaf(c, x, f"{f}.leaves[{i}]", partition, zero, mesh, n)
+    leaves = tuple(_placement(c, x, f"{f}.leaves[{i}]", _leaf(c, x, f"{f}.leaves[{i}]", partition, zero, mesh, n),
+                              placed, zero, mesh)
                    for i, x in enumerate(c.list(rec["leaves"], f"{f}.leaves")))
     paths = [x.path for x in leaves]
     if len(set(paths)) != len(paths):
@@ -229,7 +231,7 @@ def _clocks(c: _Checker, rec: Any, f: str, layout: StoredLayout) -> dict[str, An
 
 def _leaf(c: _Checker, rec: Any, f: str, partition: str, zero: tuple[str, ...], mesh: dict[str, int],
           n: int) -> ParamLeaf:
-    c.dict(rec, f, _LEAF, {"dims"})
+    c.dict(rec, f, _LEAF, {"dims", *_record.PLACEMENT})  # (`_placement` checks these)
     path = c.str(rec["path"], f"{f}.path", empty=True)
     shape = c.shape(rec["shape"], f"{f}.shape")
     dtype = c.dtype(rec["dtype"], f"{f}.dtype")
@@ -278,6 +280,40 @@ def _dims(c: _Checker, rec: dict, f: str, shape: tuple[int, ...], axes: tuple[st
         c.fail(f"{f}.dims", f"is {_record.short([list(x) for x in dims])}, which does not cut the {len(shape)} "
                f"dimensions over the leaf's axes {_record.short(list(axes))}, each once")
     return dims
+
+
+def _placement(c: _Checker, rec: dict, f: str, leaf: ParamLeaf, placed: bool, zero: tuple[str, ...],
+               mesh: dict[str, int]) -> ParamLeaf:
+    """`leaf` with its `spec` (format 3): null, or per dimension the axes cutting it, naming exactly the leaf's
+    axes (its `dims`, where given); and its `global_shape`, the block's shape cut as `spec` says (null without)."""
+    if not placed:
+        c.dict(rec, f, _LEAF, {"dims"})
+        return leaf
+    c.dict(rec, f, _LEAF | set(_record.PLACEMENT), {"dims"})
+    spec = rec["spec"]
+    if spec is None and not leaf.axes:
+        c.fail(f"{f}.spec", "is null, but a leaf sharded over no other mesh axis has every dimension uncut")
+    if spec is not None:
+        spec = tuple(c.names(cut, f"{f}.spec[{d}]") for d, cut in enumerate(c.list(spec, f"{f}.spec", MAX_NDIM)))
+        named = [a for cut in spec for a in cut]
+        for a in named:
+            if a not in zero and a not in mesh:
+                c.fail(f"{f}.spec", f"names `{a}`, which is neither a ZeRO axis nor one of `mesh_axes`")
+        if len(spec) != len(leaf.shape) or sorted(named) != sorted(leaf.axes):
+            c.fail(f"{f}.spec", f"is {_record.short([list(x) for x in spec])}, which does not cut the "
+                   f"{len(leaf.shape)} dimensions over the leaf's axes {_record.short(list(leaf.axes))}, each once")
+        if leaf.dims and spec != leaf.dims:
+            c.fail(f"{f}.spec", f"is {_record.short([list(x) for x in spec])}, but the leaf's `dims` are "
+                   f"{_record.short([list(x) for x in leaf.dims])}")
+    leaf = dataclasses.replace(leaf, spec=spec)
+    want, got = _record.global_shape(mesh, leaf), rec["global_shape"]
+    if want is None and got is not None:
+        c.fail(f"{f}.global_shape", f"is {_record.short(got)}, but the leaf's spec, or the size of an axis it names, "
+               "is unknown: it must be null")
+    if want is not None and c.shape(got, f"{f}.global_shape") != want:
+        c.fail(f"{f}.global_shape", f"is {_record.short(got)}, but the block {list(leaf.shape)} cut as `spec` says "
+               f"over the axis sizes {_record.short(mesh)} is {list(want)}")
+    return leaf
 
 
 def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], master_dtype: str | None,

@@ -15,6 +15,7 @@ from zero_optax.core import _compat, _names
 from zero_optax.core._errors import (
     ZeroAxisError,
     ZeroCouplingError,
+    ZeroError,
     ZeroStructureError,
 )
 from zero_optax.layout import _attribution, _fusion, _keys, _specs, _stored
@@ -53,6 +54,12 @@ TENSOR_PARALLEL_SPEC_HELP = """\
 zero1 updates `{path}` as a whole tensor on one owner and reads from its PartitionSpec {spec} which mesh axes cut
 which dimension, but inside shard_map the parameter's local block (shape {shape}) varies over the mesh axes
 {axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
+PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
+
+PLACEMENT_SPEC_HELP = """\
+zero1 records from the PartitionSpec {spec} of `{path}` which mesh axes cut which dimension (checkpoints keep it
+to move the state between meshes), but inside shard_map the parameter's local block (shape {shape}) varies over
+the mesh axes {axes}: the spec must name exactly those axes, each cutting one dimension of the parameter. Pass the
 PartitionSpecs the parameters are laid out by (your shard_map's in_specs)."""
 
 def _placement(params_leaves, paths, cfg: Config) -> tuple[list[tuple[tuple[str, ...], int, int]], dict]:
@@ -255,7 +262,8 @@ def build_layout(cfg: Config, params) -> Layout:
             "operation before zero1 (zo.reduce_gradients, then zero1(..., reduce=False)).")
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
-    dims = _tp_dims(cfg, params, owned, placement, paths, real)
+    specs = _leaf_specs(cfg, params, owned, placement, paths, real)
+    dims = [specs[i] if owned[i] and placement[i][0] else () for i in range(len(values))]
     slots = [math.prod(x.shape) if owned[i] else _stored.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
     mixed = [jax.ShapeDtypeStruct(_stored.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
@@ -268,7 +276,8 @@ def build_layout(cfg: Config, params) -> Layout:
     entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)
     owners = _leaf_owners(cfg, entries, mixed, owned, n, paths)  # (owned leaves' costs at their whole sizes)
     leaves = tuple(ParamLeaf(paths[i], tuple(np.shape(x)), np.dtype(x.dtype).name, slots[i],
-                             owners[i] if owned[i] else None, *placement[i], dims[i]) for i, x in enumerate(values))
+                             owners[i] if owned[i] else None, *placement[i], dims[i], specs[i])
+                   for i, x in enumerate(values))
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
@@ -283,27 +292,34 @@ def build_layout(cfg: Config, params) -> Layout:
         replicas=replicas, replica_sizes=replica_sizes)
 
 
-def _tp_dims(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list
-             ) -> list[tuple[tuple[str, ...], ...]]:
-    """Per leaf, its `ParamLeaf.dims`, read from the parameters' `PartitionSpec`s (declared, else `param_specs`)."""
+def _leaf_specs(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list
+                ) -> list[tuple[tuple[str, ...], ...] | None]:
+    """Per leaf, its `ParamLeaf.spec`, read from the parameters' `PartitionSpec`s (declared, else `param_specs`):
+    every dimension uncut for a leaf sharded over no other axis; None where no spec is given."""
     need = [i for i, o in enumerate(owned) if o and placement[i][0]]
-    out: list[tuple[tuple[str, ...], ...]] = [()] * len(owned)
-    if not need:
-        return out
+    unknown = [None if placement[i][0] else ((),) * len(x.shape) for i, x in enumerate(real)]
     specs = cfg.param_specs if _specs.DECLARED.get() is None else _specs.DECLARED.get()
     if specs is None:
-        i = need[0]
-        why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
-        raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
-    per_leaf = jax.tree.leaves(_specs.broadcast_specs(specs, params), is_leaf=lambda x: isinstance(x, P))
-    for i in need:
-        spec, axes, ndim = tuple(per_leaf[i]), placement[i][0], len(real[i].shape)
+        if need:
+            i = need[0]
+            why = "partition=\"leaf\"" if cfg.partition == LEAF else "not elementwise"
+            raise ZeroCouplingError(TENSOR_PARALLEL_HELP.format(path=paths[i], why=why, axis=placement[i][0][0]))
+        return unknown
+    try:
+        per_leaf = jax.tree.leaves(_specs.broadcast_specs(specs, params), is_leaf=lambda x: isinstance(x, P))
+    except ZeroError:
+        if need:
+            raise
+        return unknown  # (specs of another tree: what the layout needs is known without them)
+    out = []
+    for i, x in enumerate(real):
+        spec, axes, ndim = tuple(per_leaf[i]), placement[i][0], len(x.shape)
         cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
         named = [a for c in cut for a in c]
         if len(cut) > ndim or sorted(named) != sorted(axes):
-            raise ZeroStructureError(TENSOR_PARALLEL_SPEC_HELP.format(
-                path=paths[i], spec=P(*spec), shape=tuple(real[i].shape), axes=list(axes)))
-        out[i] = tuple(cut) + ((),) * (ndim - len(cut))
+            text = TENSOR_PARALLEL_SPEC_HELP if owned[i] else PLACEMENT_SPEC_HELP
+            raise ZeroStructureError(text.format(path=paths[i], spec=P(*spec), shape=tuple(x.shape), axes=list(axes)))
+        out.append(tuple(cut) + ((),) * (ndim - len(cut)))
     return out
 
 

@@ -38,6 +38,17 @@ def slot_count(size: int, group: int) -> int:
     return -(-size // group)
 
 
+def known_sizes(sizes: dict[str, int], leaf: ParamLeaf) -> dict[str, int] | None:
+    """`sizes` with that of the one axis of `leaf` it lacks (a ZeRO axis, which a record does not size) read off the
+    leaf's block count; None where it lacks several."""
+    unknown = [a for a in leaf.axes if a not in sizes]
+    if len(unknown) > 1:
+        return None
+    if unknown:
+        sizes = dict(sizes, **{unknown[0]: leaf.blocks // math.prod(sizes[a] for a in leaf.axes if a in sizes)})
+    return sizes
+
+
 def whole_shape(shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...], sizes: dict[str, int]
                 ) -> tuple[int, ...]:
     """A parameter's whole shape from its block's `shape`, the axes cutting each dimension and their `sizes`."""
@@ -57,6 +68,9 @@ class ParamLeaf:
       axes: mesh axes the parameter is sharded over (tensor or expert parallel); its blocks differ along them.
       group: the number of devices one block's coordinates are split over (the ZeRO axes not in `axes`).
       dims: a tensor-parallel owned leaf's mesh axes cutting each dimension; empty for every other leaf.
+      spec: the leaf's placement, the mesh axes cutting each dimension of the parameter (its `PartitionSpec`,
+        naming exactly `axes`); None where the run did not know it (a leaf sharded over other mesh axes inside
+        a `shard_map` without `param_specs`, or a checkpoint of record format 2).
     """
 
     path: str
@@ -68,6 +82,9 @@ class ParamLeaf:
     blocks: int = 1
     group: int = 1
     dims: tuple[tuple[str, ...], ...] = ()
+    # (Not compared: a layout is the same whether or not its run was told the specs, so that `zo.state_specs`,
+    # which is, gives the out_specs of a `shard_map` whose init is not.)
+    spec: tuple[tuple[str, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def size(self) -> int:
