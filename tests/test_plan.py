@@ -183,3 +183,17 @@ def test_the_package_attribute_stays_callable():
 
     p = zo.plan(optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((10,), jnp.float32)}, mesh={"data": 4})
     assert p.stored_bytes == 0 and p.wire["data"] == {"reduce-scatter": 48, "all-gather": 48}
+
+
+def test_at_16_devices_plan_state_exactness_and_checkpoints(tmp_path):
+    """`benchmarks/plan_scale.py` at a size the suite affords (it runs at 64 and 256 devices): in fresh processes
+    of 16 simulated devices, plan equals the real run, zero1 matches optax, a checkpoint saved at 16 restores at 8
+    and at (data=4, model=4), at load time and offline, bit for bit."""
+    from benchmarks import plan_scale
+
+    flat = plan_scale._child(16, "check", "flat")
+    assert flat["plan"] == {"layout": True, "stored": True, "wire": True, "largest": True}
+    assert flat["exact"]["params"] < 1e-6 and flat["exact"]["state"] < 1e-6
+    assert flat["state"]["ratio"] <= 1.01
+    restored = plan_scale._checkpoints(16, "auto", str(tmp_path))
+    assert restored == {target: {"load_time": True, "offline": True} for target in ("data=8", "data=4,model=4")}
