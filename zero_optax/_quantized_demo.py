@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 import zero_optax as zo
+
+if TYPE_CHECKING:
+    Device = Any  # `jax.Device`, which type checkers cannot read as a class (jaxlib ships no type stubs)
+else:
+    Device = jax.Device
 
 CONFIGS = {
     "exact": None,
@@ -44,7 +50,7 @@ class Task:
     each step (inputs, targets), and the inner optimizer."""
 
     model: Callable[[], nnx.Module]
-    loss: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array]
+    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (the model's own class, the inputs, the targets)
     batch: Callable[[int], tuple[np.ndarray, np.ndarray]]
     inner: Callable[[], optax.GradientTransformation]
 
@@ -73,7 +79,7 @@ def _step(task: Task, graphdef, tx, mesh, specs):
                                  out_specs=(P(), specs, P("data"))), donate_argnums=(0, 1))
 
 
-def train(label: str, quantize, task: Task, devices: Sequence[jax.Device], steps: int, progress: Progress) -> Run:
+def train(label: str, quantize, task: Task, devices: Sequence[Device], steps: int, progress: Progress) -> Run:
     """`steps` steps of `task` with zero1 (master copies in float32) quantizing as `quantize`."""
     mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
     graphdef, params = nnx.split(task.model())
@@ -92,7 +98,7 @@ def train(label: str, quantize, task: Task, devices: Sequence[jax.Device], steps
     return Run(label, losses)
 
 
-def run_all(task: Task, devices: Sequence[jax.Device], steps: int, progress: Progress) -> list[Run]:
+def run_all(task: Task, devices: Sequence[Device], steps: int, progress: Progress) -> list[Run]:
     """The runs of `CONFIGS`, in order (the exact one first)."""
     return [train(label, q, task, devices, steps, progress) for label, q in CONFIGS.items()]
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,11 @@ from rich.table import Table
 import zero_optax as zo
 from zero_optax import _quantized_demo
 
+if TYPE_CHECKING:
+    Device = Any  # `jax.Device`, which type checkers cannot read as a class (jaxlib ships no type stubs)
+else:
+    Device = jax.Device
+
 SIMULATED_DEVICES = 8
 SEQ_LEN = 64
 BATCH = 16  # sequences per step, split over the devices (divisible by 8 and 4)
@@ -71,7 +77,7 @@ def simulate_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-def pick_devices(count: int | None) -> list[jax.Device]:
+def pick_devices(count: int | None) -> list[Device]:
     """`count` devices (default: all) of the default backend, or simulated CPU devices where it has fewer than 2."""
     devices = jax.devices()
     if len(devices) < 2:
@@ -82,7 +88,7 @@ def pick_devices(count: int | None) -> list[jax.Device]:
     return devices[:count]
 
 
-def data_mesh(devices: Sequence[jax.Device], model: int = 1) -> jax.sharding.Mesh:
+def data_mesh(devices: Sequence[Device], model: int = 1) -> jax.sharding.Mesh:
     """A 1-D "data" mesh over `devices`, or with `model > 1` a (data, model) mesh whose "model" axis is `Auto`:
     XLA then places the tensor-parallel matrix products (under `Explicit` axes a row-parallel product would need
     an explicit `out_sharding`)."""
@@ -96,7 +102,7 @@ def parse_mesh(text: str | None) -> tuple[int | None, int]:
     """`--mesh data=4,model=2` as (devices, model size); `(None, 1)` without it (a 1-D mesh of all devices)."""
     if text is None:
         return None, 1
-    sizes = dict(item.partition("=")[::2] for item in text.split(","))
+    sizes = {key: value for key, _, value in (item.partition("=") for item in text.split(","))}
     if set(sizes) != {"data", "model"} or not all(v.isdigit() and int(v) >= 1 for v in sizes.values()):
         raise SystemExit(f"--mesh must look like data=4,model=2; got {text!r}.")
     data, model = int(sizes["data"]), int(sizes["model"])
@@ -238,9 +244,9 @@ def parameter_difference(model: CharLM, reference: CharLM) -> tuple[float, float
             max(float(np.max(np.abs(b))) for b in theirs))
 
 
-def bytes_per_device(tree) -> dict[jax.Device, int]:
+def bytes_per_device(tree) -> dict[Device, int]:
     """What each device really stores of `tree`: the sizes of its arrays' addressable shards."""
-    per_device: dict[jax.Device, int] = {}
+    per_device: dict[Device, int] = {}
     for array in jax.tree.leaves(tree):
         for shard in array.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
@@ -350,7 +356,7 @@ def restore(directory: Path, step: int, recipe: Recipe, vocab: int,
     return model, optimizer, restored["opt_state"]
 
 
-def train(recipe: Recipe, text: Text, devices: Sequence[jax.Device], steps: int, out: Path,
+def train(recipe: Recipe, text: Text, devices: Sequence[Device], steps: int, out: Path,
           progress: Progress, model_size: int = 1) -> Result:
     """Trains with zero1 and with plain optax side by side, checkpoints half-way, resumes on half the devices.
 
@@ -533,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def quantized(text: Text, devices: Sequence[jax.Device], args: argparse.Namespace, progress: Progress,
+def quantized(text: Text, devices: Sequence[Device], args: argparse.Namespace, progress: Progress,
               console: Console) -> int:
     """`--quantize`: the four runs of `zero_optax._quantized_demo` on the flat recipe, their table and plot."""
     task = _quantized_demo.Task(lambda: CharLM(len(text.alphabet), rngs=nnx.Rngs(0)), loss_fn, text.batch,

@@ -47,7 +47,7 @@ class _Progress:
         if total <= 0:
             return
         if self.console.is_terminal:
-            if self.bar is None:
+            if self.bar is None or self.task is None:  # (both set here)
                 self.bar = Progress(TextColumn("resharding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                                     TimeRemainingColumn(), console=self.console)
                 self.bar.start()

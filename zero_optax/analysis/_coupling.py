@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import jaxlib
 import numpy as np
-from jax.extend import core as jcore
 
 from zero_optax.analysis import _programs
 from zero_optax.core import _compat
@@ -70,7 +69,7 @@ _LITERAL = _Origin("a non-scalar literal")
 _SHARED = _Origin("non-scalar shared state (an input without a parameter label, e.g. a vector hyperparameter)")
 
 
-def _coordinate_facts(closed: jcore.ClosedJaxpr, untainted: frozenset[int] = frozenset(),
+def _coordinate_facts(closed: _programs.ClosedJaxpr, untainted: frozenset[int] = frozenset(),
                       scalar_leaves: frozenset[int] = frozenset()) -> list[_Fact]:
     """One label for every non-scalar input but the `untainted` ones (a PRNG key's data) and for the
     `scalar_leaves` (one-element parameter data)."""
@@ -118,7 +117,7 @@ def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, source
                         frozenset(analysis.draws), tuple(f.coords for f in outs))
 
 
-_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib) if getattr(m, "__file__", None))
+_JAX_DIRS = tuple(os.path.dirname(f) + os.sep for f in (getattr(m, "__file__", None) for m in (jax, jaxlib)) if f)
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0") + os.sep
 
 
@@ -262,7 +261,7 @@ class _Analysis:
         self._stack: list[Any] = []  # enclosing equations, for source locations
         self._split = 0  # enclosing branches whose predicate depends on parameter data
 
-    def check(self, closed: jcore.ClosedJaxpr, facts: Sequence[_Fact], out_labels: Sequence[int | None] | None
+    def check(self, closed: _programs.ClosedJaxpr, facts: Sequence[_Fact], out_labels: Sequence[int | None] | None
               ) -> list[_Fact]:
         """Runs `closed` and refuses random values reaching outputs; returns the output facts."""
         outs = self.run(closed, facts)
@@ -326,18 +325,21 @@ class _Analysis:
     def _drawn(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> _Fact:
         """`out` for an equation consuming random values, still `aligned` if elementwise in them; only aligned numbers
         meeting a leaf where every device runs, in a collective analysis, are accepted (a draw)."""
+        origin = out.random
+        assert origin is not None  # called for random values only
         randoms = [v for v, f in zip(eqn.invars, facts) if f.random is not None]
-        aligned = out.random.aligned and (eqn.primitive.name == "random_bits" or (
+        aligned = origin.aligned and (eqn.primitive.name == "random_bits" or (
             all(f.random is None or f.random.aligned for f in facts)
             and _structural_violation(eqn, randoms) is None))
-        if not aligned and out.random.aligned:
-            out = out._replace(random=dataclasses.replace(out.random, aligned=False))
+        if not aligned and origin.aligned:
+            origin = dataclasses.replace(origin, aligned=False)
+            out = out._replace(random=origin)
         if not out.labels:
             return out
         if aligned and self.collective and not self._in_control() and not out.control:
             self.draws.update(out.labels)
             return out._replace(random=None)
-        raise self._random(out.random, f"meet parameter-derived values in `{eqn.primitive.name}`")
+        raise self._random(origin, f"meet parameter-derived values in `{eqn.primitive.name}`")
 
     def _collective(self, eqn: Any, facts: Sequence[_Fact], out: _Fact) -> bool:
         """Whether `eqn` is a full reduction of values neither random nor position-dependent, outside control
@@ -413,9 +415,9 @@ class _Analysis:
             raise self._error(eqn, f"{what} depends on a leaf and selects values of parameter leaves {sorted(mixed)}")
         if pred.coords:
             self._couple(pred.coords, (*self._stack, eqn), f"{what} depends on parameter-derived data")
-        noisy = next((t for t in outs if t.random is not None and t.labels), None)
+        noisy = next((t.random for t in outs if t.random is not None and t.labels), None)
         if noisy is not None:
-            raise self._random(noisy.random, f"meet parameter-derived values through a {what}")
+            raise self._random(noisy, f"meet parameter-derived values through a {what}")
         return outs
 
     def _cond(self, eqn: Any, facts: list[_Fact]) -> list[_Fact]:

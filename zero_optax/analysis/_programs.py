@@ -18,6 +18,9 @@ from jax.extend import core as jcore
 
 from zero_optax.core import _compat
 
+ClosedJaxpr = jcore.ClosedJaxpr  # pyright: ignore[reportPrivateImportUsage]  # JAX 0.12 aliases it without export
+"""A traced program (JAX 0.12 has one class for it and `Jaxpr`)."""
+
 # Every output coordinate depends only on the same coordinate of each operand (operands of another size are
 # checked separately).
 ELEMENTWISE = frozenset({
@@ -87,10 +90,15 @@ def size(atom: Any) -> int:
     return math.prod(shape(atom))
 
 
+def dtype(atom: Any) -> Any:
+    """The dtype of a variable or literal (JAX types `aval` as an `AbstractValue`, which has none)."""
+    return atom.aval.dtype
+
+
 def subjaxprs(params: dict[str, Any]) -> list[Any]:
     """Every sub-jaxpr in an equation's params (ClosedJaxpr or Jaxpr, possibly in tuples), as found."""
     return [item for value in params.values() for item in (value if isinstance(value, (tuple, list)) else (value,))
-            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+            if isinstance(item, (ClosedJaxpr, jcore.Jaxpr))]
 
 
 def call_body(eqn: Any) -> Any:
@@ -191,7 +199,7 @@ def collectives(program: Any, count: int = 1, live: Sequence[bool] | None = None
 class Traced(NamedTuple):
     """A function traced once (`trace`), for several analyses of the same program."""
 
-    closed: jcore.ClosedJaxpr
+    closed: ClosedJaxpr
     out_shape: Any
     args: tuple[Any, ...]
 
@@ -266,13 +274,15 @@ def leaf_programs(fn: Callable[..., Any] | Traced, *args: Any, sources: Any, out
     full reduction of one leaf is its program's but its result carries no label."""
     program = trace(fn, *args)
     walker = _LeafPrograms(program.closed, {} if names is None else names, collective)
-    return walker.run(*labels(program, sources, out_sources))
+    in_labels, out_labels = labels(program, sources, out_sources)
+    assert out_labels is not None  # as `out_sources` is given
+    return walker.run(in_labels, out_labels)
 
 
 class _LeafPrograms:
     """The walk of `leaf_programs`: per variable its label and its name, per label its program."""
 
-    def __init__(self, closed: jcore.ClosedJaxpr, names: dict[str, str], collective: bool = False):
+    def __init__(self, closed: ClosedJaxpr, names: dict[str, str], collective: bool = False):
         self.closed = closed
         self.names = names
         self.collective = collective
@@ -288,16 +298,16 @@ class _LeafPrograms:
         unlabelled = 0
         for var, lab in zip(jaxpr.invars, in_labels):
             if lab is None:
-                self.name[var] = f"in{unlabelled}:{var.aval.dtype}"
+                self.name[var] = f"in{unlabelled}:{dtype(var)}"
                 unlabelled += 1
             else:
                 self._own(var, lab)
-                self.programs.setdefault(lab, []).append(f"in:{var.aval.dtype}")
+                self.programs.setdefault(lab, []).append(f"in:{dtype(var)}")
         self._walk(jaxpr.eqns)
         for var, lab in zip(jaxpr.outvars, out_labels):
             if lab is not None and not isinstance(var, jcore.Literal) and self.label_of.get(var, lab) != lab:
                 self.mixed.add(lab)
-            self.programs.setdefault(lab, []).append(f"out:{self._ref(var)}:{var.aval.dtype}")
+            self.programs.setdefault(lab, []).append(f"out:{self._ref(var)}:{dtype(var)}")
         return {lab: tuple(prog) for lab, prog in self.programs.items() if lab not in self.mixed}
 
     def _own(self, var: Any, lab: int) -> None:
@@ -415,7 +425,7 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
     def read(v):
         if isinstance(v, jcore.Literal):
-            return jnp.asarray(v.val, v.aval.dtype) if literal is None else literal(v)
+            return jnp.asarray(v.val, dtype(v)) if literal is None else literal(v)
         return env[v]
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -424,7 +434,7 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     return [read(v) for v in jaxpr.outvars]
 
 
-def retraced(eqn: Any, ins: Sequence[Any], run: Callable[[Any, list], list],
+def retraced(eqn: Any, ins: list[Any], run: Callable[[Any, list], list],
              branches: Callable | None = None, carry: Callable[[list], list] | None = None) -> list | None:
     """The results of a call, branch or loop whose programs `run(program, args)` runs again in the current trace,
     or None for any other equation. `branches(fns, operands)` may adapt the branches, `carry(values)` a loop's."""
@@ -483,7 +493,7 @@ def rewrite(program: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any
 
 
 def _rewritten(value: Any, rule: Callable[[Any], Any], param: Callable[[Any], Any] | None) -> Any:
-    if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+    if isinstance(value, (ClosedJaxpr, jcore.Jaxpr)):
         return rewrite(value, rule, param)
     if type(value) is tuple:
         return tuple(_rewritten(v, rule, param) for v in value)

@@ -77,7 +77,7 @@ class Bound:
             def init(values, params, full_state):
                 with hoisted.reading(values):
                     return hoisted.engine.init(params, full_state)
-            stand_in = types.SimpleNamespace(init=lambda args: init(*args, None))
+            stand_in = types.SimpleNamespace(init=lambda args: init(*args, full_state=None))
             traced = _specs.traced_state(stand_in, (hoisted.values, params), (hoisted.specs, specs), self.mesh,
                                          declare=specs)
             self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs, P()),

@@ -47,11 +47,12 @@ class ZeroOptimizer(nnx.Optimizer[M]):
       ([[0.5], [0.5]], 1)
     """
 
-    def __init__(self, model: M, tx: optax.GradientTransformation, *, wrt: filterlib.Filter, **kwargs):
+    def __init__(self, model: M, tx: optax.GradientTransformation, *, wrt: filterlib.Filter, **kwargs: tp.Any
+                 ) -> None:
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.step.set_value(_on_mesh(tx, self.step.get_value()))
 
-    def update(self, model: M, grads, /, **kwargs) -> None:  # type: ignore[override]
+    def update(self, model: M, grads: tp.Any, /, **kwargs: tp.Any) -> None:  # type: ignore[override]
         """As `nnx.Optimizer.update` (`kwargs` go to `tx.update`), but returns None: the updates are never formed."""
         graph = {"graph": self.graph} if "graph" in vars(self) else {}  # (Flax 0.12.7 has no `graph=`)
         params = nnx.as_pure(nnx.state(model, self.wrt, **graph))
@@ -80,12 +81,13 @@ class ZeroTrainState(train_state.TrainState):
     """
 
     @classmethod
-    def create(cls, *, apply_fn, params, tx, **kwargs) -> ZeroTrainState:
+    def create(cls, *, apply_fn: tp.Any, params: tp.Any, tx: optax.GradientTransformation, **kwargs: tp.Any
+               ) -> ZeroTrainState:
         """As `TrainState.create`: `step` 0 (on a mesh-bound zero1's mesh), `opt_state` from `tx.init(params)`."""
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return state.replace(step=_on_mesh(tx, state.step))
 
-    def apply_gradients(self, *, grads, **kwargs) -> ZeroTrainState:
+    def apply_gradients(self, *, grads: tp.Any, **kwargs: tp.Any) -> ZeroTrainState:
         """As `TrainState.apply_gradients`: one optimizer step, `kwargs` replacing other fields."""
         overwrite = OVERWRITE_WITH_GRADIENT in grads
         params, opt_state = apply_gradients(self.tx, grads["params"] if overwrite else grads, self.opt_state,

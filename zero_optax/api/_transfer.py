@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -192,16 +193,15 @@ def _values(state: ZeroState, entries: Sequence[int]) -> list[jax.Array]:
 def _entry(layout: Layout, j: int, arrays: dict[int, jax.Array], buffers: dict[str, jax.Array]) -> jax.Array:
     """The full value of entry `j`, from the `unowned` arrays and the replicated owned buffers."""
     e = layout.entries[j]
-    kind = layout.kind(e)
-    if kind == "owned":
-        leaf = layout.leaves[e.leaf]
-        dtype, off = layout.state_packing.offsets[leaf.owner][j]
-        return jax.lax.slice_in_dim(buffers[dtype][leaf.owner], off, off + e.size).reshape(e.shape)
-    value = _compat.replicate(arrays[j])
-    if kind == "shared":
-        return _keys.to_key(value[0], e.key_impl)
+    if e.leaf is None:  # a shared entry
+        return _keys.to_key(_compat.replicate(arrays[j])[0], e.key_impl)
     leaf = layout.leaves[e.leaf]
-    return value[:leaf.size].reshape(leaf.shape)
+    if layout.kind(e) == "owned":
+        owner = leaf.owner
+        assert owner is not None  # (an owned leaf's)
+        dtype, off = layout.state_packing.offsets[owner][j]
+        return jax.lax.slice_in_dim(buffers[dtype][owner], off, off + e.size).reshape(e.shape)
+    return _compat.replicate(arrays[j])[:leaf.size].reshape(leaf.shape)
 
 
 def _gather_one(state: ZeroState) -> Any:
@@ -299,4 +299,5 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     zero = _handle.zero1_of(tx, "zo.scatter_state")
     params = _compat.pure(params)
     inner_state = jax.tree.map(_keys.to_data, inner_state)
-    return zero.bound.init(params, inner_state) if zero.outside() else zero.engine.init(params, inner_state)
+    bound = zero.outside()
+    return bound.init(params, inner_state) if bound is not None else zero.engine.init(params, inner_state)

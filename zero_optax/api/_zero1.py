@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,15 +44,17 @@ class Zero1:
         self.mesh = mesh
         self.bound = None if mesh is None else _bound.Bound(self, mesh)
 
-    def outside(self) -> bool:
-        """Whether a mesh-bound transformation runs outside a `shard_map` binding its axes."""
-        return self.bound is not None and not _compat.is_bound(self.cfg.axes)
+    def outside(self) -> _bound.Bound | None:
+        """The `Bound` that runs a mesh-bound transformation outside a `shard_map` binding its axes; None inside one
+        or without a mesh."""
+        return self.bound if self.bound is not None and not _compat.is_bound(self.cfg.axes) else None
 
-    def init(self, params) -> ZeroState:
+    def init(self, params: optax.Params) -> ZeroState | _NoParameterTrees:
         if _compat.is_params_placeholder(params):
             return NO_PARAMETER_TREES
         params = _compat.pure(params)
-        return self.bound.init(params) if self.outside() else self.engine.init(params)
+        bound = self.outside()
+        return bound.init(params) if bound is not None else self.engine.init(params)
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self.step(grads, state, params, weight, False, extra_args)
@@ -62,10 +65,10 @@ class Zero1:
         outside = self.outside()
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
             axes = state.layout.axes
-            state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(self.mesh, P(axes))))
-                     if outside else canonical(state, rows=1, place=lambda x: _compat.pvary(x, axes)))
-        if outside:
-            return self.bound.update(grads, state, params, weight=weight, apply=apply, **extra_args)
+            state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(outside.mesh, P(axes))))
+                     if outside is not None else canonical(state, rows=1, place=lambda x: _compat.pvary(x, axes)))
+        if outside is not None:
+            return outside.update(grads, state, params, weight=weight, apply=apply, **extra_args)
         return self.engine.update(grads, state, params, weight=weight, apply=apply, **extra_args)
 
 
@@ -77,15 +80,15 @@ def zero1(
     partition: str = "flat",
     owners: Sequence[int] | None = None,
     reduce: bool | str = True,
-    reduce_dtype=None,
-    master_dtype=None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
+    master_dtype: jax.typing.DTypeLike | None = None,
     mesh: jax.sharding.Mesh | None = None,
     assume_elementwise: bool = False,
     bucket_bytes: int = _wire.DEFAULT_BUCKET_BYTES,
     accumulate_steps: int = 1,
     accumulate: str = SHARDED,
     offload: bool = False,
-    param_specs=None,
+    param_specs: Any = None,
     quantize: _quantize.Quantize | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Shards the state of `inner` across the devices of `axis_name`, ZeRO stage 1 style.
@@ -157,12 +160,15 @@ def zero1(
         assume_elementwise=assume_elementwise, bucket_bytes=bucket_bytes, accumulate_steps=accumulate_steps,
         accumulate=accumulate, offload=offload, param_specs=param_specs, quantize=quantize)
     z = Zero1(_config(arguments), mesh)
-    tx = optax.GradientTransformationExtraArgs(z.init, z.update)
+    # (optax types the update of a GradientTransformationExtraArgs as taking no extra arguments, and the state as
+    # arrays: an init may return `NO_PARAMETER_TREES`)
+    tx = optax.GradientTransformationExtraArgs(z.init, z.update)  # pyright: ignore[reportArgumentType]
     _handle.record(tx.init, z)
     return tx
 
 
-def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, *, weight=None, **extra_args):
+def apply_gradients(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, *,
+                    weight: jax.typing.ArrayLike | None = None, **extra_args: Any) -> tuple[Any, Any]:
     """One optimizer step: the new parameters and state, what `tx.update` followed by `optax.apply_updates` gives.
 
     For a zero1 transformation, each device adds the updates of the coordinates it owns to its own slice of the
@@ -200,7 +206,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, opt_state, params, 
     return optax.apply_updates(params, updates), opt_state
 
 
-def describe(state) -> Layout:
+def describe(state: Any) -> Layout:
     """The read-only layout of a zero1 state: world size, axis, partition, leaves, slots, owners, bytes.
 
     Works on concrete states, on `jax.eval_shape` results, and on a zero1 state nested in a larger optax state
@@ -222,7 +228,7 @@ def describe(state) -> Layout:
     return found[0].layout
 
 
-def as_local(params, axis_name: str | Sequence[str]):
+def as_local(params: Any, axis_name: str | Sequence[str]) -> Any:
     """Marks replicated parameters as per-device inside `shard_map`, so `jax.grad` returns local gradients.
 
     Inside `jax.shard_map` (with `check_vma=True`, the default), autodiff already all-reduces the gradient with
@@ -300,7 +306,7 @@ def _axis_names(value, name: str, what: str, mesh) -> tuple[str, ...]:
     if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
         raise ZeroError(f"`{name}` must be {what} or a tuple of distinct axis names, got {value!r}.")
     missing = [] if mesh is None else [a for a in axes if a not in mesh.axis_names]
-    if missing:
+    if mesh is not None and missing:
         raise ZeroError(f"`mesh` has axes {mesh.axis_names}, but `{name}` names {missing}.")
     return axes
 

@@ -12,7 +12,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core
 import orbax.checkpoint as ocp
+from orbax.checkpoint import future
 
 from zero_optax.checkpoint import _arrays, _paths, _record, _restore, _schema
 from zero_optax.core._errors import ZeroCheckpointError
@@ -97,7 +99,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
         return "zero_optax._checkpoint.ZeroCheckpointHandler"  # part of the checkpoint format: never follows the code
 
     async def async_save(self, directory: Any, item: Any = None,
-                         args: ZeroSave | None = None) -> list[ocp.future.Future] | None:
+                         args: ZeroSave | None = None) -> list[future.Future] | None:
         """Starts saving `args` (a `ZeroSave`; `item` is deprecated) into the item directory `directory`.
 
         Returns:
@@ -120,7 +122,7 @@ class ZeroCheckpointHandler(ocp.AsyncCheckpointHandler):
             async def write_record():
                 _record.write(path, plan.record)
 
-            futures.append(ocp.future.CommitFutureAwaitingContractedSignals(write_record(), name="zero_record"))
+            futures.append(future.CommitFutureAwaitingContractedSignals(write_record(), name="zero_record"))
         return futures
 
     def save(self, directory: Any, item: Any = None, args: ZeroSave | None = None) -> None:

@@ -81,7 +81,7 @@ def _specs_by_path(param_specs: Any, paths: set[str]) -> Specs:
     if isinstance(param_specs, Mapping) and all(isinstance(k, str) and k in paths for k in param_specs):
         return {k: tuple(v) for k, v in param_specs.items()}
     flat = jax.tree.leaves_with_path(param_specs, is_leaf=lambda x: isinstance(x, P) or x is None)
-    out = {_names.key_path(path): tuple(spec) for path, spec in flat if spec is not None}
+    out: Specs = {_names.key_path(path): tuple(spec) for path, spec in flat if spec is not None}
     unknown = sorted(set(out) - paths)
     if unknown:
         raise ZeroCheckpointError(
@@ -101,6 +101,7 @@ def _target_sizes(old: StoredLayout, world_size: int | None, axis_sizes: dict[st
             raise ZeroCheckpointError(
                 f"{where}: leaf `{experts[0]}` is sharded over a ZeRO axis (an expert parameter), so the new size "
                 f"of each of {list(zero)} is needed: pass `axis_sizes` (`--axis-sizes`) instead of `world_size`.")
+        assert world_size is not None  # (`reshard` refuses neither given)
         return world_size, dict(old.axis_sizes) | ({zero[0]: world_size} if len(zero) == 1 else {})
     missing = [a for a in zero if a not in axis_sizes]
     if missing:
@@ -117,11 +118,11 @@ def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str,
                owners: Sequence[int] | None, specs: Specs, where: str) -> StoredLayout:
     """`old` on the target mesh: sliced leaves cut anew, owned leaves given `owners` (default: balanced)."""
     n, sizes = _target_sizes(old, world_size, axis_sizes, where)
-    owners = (_attribution.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
+    chosen = (_attribution.owners_for_entries(old.entries, [not x.sliced for x in old.leaves], n) if owners is None
               else _attribution.check_owners(owners, len(old.leaves), n, old.paths))
     zero = old.axes
     leaves = []
-    for x, o in zip(old.leaves, owners):
+    for x, o in zip(old.leaves, chosen):
         if not x.sliced:
             spec = _spec(x, specs.get(x.path), (), where)
             leaves.append(dataclasses.replace(_owned_leaf(old, x, sizes, spec, where), group=n, owner=o))
@@ -137,8 +138,8 @@ def _new_layout(old: StoredLayout, world_size: int | None, axis_sizes: dict[str,
     entries = tuple(dataclasses.replace(e, shape=(leaves[e.leaf].slots,))
                     if e.leaf is not None and leaves[e.leaf].sliced else e for e in old.entries)
     used = {a for x in leaves for a in x.axes} | set(zero)
-    axis_sizes = tuple((a, k) for a, k in sizes.items() if a in used)
-    return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=axis_sizes)
+    used_sizes = tuple((a, k) for a, k in sizes.items() if a in used)
+    return dataclasses.replace(old, world_size=n, leaves=tuple(leaves), entries=entries, axis_sizes=used_sizes)
 
 
 def _spec(x: ParamLeaf, given: Sequence[Any] | None, cut: tuple[tuple[str, int], ...], where: str
@@ -230,6 +231,7 @@ def _chunks(a: _arrays.StoredArray, layout: StoredLayout) -> tuple[int, ...]:
             return (1,)
         rest = math.prod(a.shape[2:])
         return (1, max(1, min(a.shape[1], CHUNK_ELEMENTS // max(1, rest))), *a.shape[2:])
+    assert a.entry is not None  # (neither a buffer nor local sums: an entry)
     e = layout.entries[a.entry]
     if e.leaf is None:
         return a.shape if math.prod(a.shape) <= CHUNK_ELEMENTS else (1, *e.shape)

@@ -76,7 +76,7 @@ class Migration:
     target: Hashable | None = None
 
 
-def load_rank_records(directory: str | os.PathLike, state: int = 0) -> list[RankRecord]:
+def load_rank_records(directory: str | os.PathLike[str], state: int = 0) -> list[RankRecord]:
     """The rank-local records of zero1 state `state` of an item directory: one per device of each
     data-parallel group its sliced leaves are split over.
 
@@ -302,6 +302,7 @@ class _Records(_regions.Regions):
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         e = self.target.entries[j]
+        assert e.leaf is not None  # (a history's entry)
         leaf = self.target.leaves[e.leaf]
         lo, hi = span
         out = aligned_empty(hi - lo, dtype)

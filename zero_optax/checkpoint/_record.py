@@ -214,7 +214,8 @@ def shapes_table(state: dict[str, Any]) -> dict[str, list]:
 
 def pytree_save(arrays: dict[str, Any], record: dict[str, Any]) -> ocp.args.PyTreeSave:
     """Orbax's save arguments for the arrays of `record`, with the copy in `custom_metadata`."""
-    return ocp.args.PyTreeSave(arrays, custom_metadata={SHAPES_KEY: [shapes_table(s) for s in record["states"]]})
+    metadata: dict[str, Any] = {SHAPES_KEY: [shapes_table(s) for s in record["states"]]}
+    return ocp.args.PyTreeSave(arrays, custom_metadata=metadata)
 
 
 def _json(data: bytes, where: str) -> Any:

@@ -193,7 +193,7 @@ def target_blocks(saved: Blocks, sizes: Mapping[str, int], spec: Sequence[Any] |
     target has; a resized axis cuts the dimension `spec` names, else the only one it divides."""
     k1 = dict(saved.axes)
     cuts = dict.fromkeys(k1) if spec is None else spec_dims(spec)
-    if missing := sorted(set(k1) - set(cuts)):
+    if spec is not None and (missing := sorted(set(k1) - set(cuts))):  # (no spec: the saved cuts)
         raise ZeroCheckpointError(
             f"{where}: `param_specs` gives leaf `{path}` the spec {tuple(spec)}, but its saved blocks differ "
             f"along {missing}; give the spec the parameter was trained with.")
@@ -269,12 +269,21 @@ class Regions:
     target: StoredViews
     shared: dict[int, np.ndarray]
 
+    def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        """The values `span` of entry `j`'s 1-D history (a sliced leaf's)."""
+        raise NotImplementedError
+
+    def _buffer(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
+        """The values of `region` of the packed buffer `array`."""
+        raise NotImplementedError
+
     def region(self, array: _arrays.StoredArray, region: Region) -> np.ndarray:
         """The values of `region` of the target's array `array`."""
         if array.local is not None:  # local accumulators at a cycle boundary are zero
             return aligned_zeros(tuple(hi - lo for lo, hi in region), array.dtype)
         if array.buffer is not None:
             return self._buffer(array, region)
+        assert array.entry is not None  # (neither a buffer nor local sums: an entry)
         e = self.target.entries[array.entry]
         if e.leaf is None:
             (r0, r1), rest = region[0], region[1:]
@@ -304,7 +313,9 @@ class Remap(Regions):
 
     def _history(self, j: int, span: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         i = self.target.entries[j].leaf  # the same leaf index in the saved layout (`_restore`)
+        assert i is not None  # (a history's entry)
         new, old, cut = self.target.leaves[i], self.saved.layout.leaves[i], self.cuts[i]
+        assert cut is not None  # (sliced in the target)
         new_block, read = new.group * new.slots, self._saved(j)
         start, stop = span
         pieces = []
@@ -326,12 +337,16 @@ class Remap(Regions):
 
     def _saved(self, j: int) -> Callable[[int, int, int], np.ndarray]:
         """`read(block, lo, hi)` of entry `j`'s saved history: a sliced leaf's block, or an owned leaf's tensor."""
-        old = self.saved.layout.leaves[self.saved.layout.entries[j].leaf]
+        i = self.saved.layout.entries[j].leaf
+        assert i is not None  # (a leaf's entry)
+        old = self.saved.layout.leaves[i]
         if old.sliced:
             name, width = self.names[(j, None)], old.group * old.slots
             return lambda b, lo, hi: self.read(name, ((b * width + lo, b * width + hi),))
-        d, at = self.saved.layout.state_packing.offsets[old.owner][j]
-        name, row = self.names[(None, d)], (old.owner, old.owner + 1)
+        owner = old.owner
+        assert owner is not None  # (an owned leaf's)
+        d, at = self.saved.layout.state_packing.offsets[owner][j]
+        name, row = self.names[(None, d)], (owner, owner + 1)
         return lambda b, lo, hi: self.read(name, (row, (at + lo, at + hi)))[0]
 
     @staticmethod
@@ -378,6 +393,7 @@ class Remap(Regions):
                 lo, hi = max(off, c0), min(off + e.size, c1)
                 if dj != d or lo >= hi:
                     continue
+                assert e.leaf is not None  # (a packed entry is an owned leaf's)
                 read, cut = self._saved(j), self.cuts[e.leaf]  # cut: None where owned when saved too
                 out[t - r0, lo - c0:hi - c0] = (read(0, lo - off, hi - off) if cut is None
                                                 else self._recut(read, cut, 0, lo - off, hi - off, d))

@@ -58,8 +58,9 @@ def build(array: _arrays.StoredArray, sharding: jax.sharding.Sharding,
           region: Callable[[_arrays.StoredArray, _store.Region], np.ndarray]) -> jax.Array:
     """The global array `array` laid out by `sharding`, each distinct device block computed by `region` and held
     in host memory only until it is on its devices."""
-    devices: dict[_store.Region, list[jax.Device]] = defaultdict(list)
+    devices: dict[_store.Region, list[Any]] = defaultdict(list)  # (jax.Device: jaxlib ships no type stubs)
     for device, index in sharding.addressable_devices_indices_map(array.shape).items():
+        assert index is not None  # (a device of the sharding holds a block)
         devices[tuple(s.indices(d)[:2] for s, d in zip(index, array.shape))].append(device)
     singles = []
     for key, group in devices.items():

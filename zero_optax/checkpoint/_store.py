@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
@@ -121,7 +121,8 @@ class ItemArrays:
             if shape != tuple(a.shape) or np.dtype(dtype).name != a.dtype:
                 raise self._fail(a.name, f"it is {list(shape)} {np.dtype(dtype).name}, expected {list(a.shape)} "
                                          f"{a.dtype}")
-            missing = chunk_keys(a.name, shape, store.chunk_layout.write_chunk.shape) - keys
+            # (tensorstore types a chunk shape as possibly unset; a stored array's is set)
+            missing = chunk_keys(a.name, shape, cast(tuple[int, ...], store.chunk_layout.write_chunk.shape)) - keys
             if missing:
                 raise self._fail(a.name, f"{len(missing)} chunks are missing (first: {min(missing)})")
 
@@ -132,7 +133,7 @@ class ItemArrays:
         out = aligned_empty(shape, store.dtype.numpy_dtype)
         if out.size == 0:
             return out
-        chunk = store.chunk_layout.read_chunk.shape[-1]
+        chunk = cast(tuple[int, ...], store.chunk_layout.read_chunk.shape)[-1]  # (set, as `check` says)
         row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
         step = max(1, PIECE_BYTES // max(row_bytes * chunk, 1)) * chunk
         lo, hi = region[-1]

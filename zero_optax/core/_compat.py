@@ -9,15 +9,17 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jaxlib.version
 from jax import lax
 
 from zero_optax.core._errors import ZeroAxisError
 
-Axes = str | tuple[str, ...]
+Axes = str | Sequence[str]
 
 SHARD_MAP_PATTERN = """\
 zero1 runs inside jax.shard_map over the data axis, for example:
@@ -31,7 +33,7 @@ zero1 runs inside jax.shard_map over the data axis, for example:
 or, bound to a mesh, under plain jax.jit: zo.zero1(inner, axis_name="data", mesh=mesh)."""
 
 
-def as_tuple(axes: Axes) -> tuple[str, ...]:
+def as_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
@@ -177,7 +179,7 @@ CALLS = {"jit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_j
 """Primitives that call one program on their operands, by the parameter that holds it."""
 
 
-def jaxpr_parts(program) -> tuple:
+def jaxpr_parts(program: Any) -> tuple[Any, Sequence[Any]]:
     """A program's jaxpr and constants (a ClosedJaxpr's, JAX 0.12's self-contained Jaxpr's, or none)."""
     return (program.jaxpr, program.consts) if hasattr(program, "consts") else (program, ())
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -24,8 +24,8 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     """The entries of `init_fn`'s state, in flatten order, and the full abstract state: state present on a fully
     masked tree is shared, a `sliced` leaf's histories have length `_MARKER + i`, others are spelled bit by bit."""
     n = len(leaf_structs)
-    sliced = set(sliced)
-    owned = [i for i in range(n) if i not in sliced and not isinstance(leaf_structs[i], optax.MaskedNode)]
+    sliced_leaves = set(sliced)
+    owned = [i for i in range(n) if i not in sliced_leaves and not isinstance(leaf_structs[i], optax.MaskedNode)]
 
     def state_of(values):
         try:
@@ -39,7 +39,8 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     def paths_of(present) -> set[str]:
         return set(_names.leaf_paths(state_of(masked_view(leaf_structs, present))))
 
-    marked = [jax.ShapeDtypeStruct((_MARKER + i,), x.dtype) if i in sliced else x for i, x in enumerate(leaf_structs)]
+    marked = [jax.ShapeDtypeStruct((_MARKER + i,), x.dtype) if i in sliced_leaves else x
+              for i, x in enumerate(leaf_structs)]
     marked_state = state_of(marked)
     full = list(zip(_names.leaf_paths(marked_state), jax.tree.leaves(marked_state)))
     shared = paths_of(())
@@ -49,17 +50,17 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
         if path in shared:
             continue
         mark = x.shape[0] - _MARKER if len(x.shape) == 1 else -1
-        if mark in sliced:
+        if mark in sliced_leaves:
             owner_of[path] = mark
         else:
             rest.append(path)
     histories = set(owner_of)
     # (a sliced leaf's state that is no history, novograd's per-leaf norm, is found as an owned leaf's is)
-    owner_of.update(_owned_entry_leaves(rest, sorted(sliced | set(owned)), paths_of))
+    owner_of.update(_owned_entry_leaves(rest, sorted(sliced_leaves | set(owned)), paths_of))
     entries = []
     for path, x in full:
         leaf = owner_of.get(path)
-        shape = leaf_structs[leaf].shape if path in histories else tuple(x.shape)
+        shape = leaf_structs[owner_of[path]].shape if path in histories else tuple(x.shape)
         entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
     return tuple(entries), marked_state
 
@@ -117,7 +118,7 @@ def owners_for_entries(entries, owned: Sequence[bool], world_size: int) -> list[
     return [chosen.get(i) for i in range(len(owned))]
 
 
-def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
+def balanced_owners(params: Any, world_size: int, *, inner: optax.GradientTransformation | None = None) -> list[int]:
     """Assigns every parameter leaf to one device, balancing optimizer-state bytes.
 
     Leaves go largest first to the least-loaded device, ties to the lower index.
@@ -147,7 +148,8 @@ def balanced_owners(params, world_size: int, *, inner: optax.GradientTransformat
     # traced abstractly, nothing allocated
     structs, treedef = jax.tree.flatten(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
     entries = discover_entries(optax.with_extra_args_support(inner).init, treedef, structs)[0]
-    return owners_for_entries(entries, [True] * len(structs), world_size)
+    # every leaf is owned, so no owner is None
+    return cast(list[int], owners_for_entries(entries, [True] * len(structs), world_size))
 
 
 def check_owners(owners: Sequence[int], n_leaves: int, world_size: int, paths: Sequence[str]) -> tuple[int, ...]:

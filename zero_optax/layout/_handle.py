@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from zero_optax.core._errors import NotZero1Error
@@ -12,7 +13,7 @@ from zero_optax.core._errors import NotZero1Error
 _OBJECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def record(init: types.MethodType, obj: Any) -> None:
+def record(init: Callable[..., Any], obj: Any) -> None:
     """Records `obj` as the zero1 object behind the transformation whose `init` is `init`."""
     _OBJECTS[init] = obj
 

@@ -3,10 +3,11 @@ as `Shared`s that read as plain optax's values, per-parameter fields as `Sharded
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -16,6 +17,11 @@ from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroStructureError
 from zero_optax.layout import _keys
 from zero_optax.layout._layout import Layout
+
+
+def _on_value(name: str) -> Callable[..., Any]:
+    """The method `name` of `Shared`, applied to its value."""
+    return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -32,7 +38,7 @@ class Shared:
         return (self.stored,), self.key_impl
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: str | None, children: tuple[Any]) -> Shared:
         return cls(*children, aux)
 
     @property
@@ -66,17 +72,15 @@ class Shared:
     def __repr__(self) -> str:
         return f"Shared({self.value!r})" if hasattr(self.stored, "shape") else f"Shared({self.stored!r})"
 
-    def _op(name):  # the operators below, on the value
-        return lambda self, *other: getattr(jnp.asarray(self.value), name)(*other)
+    # the operators, on the value
+    __float__, __int__ = _on_value("__float__"), _on_value("__int__")
 
-    __float__, __int__ = _op("__float__"), _op("__int__")
-
-    __add__, __radd__, __sub__, __rsub__ = _op("__add__"), _op("__radd__"), _op("__sub__"), _op("__rsub__")
-    __mul__, __rmul__, __truediv__, __rtruediv__ = _op("__mul__"), _op("__rmul__"), _op("__truediv__"), \
-        _op("__rtruediv__")
-    __pow__, __rpow__, __neg__ = _op("__pow__"), _op("__rpow__"), _op("__neg__")
-    __lt__, __le__, __gt__, __ge__ = _op("__lt__"), _op("__le__"), _op("__gt__"), _op("__ge__")
-    del _op
+    __add__, __radd__ = _on_value("__add__"), _on_value("__radd__")
+    __sub__, __rsub__ = _on_value("__sub__"), _on_value("__rsub__")
+    __mul__, __rmul__ = _on_value("__mul__"), _on_value("__rmul__")
+    __truediv__, __rtruediv__ = _on_value("__truediv__"), _on_value("__rtruediv__")
+    __pow__, __rpow__, __neg__ = _on_value("__pow__"), _on_value("__rpow__"), _on_value("__neg__")
+    __lt__, __le__, __gt__, __ge__ = _on_value("__lt__"), _on_value("__le__"), _on_value("__gt__"), _on_value("__ge__")
 
 
 @jax.tree_util.register_pytree_node_class

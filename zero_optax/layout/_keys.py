@@ -16,7 +16,7 @@ from zero_optax.core import _names
 def is_key(x: Any) -> bool:
     """Whether `x` (an array or abstract value) is a typed PRNG key."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def to_data(x: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,7 +101,7 @@ class Layout(StoredViews):
     def _hash(self) -> int:  # (cached: jit hashes the layout, static metadata, at every call)
         return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare))
 
-    def view_shared(self, present) -> tuple[int, ...]:
+    def view_shared(self, present: Container[int]) -> tuple[int, ...]:
         """The shared entries of a view holding the leaves `present`: all but the `replicas` of absent leaves."""
         absent = {j for j, i in self.replicas if i not in present}
         return tuple(j for j in self.shared_entries if j not in absent)

@@ -214,10 +214,11 @@ def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], own
 
 def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
     """The typed PRNG keys the inner state holds: path -> implementation. Refuses a key per parameter."""
-    impls = {} if cfg.typed_init is None else _keys.impls(cfg.typed_init, params)
-    if impls:
+    typed_init = cfg.typed_init
+    impls = {} if typed_init is None else _keys.impls(typed_init, params)
+    if typed_init is not None and impls:
         masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
-        shared = set(_names.leaf_paths(jax.eval_shape(cfg.typed_init, masked)))
+        shared = set(_names.leaf_paths(jax.eval_shape(typed_init, masked)))
         for path, impl in impls.items():
             if path not in shared:
                 raise ZeroCouplingError(
@@ -227,7 +228,7 @@ def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
     return impls
 
 
-def _small_elementwise(cfg: Config, real, coupled: set[int], placement) -> set[int]:
+def _small_elementwise(cfg: Config, real, coupled: frozenset[int], placement) -> set[int]:
     """`partition="auto"`: elementwise leaves smaller than every leaf that needs an owner get one too (a rule of
     the leaves alone, so that a checkpoint restores at any world size)."""
     if cfg.partition != AUTO or not coupled:
@@ -263,7 +264,7 @@ def build_layout(cfg: Config, params) -> Layout:
     owned = [i in found.coupled or i in _small_elementwise(cfg, real, found.coupled, placement)
              for i in range(len(values))]
     specs = _leaf_specs(cfg, params, owned, placement, paths, real)
-    dims = [specs[i] if owned[i] and placement[i][0] else () for i in range(len(values))]
+    dims = [(specs[i] or ()) if owned[i] and placement[i][0] else () for i in range(len(values))]  # (given: needed)
     slots = [math.prod(x.shape) if owned[i] else _stored.slot_count(math.prod(np.shape(x)), placement[i][2])
              for i, x in enumerate(real)]
     mixed = [jax.ShapeDtypeStruct(_stored.whole_shape(x.shape, dims[i], axis_sizes), x.dtype) if owned[i]
@@ -341,7 +342,7 @@ def _leaf_owners(cfg: Config, entries, real, owned: list[bool], n: int, paths: l
         return list(_attribution.check_owners(cfg.owners, len(real), n, paths))
     costs = list(entries)
     if cfg.master_dtype is not None:
-        costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype), MASTER) for i, x in enumerate(real)]
+        costs += [StateEntry("", i, x.shape, cfg.inner_dtype(x.dtype).name, MASTER) for i, x in enumerate(real)]
     return _attribution.owners_for_entries(costs, owned, n)
 
 

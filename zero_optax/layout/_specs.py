@@ -50,9 +50,10 @@ def specs_of(state: ZeroState) -> ZeroState:
     """`state` with every array replaced by its `PartitionSpec`."""
     layout = state.layout
     groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
-    inner = SlicedState(_inner_state.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]),
-                        tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories)))
-    buffers = {d: _spec(layout.axes) for d in state.buffers}
+    # (a state whose leaves are specs, where its fields' annotations say arrays)
+    histories: Any = tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories))
+    inner = SlicedState(_inner_state.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]), histories)
+    buffers: dict[str, Any] = {d: _spec(layout.axes) for d in state.buffers}
     master = None if state.master is None else tuple(groups)
     local = None if state.local is None else jax.tree_util.tree_unflatten(
         layout.treedef, [_spec(layout.local_axes(leaf)) for leaf in layout.leaves])

@@ -169,6 +169,19 @@ def pack_plan(groups: Sequence[Sequence[tuple[int, int, str]]]) -> Packing:
 class StoredViews:
     """The views `StoredLayout` and `Layout` share, from the fields that describe a stored state."""
 
+    # (the fields of both that the views read)
+    axis_name: str | tuple[str, ...]
+    world_size: int
+    leaves: tuple[ParamLeaf, ...]
+    entries: tuple[StateEntry, ...]
+    state_tree: str
+    partition: str
+    master_dtype: str | None
+    axis_sizes: tuple[tuple[str, int], ...]
+    accumulate: str | None
+    accumulate_steps: int
+    replica_sizes: tuple[tuple[str, int], ...]
+
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
@@ -252,8 +265,9 @@ class StoredViews:
     def _owned_by_rank(self) -> tuple[tuple[int, ...], ...]:
         per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
         for i, e in enumerate(self.entries):
-            if e.leaf is not None and not self.leaves[e.leaf].sliced:
-                per_rank[self.leaves[e.leaf].owner].append(i)
+            owner = None if e.leaf is None else self.leaves[e.leaf].owner
+            if owner is not None:  # (an owned leaf's entry)
+                per_rank[owner].append(i)
         return tuple(tuple(r) for r in per_rank)
 
     def rank_entries(self, rank: int) -> tuple[int, ...]:

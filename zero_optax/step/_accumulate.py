@@ -84,10 +84,11 @@ class Accumulating:
         return grads, AccumulateState(state.inner, acc, state.micro_step + 1, state.weight_sum + accumulate_weight)
 
     def transformation(self, which: str, cast: tuple[str, ...] | None = None) -> optax.GradientTransformationExtraArgs:
+        # (optax types the update of a GradientTransformationExtraArgs as taking no extra arguments)
         if which != "final":
-            return optax.GradientTransformationExtraArgs(self.init, self.add)
+            return optax.GradientTransformationExtraArgs(self.init, self.add)  # pyright: ignore[reportArgumentType]
         update = self.update if cast is None else functools.partial(self.update, cast=cast)
-        return optax.GradientTransformationExtraArgs(self.init, update)
+        return optax.GradientTransformationExtraArgs(self.init, update)  # pyright: ignore[reportArgumentType]
 
 
 @dataclasses.dataclass(frozen=True)

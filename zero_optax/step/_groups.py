@@ -9,7 +9,7 @@ the group's part, the joint view of every sliced leaf, or an owner's leaves (`Vi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     return tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
 
 
-def owned_entries(layout: Layout, leaves: Sequence[int]) -> list[int]:
+def owned_entries(layout: Layout, leaves: Iterable[int]) -> list[int]:
     """The inner entries of an owner's view of `leaves`: shared entries and histories."""
     mine = set(leaves)
     shared = set(layout.view_shared(mine))
@@ -76,7 +76,7 @@ class Views:
             return _fusion.view_treedef(self.cfg, layout, present, order, "on the sliced leaves"), order
         return self._cached((layout, "joint"), make)
 
-    def owned(self, layout: Layout, r: int, leaves: Sequence[int]):
+    def owned(self, layout: Layout, r: int, leaves: Iterable[int]):
         """The state treedef of device `r`'s view of `leaves`."""
         present = frozenset(leaves)
         return self._cached((layout, r, present), lambda: _fusion.view_treedef(
@@ -262,7 +262,7 @@ class Groups:
         for g in self.targets(layout):
             group = None if g is None else layout.groups[g]
             if full is None:
-                values = {} if group is None else {group.first: rows[g].reshape(group.part_shape)}
+                values = {} if g is None or group is None else {group.first: rows[g].reshape(group.part_shape)}
                 s, h = self._disassemble(layout, g, self.cfg.inner.init(masked_tree(layout, values)))
             else:
                 s = {j: jnp.asarray(full[j], layout.entries[j].dtype) for j in layout.shared_entries}
@@ -272,6 +272,7 @@ class Groups:
             if group is not None:
                 mask = valid(layout, group, group_rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
+        assert shared is not None  # (there is always a target)
         return stored_state(layout, shared, histories)
 
     @staticmethod
@@ -290,6 +291,7 @@ class Groups:
                  ) -> tuple[jax.Array | None, dict[int, Any], list[Any]]:
         """Group `g`'s inner update (on a part or a chunk): its update (None without leaf), shared values, histories."""
         layout = step.layout
+        assert step.shared_old is not None  # (set by `update`, `stream_groups`)
         groups = [] if g is None else [layout.groups[g]]
         g_view = _view(layout, groups, [grads])
         old = _assemble(self.views.group(layout, g), step.shared_old, groups, [histories])
@@ -304,6 +306,7 @@ class Groups:
                    ) -> tuple[list, dict[int, Any], list[tuple]]:
         """The inner update on the joint view of every sliced leaf (`Layout.joint`), like `run_view` per group."""
         layout = step.layout
+        assert step.shared_old is not None  # (set by `update`)
         _, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
         old = _assemble(self.views.joint(layout), step.shared_old, layout.groups, stored.histories)
@@ -311,7 +314,7 @@ class Groups:
         p_view = None if params is None else _view(layout, layout.groups, params)
         firsts = sorted(slices)
         tags = [slices[i] for i in firsts]
-        tags += [None if layout.entries[j].leaf is None else slices[layout.entries[j].leaf] for j in order]
+        tags += [None if e.leaf is None else slices[e.leaf] for e in (layout.entries[j] for j in order)]
         tags += ([] if p_view is None else [slices[i] for i in firsts]) + [None] * len(jax.tree.leaves(step.extra))
         u, new = run_inner(step, g_view, old, p_view, tags)
         check_returned(u, new, g_view, old, "sliced leaves")

@@ -20,7 +20,7 @@ from zero_optax.layout._stored import MASTER
 from zero_optax.step import _groups, _packed, _reduce
 
 
-def stored_masters(layout: Layout, entries: list[int], stored: dict) -> dict:
+def stored_masters(layout: Layout, entries: list[int], stored: _packed.Row | dict) -> dict:
     """Leaf -> its master copy among an owner's `stored` entries (empty without master copies)."""
     return {layout.entries[j].leaf: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored}
 
@@ -30,7 +30,7 @@ class NoMasters:
 
     gathers_tp_params = True  # owners of tensor-parallel leaves need the parameters' blocks gathered
 
-    def init(self, rows: list, layout: Layout):
+    def init(self, rows: list, layout: Layout) -> tuple | None:
         """The sliced leaves' master copies a new state stores: none."""
         return None
 
@@ -45,24 +45,26 @@ class NoMasters:
         """Per owned leaf, the dtype its owner sends every device."""
         return {i: d for i, d in views.update_dtypes(step.layout, step.extra, step.phase).items() if i in owned}
 
-    def group_params(self, state, slices: Callable[[], list]) -> list:
+    def group_params(self, state, slices: Callable[[], list]) -> list | None:
         """The parameters each group's view sees: this device's slices (`state` None: a streamed group's chunks)."""
         return slices()
 
-    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, None]:
+    def group_results(self, u_parts: list, state, masks: list, ok, p_dtypes: list) -> tuple[list, tuple | None]:
         """What every device receives of each group (the updates, zero where the step is skipped)."""
         return [_groups.stepped(u, None, None, ok, None)[1] for u in u_parts], state.master
 
-    def before_gather(self, values: list, p_parts: list, apply: bool) -> list:
+    def before_gather(self, values: list, p_parts: list | None, apply: bool) -> list:
         """With `apply`, each device adds its part of the updates to its part of the parameters."""
         if not apply:
             return values
+        assert p_parts is not None  # (applying: the parameters are given)
         return [None if v is None else optax.apply_updates(p.reshape(v.shape), v) for p, v in zip(p_parts, values)]
 
-    def after_gather(self, gathered: dict, owned: dict, p_leaves: list, ok, apply: bool) -> dict:
+    def after_gather(self, gathered: dict, owned: dict, p_leaves: list | None, ok, apply: bool) -> dict:
         """The result per leaf from the gathered and owned values: the updates, or with `apply` the parameters."""
         owned = _reduce.skip_if_empty(ok, owned, jax.tree.map(jnp.zeros_like, owned))  # zero where skipped
         if apply:
+            assert p_leaves is not None  # (applying: the parameters are given)
             return {**gathered, **{i: optax.apply_updates(p_leaves[i], u) for i, u in owned.items()}}
         return {**gathered, **owned}
 
@@ -70,7 +72,8 @@ class NoMasters:
         """The parameters an owner's view sees."""
         return {i: p_leaves[i] for i in mine}
 
-    def owner_results(self, layout: Layout, entries: list[int], stored: dict, u: dict, values: dict, step) -> dict:
+    def owner_results(self, layout: Layout, entries: list[int], stored: _packed.Row | dict, u: dict, values: dict,
+                      step) -> dict:
         """What an owner sends for its leaves (its updates); `values` its new stored entries."""
         return u
 
@@ -83,7 +86,7 @@ class MasterCopies(NoMasters):
     def __init__(self, dtype):
         self.dtype = np.dtype(dtype)
 
-    def init(self, rows: list, layout: Layout):
+    def init(self, rows: list, layout: Layout) -> tuple | None:
         return tuple(x.reshape(g.part_shape) for x, g in zip(rows, layout.groups))
 
     def check(self, p_leaves: list | None) -> None:
@@ -96,7 +99,9 @@ class MasterCopies(NoMasters):
         return dict.fromkeys(range(len(layout.leaves)), self.dtype.name)
 
     def sent_dtypes(self, views, step: _groups.Step, owned: list[int]) -> dict[int, str]:
-        return {i: np.dtype(step.p_leaves[i].dtype).name for i in owned}
+        p_leaves = step.p_leaves
+        assert p_leaves is not None  # (`check` refused a call without them)
+        return {i: np.dtype(p_leaves[i].dtype).name for i in owned}
 
     def group_params(self, state, slices: Callable[[], list]) -> list | None:
         return None if state is None else list(state.master)  # (streamed chunks read them from host memory)
@@ -106,10 +111,11 @@ class MasterCopies(NoMasters):
                    for u, m, mask, dt in zip(u_parts, state.master, masks, p_dtypes)]
         return [v for _, v in results], tuple(m for m, _ in results)
 
-    def before_gather(self, values: list, p_parts: list, apply: bool) -> list:
+    def before_gather(self, values: list, p_parts: list | None, apply: bool) -> list:
         return values
 
-    def after_gather(self, gathered: dict, owned: dict, p_leaves: list, ok, apply: bool) -> dict:
+    def after_gather(self, gathered: dict, owned: dict, p_leaves: list | None, ok, apply: bool) -> dict:
+        assert p_leaves is not None  # (`check` refused a call without them)
         rounded = {**gathered, **owned}  # (the owned leaves' owners send their rounded masters too)
         if apply:
             return {i: _reduce.skip_if_empty(ok, t, p_leaves[i]) for i, t in rounded.items()}
@@ -119,7 +125,8 @@ class MasterCopies(NoMasters):
     def owner_params(self, masters: dict, p_leaves: list, mine: list[int]) -> dict:
         return masters
 
-    def owner_results(self, layout: Layout, entries: list[int], stored: dict, u: dict, values: dict, step) -> dict:
+    def owner_results(self, layout: Layout, entries: list[int], stored: _packed.Row | dict, u: dict, values: dict,
+                      step) -> dict:
         masters = stored_masters(layout, entries, stored)
         if not step.stepping:  # a micro-batch that only accumulates: the master copies stay as they are
             values.update({j: stored[j] for j in entries if layout.entries[j].role == MASTER and j in stored})

@@ -9,10 +9,11 @@ a chunk (sliced groups) or a bucket (an owner's leaves) of the host arrays throu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -23,11 +24,14 @@ from zero_optax.layout._layout import Group, Layout
 from zero_optax.layout._stored import MASTER
 from zero_optax.step import _groups, _packed, _reduce, _wire
 
+if TYPE_CHECKING:
+    from jax._src.core import MemorySpace  # jax.memory.Space (`jax.memory` is a namespace type checkers cannot read)
+
 HOST = "pinned_host"
 DEVICE = "device"
 
 
-def check_devices(devices: Sequence[Any]) -> None:
+def check_devices(devices: Iterable[Any]) -> None:
     """Refuses `offload=True` on devices that have no `pinned_host` memory.
 
     Examples:
@@ -65,7 +69,7 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
-def move(tree: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
+def move(tree: Any, space: MemorySpace, bucket_bytes: int) -> Any:
     """Inside `shard_map`: every array of `tree` moved to memory `space`, one `device_put` a bucket."""
     leaves, treedef = jax.tree.flatten(tree)
     sizes = [x.size * np.dtype(x.dtype).itemsize for x in leaves]
@@ -83,7 +87,7 @@ def store(x: jax.Array, value: jax.Array, start: Any) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, jax.device_put(value, jax.memory.Space.Host), start, 0)
 
 
-def move_small(state: Any, space: jax.memory.Space, bucket_bytes: int) -> Any:
+def move_small(state: Any, space: MemorySpace, bucket_bytes: int) -> Any:
     """`state` with its shared entries and local accumulators moved to `space` (the step streams the rest)."""
     inner = state.inner_state._replace(shared=move(state.inner_state.shared, space, bucket_bytes))
     return dataclasses.replace(state, inner_state=inner, local=move(state.local, space, bucket_bytes))
@@ -124,8 +128,9 @@ def stream_buckets(layout: Layout, r: int, leaves: Sequence[int], bucket_bytes: 
     """Device `r`'s owned `leaves` in buckets of at most `bucket_bytes` of stored state (a larger leaf alone)."""
     nbytes = dict.fromkeys(leaves, 0)
     for j in layout.rank_entries(r):
-        if layout.entries[j].leaf in nbytes:
-            nbytes[layout.entries[j].leaf] += layout.entries[j].nbytes
+        leaf = layout.entries[j].leaf
+        if leaf in nbytes:
+            nbytes[leaf] += layout.entries[j].nbytes
     return [[leaves[k] for k in b] for b in buckets([nbytes[i] for i in leaves], bucket_bytes)]
 
 
@@ -182,6 +187,7 @@ def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Ar
             mask = _groups.valid(layout, group, rank, start, length)
             results = [_reduce.skip_if_empty(ok, _groups.zero_padding(x, mask), y) for x, y in zip(h, hist)]
             if stepping:
+                assert u is not None  # (a group's view holds its leaf)
                 m_new, value = _groups.stepped(u, m_old, mask, ok, p_dtypes[g])
                 if master:
                     results.append(m_new)
@@ -206,8 +212,8 @@ def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Ar
     return ([out for _, out, _ in done] if stepping else None), new, masters, shared_old
 
 
-def stream_owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array], buffers
-              ) -> tuple[dict, dict]:
+def stream_owned(owned: Any, step: _groups.Step, r: int, mine: list[int], g: _packed.Row | dict[int, jax.Array],
+                 buffers) -> tuple[dict, dict]:
     """Device `r`'s update of `mine`, a bucket of its host buffers at a time: the new buffers and the updates."""
     layout = step.layout
     offsets = layout.state_packing.offsets[r]

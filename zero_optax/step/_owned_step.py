@@ -86,6 +86,11 @@ class Gathered:
         return assemble(layout, leaf, x)
 
 
+def owned_by(layout: Layout) -> list[tuple[int, ...]]:
+    """Per device along the ZeRO axes, the leaves it owns: all of a device's branch depends on."""
+    return [tuple(i for i, leaf in enumerate(layout.leaves) if leaf.owner == r) for r in range(layout.world_size)]
+
+
 def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: jax.Array) -> dict[str, jax.Array]:
     """This device's row of `plan`: the blocks of the leaves its ZeRO rank owns, packed (a switch on the rank)."""
     varying = layout.axes + tp_axes(layout, list(values))
@@ -93,7 +98,7 @@ def own_row(layout: Layout, values: dict[int, jax.Array], plan: Packing, rank: j
     def branch(r):
         return lambda v: _compat.pvary(_packed.pack({i: v[i] for i in plan.offsets[r]}, plan.offsets[r],
                                                    plan.sizes), varying)
-    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values)
+    return _packed.switch(rank, [branch(r) for r in range(layout.world_size)], values, owns=owned_by(layout))
 
 
 class _OwnedPlans(NamedTuple):
@@ -133,7 +138,8 @@ class OwnedStep:
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
 
-        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full)
+        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full,
+                                 owns=owned_by(layout))
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
@@ -143,13 +149,14 @@ class OwnedStep:
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = self.masters.sent_dtypes(self.views, step, owned)
-        plans = _OwnedPlans(mode, plan_g, *(_packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
-                                                                      if layout.leaves[i].tp_owned == t})
-                                            for t in (False, True)), tp)
+        u_plan, tp_u_plan = (_packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
+                                                        if layout.leaves[i].tp_owned == t}) for t in (False, True))
+        plans = _OwnedPlans(mode, plan_g, u_plan, tp_u_plan, tp)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
                     for r in range(n)]
-        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows)
+        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows,
+                             owns=owned_by(layout))
         if not step.stepping:
             return {d: b[None] for d, b in out.items()}, {}
         new, u_out, t_out = out
@@ -209,13 +216,14 @@ class OwnedStep:
             grads = Gathered(plan, self.wire.gather_blocks(reduced, axes), axes)
         else:
             grads = gathered(reduced)
-        gathers = step.p_leaves is not None and self.masters.gathers_tp_params and step.stepping
-        params = gathered({i: step.p_leaves[i] for i in tp}) if gathers else None
+        p_leaves, params = step.p_leaves, None
+        if p_leaves is not None and self.masters.gathers_tp_params and step.stepping:
+            params = gathered({i: p_leaves[i] for i in tp})
         static = [None if x is None else dataclasses.replace(x, rows=None) for x in (grads, params)]
         return tuple(static), (grads.rows, None if params is None else params.rows)
 
-    def view_update(self, step: _groups.Step, r: int, mine: list[int], g: dict[int, jax.Array],
-                     stored: dict[int, jax.Array]) -> tuple[dict, dict]:
+    def view_update(self, step: _groups.Step, r: int, mine: list[int], g: _packed.Row | dict[int, jax.Array],
+                    stored: _packed.Row | dict[int, jax.Array]) -> tuple[dict, dict]:
         """Device `r`'s update of `mine` from their `stored` entries: their new entries and what devices receive."""
         layout, p_leaves = step.layout, step.p_leaves
         present = set(mine)
@@ -229,12 +237,12 @@ class OwnedStep:
         u: dict[_packed.Key, jax.Array] = {}
         values: dict[_packed.Key, jax.Array] = {}
         for stack in stacks:
-            u_stack, v_stack = self._stack_update(step, r, stack, g, stored, p)
-            if u_stack is None:  # a program `jax.vmap` cannot run: its members run one by one
+            done = self._stack_update(step, r, stack, g, stored, p)
+            if done is None:  # a program `jax.vmap` cannot run: its members run one by one
                 rest += stack
                 continue
-            u.update(u_stack)
-            values.update(v_stack)
+            u.update(done[0])
+            values.update(done[1])
         rest.sort()
         if rest or not stacks:
             u_rest, v_rest = self._view(step, r, rest, g, stored, p)
@@ -245,6 +253,7 @@ class OwnedStep:
     def _view(self, step: _groups.Step, r: int, leaves: list[int], g, stored, p: dict | None) -> tuple[list, dict]:
         """Device `r`'s owned view of `leaves` updated: their updates and new entries (shared ones left out)."""
         layout, shared_old = step.layout, step.shared_old
+        assert shared_old is not None  # (set by the group views)
         entries = _groups.owned_entries(layout, leaves)
         old = jax.tree_util.tree_unflatten(self.views.owned(layout, r, leaves),
                                            [shared_old[j] if j in shared_old else stored[j] for j in entries])
@@ -255,11 +264,13 @@ class OwnedStep:
         return jax.tree.leaves(u), {j: v for j, v in zip(entries, jax.tree.leaves(new)) if j not in shared_old}
 
     def _stack_update(self, step: _groups.Step, r: int, stack: list[int], g, stored, p: dict[int, jax.Array] | None
-                      ) -> tuple[dict | None, dict | None]:
-        """The view of `stack[0]` under `jax.vmap` over `stack` (`(None, None)` where vmap cannot run it)."""
-        first = stack[0]
+                      ) -> tuple[dict, dict] | None:
+        """The view of `stack[0]` under `jax.vmap` over `stack`: its updates and new entries (None where vmap cannot
+        run it)."""
+        first, shared_old = stack[0], step.shared_old
+        assert shared_old is not None  # (set by the group views)
         views = [_groups.owned_entries(step.layout, [i]) for i in stack]
-        own = [k for k, j in enumerate(views[0]) if j not in step.shared_old]
+        own = [k for k, j in enumerate(views[0]) if j not in shared_old]
         keys = [tuple(view[k] for view in views) for k in own]
 
         def run(g1, histories, p1):
@@ -270,12 +281,12 @@ class OwnedStep:
         args = (_packed.stacked(g, stack), [_packed.stacked(stored, key) for key in keys],
                 None if p is None else jnp.stack([p[i] for i in stack]))
         if not _programs.vectorisable(jax.make_jaxpr(run)(*jax.tree.map(_member_type, args)).jaxpr):
-            return None, None
+            return None
         u, new = jax.vmap(run)(*args)
         return {tuple(stack): u}, dict(zip(keys, new))
 
     def _gradients(self, step: _groups.Step, owned: list[int], g_leaves: list, mode: str | None = "choose"
-                   ) -> tuple[str, Any, dict]:
+                   ) -> tuple[str | None, Any, dict]:
         """The owned leaves' gradient collective `mode` (chosen unless given), their packing and the switch operand."""
         layout, denom, inner_dt, sum_dt = step.layout, step.denom, step.inner_dt, step.sum_dt
         n = layout.world_size
@@ -301,12 +312,14 @@ def _tp_whole(step: _groups.Step, plans: _OwnedPlans, r: int, mine: list[int], g
     whole = [i for i in mine if layout.leaves[i].tp_owned]
     if not whole:
         return g, step
+    assert plans.tp is not None  # (the leaves of `whole` were gathered)
     grads = dataclasses.replace(plans.tp[0], rows=tp_rows[0])
     g_whole = {i: grads.whole(layout, r, i) for i in whole}
     if plans.mode == "psum_scatter":
         g_whole = {i: _reduce.divide(x, step.denom, step.inner_dt[i]) for i, x in g_whole.items()}
     g = dataclasses.replace(g, values=g_whole) if isinstance(g, _packed.Row) else {**g, **g_whole}
     if plans.tp[1] is not None:
+        assert step.p_leaves is not None  # (their gathered blocks are)
         params = dataclasses.replace(plans.tp[1], rows=tp_rows[1])
         p_leaves = [params.whole(layout, r, i) if i in whole else p for i, p in enumerate(step.p_leaves)]
         step = dataclasses.replace(step, p_leaves=p_leaves)
@@ -319,7 +332,7 @@ def _member_type(x: jax.Array):
     return aval.update(shape=aval.shape[1:])
 
 
-def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[str, jax.Array], plan_u) -> dict[int, jax.Array]:
+def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array], plan_u) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as invariant
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out

@@ -7,7 +7,8 @@ the largest share, and one `lax.switch` on the device index runs each device's o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from zero_optax.step._wire import concat
 
 Key = int | tuple[int, ...]
 """An item of a packing, or the same item of a stack's members (`Layout.stacks`), their values stacked."""
+K = TypeVar("K", bound=Key)
 
 
 def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size: int) -> bool:
@@ -29,7 +31,7 @@ def side_by_side(offsets: dict[int, tuple[str, int]], items: Sequence[int], size
     return all(offsets[j] == (dtype, start + k * size) for k, j in enumerate(items))
 
 
-def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
+def _pieces(values: Mapping[K, jax.Array], offsets: dict[int, tuple[str, int]]):
     """`(dtype, offset, 1-D value)` for every value: a stack in one piece where its members lie side by side."""
     for key, x in values.items():
         if isinstance(key, tuple) and side_by_side(offsets, key, x[0].size):
@@ -38,7 +40,7 @@ def _pieces(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]]):
             yield from ((*offsets[j], v.reshape(-1)) for j, v in unstacked({key: x}).items())
 
 
-def pack(values: dict[Key, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
+def pack(values: Mapping[K, jax.Array], offsets: dict[int, tuple[str, int]], sizes: dict[str, int],
          base: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
     """`values` (item or stack -> array) at `offsets` of per-dtype buffers: in place in (donated) `base`, else new."""
     pieces: dict[str, list] = {d: [] for d in sizes}
@@ -103,7 +105,7 @@ def stacked(values: Row | dict[int, jax.Array], items: Sequence[int]) -> jax.Arr
     return values.stack(items) if isinstance(values, Row) else jnp.stack([values[j] for j in items])
 
 
-def unstacked(values: dict[Key, jax.Array]) -> dict[int, jax.Array]:
+def unstacked(values: Mapping[K, jax.Array]) -> dict[int, jax.Array]:
     """`values` item by item: a stack's value cut into its members'."""
     out: dict[int, jax.Array] = {}
     for key, x in values.items():
@@ -152,8 +154,15 @@ def gathered_leaves(gathered: dict[str, jax.Array], plan: Packing, layout: Layou
     return out
 
 
-def switch(rank: jax.Array, branches: Sequence[Callable], *operands):
-    """`lax.switch` on the device index, or the only branch directly."""
+def switch(rank: jax.Array, branches: Sequence[Callable], *operands, owns: Sequence[Any] | None = None):
+    """`lax.switch` on the device index, or the only branch directly; with `owns` (per device, what it owns),
+    devices that own alike (nothing, say) share one branch, so the program grows with the owned leaves, not the
+    devices."""
+    if owns is not None:
+        index: dict[Any, int] = {}
+        table = [index.setdefault(k, len(index)) for k in owns]
+        branches = [branches[table.index(b)] for b in range(len(index))]
+        rank = jnp.asarray(table, jnp.int32)[rank] if len(branches) > 1 else rank
     if len(branches) == 1:
         return branches[0](*operands)
     return lax.switch(rank, list(branches), *operands)

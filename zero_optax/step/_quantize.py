@@ -51,7 +51,7 @@ class Quantize:
     block_size: int = 256
     axes: tuple[str, ...] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("params", "grads"):
             if getattr(self, name) not in (None, INT8):
                 raise ZeroError(f"Quantize({name}=...) must be None or \"int8\", got {getattr(self, name)!r}.")

@@ -49,7 +49,7 @@ def global_weight(weight, axes) -> jax.Array:
     concrete = isinstance(weight, (numbers.Number, np.ndarray))
     if np.ndim(weight) != 0:
         raise WeightError(f"`weight` must be a scalar (this device's sample count), got shape {np.shape(weight)}.")
-    if concrete and weight < 0:
+    if concrete and weight < 0:  # pyright: ignore[reportOperatorIssue]  # (typeshed's Number has no order)
         raise WeightError(f"`weight` must be >= 0 (this device's sample or token count), got {weight}.")
     w = jnp.asarray(weight, jnp.float32)
     wire = _wire.Wire(_compat.as_tuple(axes))
@@ -118,7 +118,8 @@ class ReduceGradientsState(NamedTuple):
     """`reduce_gradients` keeps no state."""
 
 
-def reduce_gradients(axis_name, *, reduce_dtype=None) -> optax.GradientTransformationExtraArgs:
+def reduce_gradients(axis_name: str | Sequence[str], *, reduce_dtype: jax.typing.DTypeLike | None = None
+                     ) -> optax.GradientTransformationExtraArgs:
     """Reduces each device's local gradients to their global mean, or weighted mean, across `axis_name`.
 
     Use it before global operations that must see the full reduced gradient, followed by `zero1(...,

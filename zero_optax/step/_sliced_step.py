@@ -101,11 +101,13 @@ class SlicedStep:
         layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
         if done.u_parts is not None and layout.groups:
+            assert done.masks is not None  # (set with `u_parts`)
             p_dtypes = [None if p_leaves is None else p_leaves[g.first].dtype for g in layout.groups]
             values, new_master = self.masters.group_results(done.u_parts, state, done.masks, ok, p_dtypes)
             values = self.masters.before_gather(values, done.p_parts, apply)
         elif done.u_parts is not None:
             values, new_master = [], state.master
+        assert values is not None  # (streamed: `done.values`)
         result = self.masters.after_gather(self._gather_values(layout, values), u_owned, p_leaves, ok, apply)
         new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
         return _groups.tree(layout, [result[i] for i in range(len(layout.leaves))]), new_state

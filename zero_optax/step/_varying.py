@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -216,6 +217,7 @@ def _programs_tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[li
         outs, found[id(program)] = _eval(*_compat.jaxpr_parts(program), args, axes, tags)
         return outs
     outs = _programs.retraced(eqn, ins, run, _agreeing)
+    assert outs is not None  # (a call or a cond)
     tags = list(found.values())
     return outs, [t if all(f[i] is t for f in tags) else None for i, t in enumerate(tags[0])]
 

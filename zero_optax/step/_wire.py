@@ -227,11 +227,17 @@ class Wire:
         return (self.quantize is not None and self.quantize.quantizes(kind, axes)
                 and (x is None or jnp.issubdtype(x.dtype, jnp.floating)))
 
+    @property
+    def _block_size(self) -> int:
+        """The block size of a quantized collective (one that `_quantized` chose)."""
+        assert self.quantize is not None
+        return self.quantize.block_size
+
     def _reduce_scatter(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """Gradients reduce-scattered over `axes`, then this device's block summed over the replica axes."""
         if self._quantized("grads", axes, x):
             n = _compat.axis_size(axes)
-            block = quantized_reduce_scatter(x.reshape(-1), axes, self.quantize.block_size)
+            block = quantized_reduce_scatter(x.reshape(-1), axes, self._block_size)
             block = block.astype(x.dtype).reshape(x.shape[0] // n, *x.shape[1:])
         else:
             block = _compat.psum_scatter(x, axes)
@@ -246,14 +252,14 @@ class Wire:
         r, flat = _compat.axis_size(self.replicas), x.reshape(-1)
         rows = -(-flat.shape[0] // r)
         part = quantized_reduce_scatter(jnp.pad(flat, (0, r * rows - flat.shape[0])), self.replicas,
-                                        self.quantize.block_size)
-        total = quantized_all_gather(part, self.replicas, self.quantize.block_size)[:flat.shape[0]]
+                                        self._block_size)
+        total = quantized_all_gather(part, self.replicas, self._block_size)[:flat.shape[0]]
         return total.astype(x.dtype).reshape(x.shape)
 
     def _gather_values(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """The 1-D `x` of every device of `axes`, concatenated (typed invariant), quantized where `params` is."""
         if self._quantized("params", axes, x):
-            return quantized_all_gather(x, axes, self.quantize.block_size)
+            return quantized_all_gather(x, axes, self._block_size)
         return _compat.all_gather_invariant(x, axes, tiled=True)
 
 
