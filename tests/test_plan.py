@@ -171,7 +171,7 @@ def test_cli_plans_an_nnx_factory_with_its_partitioning(capsys):
     (["--params-from", "docs/examples/gpt.py:gpt_small", "--mesh", "data=two"], "`--mesh` must look like"),
     (["--params-from", "docs/examples/gpt.py:nothing", "--mesh", "data=2"], "has no 'nothing'"),
     (["--params-from", "docs/examples/gpt.py:gpt_small", "--mesh", "data=2,model=1", "--axis-name", "data",
-      "--optimizer", "nosuch"], "neither in optax nor in optax.contrib"),
+      "--optimizer", "nosuch"], "no optimizer of optax or optax.contrib"),
 ])
 def test_cli_refuses_bad_input_in_one_line(capsys, argv, message):
     status, out, err = run_cli(capsys, *argv)

@@ -217,7 +217,7 @@ def _wire(tx, layout: Layout, state, state_specs, structs, specs, mesh: Abstract
         if c.nbytes == 0 or math.prod(mesh.shape[a] for a in c.axes) == 1:
             continue
         kinds = out.setdefault("+".join(c.axes), {})
-        kinds[c.kind] = kinds.get(c.kind, 0) + c.nbytes * c.count
+        kinds[c.kind] = kinds.get(c.kind, 0) + c.nbytes * c.times
         largest = max(largest, c.nbytes)
     return out, largest
 

@@ -74,7 +74,7 @@ def _factory(name: str):
         raise ValueError(f"--params-from {name!r}: give MODULE:FACTORY, FILE.py:FACTORY or a .json file of shapes")
     if where.endswith(".py"):
         spec = importlib.util.spec_from_file_location(pathlib.Path(where).stem, where)
-        if spec is None or not pathlib.Path(where).is_file():
+        if spec is None or spec.loader is None or not pathlib.Path(where).is_file():
             raise ValueError(f"--params-from: no such file {where}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -105,9 +105,10 @@ def load_params(source: str, mesh) -> tuple[Any, Any]:
 def _optimizer(name: str) -> optax.GradientTransformation:
     """`optax.<name>` or `optax.contrib.<name>`, built with a learning rate (which costs nothing)."""
     make = getattr(optax, name, None) or getattr(optax.contrib, name, None)
-    if not callable(make):
-        raise ValueError(f"--optimizer {name!r} is neither in optax nor in optax.contrib")
-    return make(learning_rate=1e-3)
+    tx = make(learning_rate=1e-3) if callable(make) else None
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ValueError(f"--optimizer {name!r} is no optimizer of optax or optax.contrib")
+    return tx
 
 
 def _table(p: Plan) -> Table:

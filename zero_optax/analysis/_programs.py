@@ -140,12 +140,12 @@ COLLECTIVES = {
 
 class Collective(NamedTuple):
     """One collective of a program: its HLO kind, the mesh axes it runs over, the bytes of its full tensor per
-    device (the all-reduced buffer, the gathered result, the un-scattered operand), and how often it runs."""
+    device (the all-reduced buffer, the gathered result, the un-scattered operand), and how many `times` it runs."""
 
     kind: str
     axes: tuple[str, ...]
     nbytes: int
-    count: int = 1
+    times: int = 1
 
 
 def _nbytes(atoms: Sequence[Any]) -> int:
@@ -186,7 +186,7 @@ def collectives(program: Any, count: int = 1, live: Sequence[bool] | None = None
             out.append(Collective(kind, (axes,) if isinstance(axes, str) else tuple(axes), _nbytes(atoms), count))
         elif name == "cond":
             found = [collectives(b, count, outs) for b in params["branches"]]
-            out += max(found, key=lambda c: sum(x.nbytes * x.count for x in c))
+            out += max(found, key=lambda c: sum(x.nbytes * x.times for x in c))
         elif (body := call_body(eqn)) is not None:
             out += collectives(body, count, outs)
         else:
