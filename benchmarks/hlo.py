@@ -392,6 +392,31 @@ def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -
     return result
 
 
+def heaviest_path(hlo_text: str) -> list[dict[str, Any]]:
+    """The collectives of one execution: those in no `conditional` branch, and of each outermost conditional the
+    branch that moves the most bytes (`collective_ops` counts every branch)."""
+    calls, conds = _call_graph(hlo_text)
+
+    def reach(start: str) -> set[str]:
+        seen, stack = {start}, [start]
+        while stack:
+            for c in calls.get(stack.pop(), ()):
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        return seen
+
+    ops = collective_ops(hlo_text)
+    branch_sets = [(comp, [reach(b) for b in branches]) for comp, branches in conds]
+    in_branch = set().union(*[s for _, sets in branch_sets for s in sets]) if branch_sets else set()
+    out = [op for op in ops if op["computation"] not in in_branch]
+    for comp, sets in branch_sets:
+        if comp not in in_branch:
+            per = [[op for op in ops if op["computation"] in s] for s in sets]
+            out += max(per, key=lambda mine: sum(op["bytes"] * op["multiplier"] for op in mine))
+    return out
+
+
 # ------------------------------------------------------------------ memory-kind transfers (offload)
 
 _PLACEMENT_RE = re.compile(

@@ -36,7 +36,7 @@ extensions = [
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}  # autosummary writes .rst
-exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "examples"]
 
 autosummary_generate = True
 templates_path = ["_templates"]

@@ -1,5 +1,9 @@
 """zero_optax: ZeRO stage 1 optimizer-state sharding for JAX, as an optax GradientTransformation."""
 
+from zero_optax._plan import (
+    Plan,
+    plan,
+)
 from zero_optax.api._flax import (
     ZeroOptimizer,
     ZeroTrainState,
@@ -57,6 +61,7 @@ __all__ = (
     "Migration",
     "OwnersError",
     "ParamSlice",
+    "Plan",
     "Quantize",
     "RankRecord",
     "StoreError",
@@ -82,6 +87,7 @@ __all__ = (
     "gather_state",
     "load_rank_records",
     "master_params",
+    "plan",
     "reduce_gradients",
     "reshard",
     "reshard_explicit",

@@ -130,6 +130,72 @@ def collective_kind(eqn: Any) -> str | None:
     return kind
 
 
+# Collective primitives (as JAX names them across versions) and the HLO collective each lowers to.
+COLLECTIVES = {
+    "psum": "all-reduce", "psum2": "all-reduce", "psum_invariant": "all-reduce", "pmax": "all-reduce",
+    "pmin": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather", "all_to_all": "all-to-all", "ppermute": "collective-permute",
+}
+
+
+class Collective(NamedTuple):
+    """One collective of a program: its HLO kind, the mesh axes it runs over, the bytes of its full tensor per
+    device (the all-reduced buffer, the gathered result, the un-scattered operand), and how many `times` it runs."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    times: int = 1
+
+
+def _nbytes(atoms: Sequence[Any]) -> int:
+    return sum(size(a) * np.dtype(a.aval.dtype).itemsize for a in atoms)
+
+
+def _live(program: Any, live: Sequence[bool] | None) -> tuple[list[tuple[Any, list[bool]]], list[bool]]:
+    """The equations of `program` that lowering keeps when only the outputs `live` are used (None: all), each with
+    which of its outputs are used; and which inputs are."""
+    jaxpr = _compat.jaxpr_parts(program)[0]
+    used = {v for v, keep in zip(jaxpr.outvars, live or [True] * len(jaxpr.outvars))
+            if keep and isinstance(v, jcore.Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in used for v in eqn.outvars]
+        if not (any(outs) or any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)):
+            continue  # (a collective's axis names are no effect that keeps it)
+        kept.append((eqn, outs))
+        body = call_body(eqn)
+        if eqn.primitive.name == "cond":  # (the branch index, then the operands some branch uses)
+            ins = [True, *map(any, zip(*(_live(b, outs)[1] for b in eqn.params["branches"])))]
+        else:
+            ins = [True] * len(eqn.invars) if body is None else _live(body, outs)[1]
+        used.update(v for v, u in zip(eqn.invars, ins) if u and isinstance(v, jcore.Var))
+    return kept[::-1], [v in used for v in jaxpr.invars]
+
+
+def collectives(program: Any, count: int = 1, live: Sequence[bool] | None = None) -> list[Collective]:
+    """Every collective `program` runs whose result is used (as lowering keeps them; `live`: which outputs are),
+    in order: a `scan` body's `length` times; of a `cond`, the branch that moves the most bytes (a call runs one)."""
+    out: list[Collective] = []
+    for eqn, outs in _live(program, live)[0]:
+        name, params = eqn.primitive.name, eqn.params
+        kind = COLLECTIVES.get(name)
+        if kind is not None:
+            axes = params.get("axes", params.get("axis_name"))
+            atoms = eqn.outvars if kind == "all-gather" else eqn.invars
+            out.append(Collective(kind, (axes,) if isinstance(axes, str) else tuple(axes), _nbytes(atoms), count))
+        elif name == "cond":
+            found = [collectives(b, count, outs) for b in params["branches"]]
+            out += max(found, key=lambda c: sum(x.nbytes * x.times for x in c))
+        elif (body := call_body(eqn)) is not None:
+            out += collectives(body, count, outs)
+        else:
+            times = count * (params["length"] if name == "scan" else 1)
+            for sub in subjaxprs(params):
+                out += collectives(sub, times)
+    return out
+
+
 class Traced(NamedTuple):
     """A function traced once (`trace`), for several analyses of the same program."""
 

@@ -26,7 +26,7 @@ from zero_optax.layout._state import ZeroState
 from zero_optax.step import _engine
 
 
-def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P:
+def _spec_of(x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> P:
     """The `PartitionSpec` of a global array (or tracer) over `mesh`; replicated when it carries none."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):  # (a tracer carries its sharding in its type only)
@@ -39,7 +39,7 @@ def _spec_of(x: Any, mesh: jax.sharding.Mesh) -> P:
     return P()
 
 
-def param_specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
+def param_specs(params: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Any:
     return jax.tree.map(lambda x: _spec_of(x, mesh), params)
 
 

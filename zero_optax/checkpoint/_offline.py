@@ -53,13 +53,13 @@ def _check_world_size(world_size: Any) -> int:
     return int(world_size)
 
 
-def parse_axis_sizes(text: str) -> dict[str, int]:
-    """`"data=2,model=4"` as `{"data": 2, "model": 4}` (the command line's `--axis-sizes`)."""
+def parse_axis_sizes(text: str, flag: str = "--axis-sizes") -> dict[str, int]:
+    """`"data=2,model=4"` as `{"data": 2, "model": 4}` (the command line's `flag`)."""
     out = {}
     for item in text.split(","):
         name, _, size = item.partition("=")
         if not name.strip() or not size.strip().isdigit():
-            raise ZeroCheckpointError(f"`--axis-sizes` must look like data=2,model=4; `{item}` is not NAME=SIZE.")
+            raise ZeroCheckpointError(f"`{flag}` must look like data=2,model=4; `{item}` is not NAME=SIZE.")
         out[name.strip()] = int(size)
     return out
 
