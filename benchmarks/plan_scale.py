@@ -12,8 +12,9 @@ parameters; the suite's test runs 4 layers of width 64). For flat AdamW and for 
 * `state`: the largest state a device holds against the ideal (flat: the state's bytes / N) or, under "auto",
   against the bound whole matrices set (the larger of bytes / N and the largest owned leaf's state);
 * `checkpoint` (with `--checkpoints`): a state saved after two mesh-bound steps at N devices restores bit for bit
-  at 8 devices and at (data=N/4, model=4) with the matrices cut over "model" (Megatron style), through
-  `ZeroRestore(target, reshard=True)` (load time) and through `zo.reshard` then `ZeroRestore` (offline);
+  at 8 devices and at (data=N/4, model=4), through `ZeroRestore(target, reshard=True)` (load time) and through
+  `zo.reshard` then `ZeroRestore` (offline); with `--tensor-parallel` the matrices are cut over "model" there
+  (Megatron style), and the restored state is checked by converting it back to N devices offline;
 * `ttfs`: time to first step (init, trace and compile of the step) of zero1 over GSPMD (MaxText style,
   `benchmarks.variants.build_gspmd`), each timed in its own fresh subprocess.
 """
@@ -125,12 +126,13 @@ sizes = dict(item.split("=") for item in shape.split(","))
 mesh = jax.make_mesh(tuple(int(v) for v in sizes.values()), tuple(sizes))
 inner = optax.adamw(1e-3, weight_decay=0.1) if partition == "flat" else optax.contrib.muon(1e-3)
 tree = gpt_params(*TREE)
-def spec(path, x):  # Megatron style over "model" where the mesh has it
+def spec(path, x):  # Megatron style over "model" where the mesh has it and TP is asked for
     name = jax.tree_util.keystr(path)
-    if "model" not in sizes or x.ndim != 2 or "embed" in name:
+    if "model" not in sizes or x.ndim != 2 or "embed" in name or os.environ.get("PLAN_SCALE_TP") != "1":
         return P()
     return P("model", None) if ("proj'" in name or "mlp_out'" in name) else P(None, "model")
 specs = jax.tree_util.tree_map_with_path(spec, tree)
+tensor_parallel = any(s != P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))
 params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 tx = zo.zero1(inner, axis_name="data", partition=partition, mesh=mesh)
 state = tx.init(params)
@@ -146,7 +148,7 @@ if mode == "save":
 expected = np.load(os.path.join(directory, "full.npz"))
 expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
 def same(restored):
-    if "model" in sizes:  # (gather_state needs whole leaves: back to a 1-D mesh of the same devices, offline)
+    if tensor_parallel:  # (gather_state needs whole leaves: back to a 1-D mesh of the same devices, offline)
         back = os.path.join(directory, "back")
         ckpt.save(back + "-tp", args=zo.ZeroSave(restored), force=True)
         zo.reshard(back + "-tp", back, axis_sizes={"data": int(n)}, param_specs=specs, force=True)
@@ -162,14 +164,15 @@ with ocp.Checkpointer(zo.ZeroCheckpointHandler()) as ckpt:
     out["load_time"] = same(ckpt.restore(os.path.join(directory, "saved"), args=zo.ZeroRestore(state, reshard=True)))
     offline = os.path.join(directory, "offline")
     zo.reshard(os.path.join(directory, "saved"), offline, axis_sizes={k: int(v) for k, v in sizes.items()},
-               param_specs=specs if "model" in sizes else None, force=True)
+               param_specs=specs if tensor_parallel else None, force=True)
     out["offline"] = same(ckpt.restore(offline, args=zo.ZeroRestore(state)))
 print(json.dumps(out))
 """
 
 
-def _checkpoints(n: int, partition: str, directory: str) -> dict:
+def _checkpoints(n: int, partition: str, directory: str, tensor_parallel: bool = False) -> dict:
     """Saves at `n` devices (1-D), restores at 8 and at (data=n/4, model=4), at load time and offline."""
+    os.environ["PLAN_SCALE_TP"] = "1" if tensor_parallel else "0"
     _run(CHECKPOINT, str(n), f"data={n}", partition, "save", directory)
     return {target: _run(CHECKPOINT, str(math.prod(int(v.split("=")[1]) for v in target.split(","))), target,
                          partition, "restore", directory)
@@ -196,6 +199,8 @@ def main(argv=None) -> int:
                                                                "default has 123 leaves, 2.4 M parameters)")
     parser.add_argument("--checkpoints", action="store_true", help="also save at each count and restore at 8 "
                                                                     "and (data=N/4, model=4)")
+    parser.add_argument("--tensor-parallel", action="store_true", help="the matrices cut over \"model\" at "
+                        "(data=N/4, model=4) (checked through an offline reshard back to N devices: slow at 256)")
     args = parser.parse_args(argv)
     os.environ["PLAN_SCALE_TREE"] = args.tree
     for n in args.devices:
@@ -204,10 +209,12 @@ def main(argv=None) -> int:
             gspmd = _child(n, "ttfs-gspmd", partition)["seconds"]
             zero = _child(n, "ttfs-zero1", partition)["seconds"]
             result["ttfs"] = {"zero1_s": round(zero, 2), "gspmd_s": round(gspmd, 2), "ratio": round(zero / gspmd, 3)}
+            print(json.dumps({"devices": n, "partition": partition, **result}), flush=True)
             if args.checkpoints:
                 with tempfile.TemporaryDirectory() as directory:
-                    result["checkpoint"] = _checkpoints(n, partition, directory)
-            print(json.dumps({"devices": n, "partition": partition, **result}), flush=True)
+                    print(json.dumps({"devices": n, "partition": partition,
+                                      "checkpoint": _checkpoints(n, partition, directory, args.tensor_parallel)}),
+                          flush=True)
     return 0
 
 

@@ -195,5 +195,5 @@ def test_at_16_devices_plan_state_exactness_and_checkpoints(tmp_path):
     assert flat["plan"] == {"layout": True, "stored": True, "wire": True, "largest": True}
     assert flat["exact"]["params"] < 1e-6 and flat["exact"]["state"] < 1e-6
     assert flat["state"]["ratio"] <= 1.01
-    restored = plan_scale._checkpoints(16, "auto", str(tmp_path))
+    restored = plan_scale._checkpoints(16, "auto", str(tmp_path), tensor_parallel=True)
     assert restored == {target: {"load_time": True, "offline": True} for target in ("data=8", "data=4,model=4")}
