@@ -16,6 +16,7 @@ Examples:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import math
@@ -32,6 +33,9 @@ from zero_optax.core._errors import StoreError
 
 PIECE_BYTES = 16 << 20
 """Reads larger than this are split into sequential pieces aligned to the stored chunks."""
+CACHE_BYTES = 64 << 20
+"""`ItemArrays` reads an array of at most `PIECE_BYTES` whole once and keeps it, up to this many bytes in all (the
+least recently read leave first): a restore at another world size reads many small regions of each."""
 BATCH_BYTES = 64 << 20
 """`ItemWriter` commits a transaction (one new OCDBT data file) whenever this many bytes are staged."""
 Region = tuple[tuple[int, int], ...]
@@ -86,6 +90,7 @@ class ItemArrays:
         self.directory = _paths.as_path(directory)
         self.context = ts.Context()
         self._open: dict[str, ts.TensorStore] = {}
+        self._whole: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
 
     def _fail(self, name: str, problem: str) -> StoreError:
         return StoreError(f"{self.directory} is incomplete or damaged: array {name}: {problem}. Nothing was loaded.")
@@ -127,11 +132,16 @@ class ItemArrays:
                 raise self._fail(a.name, f"{len(missing)} chunks are missing (first: {min(missing)})")
 
     def read(self, name: str, region: Region) -> np.ndarray:
-        """The values of `region` of array `name`, read in pieces of about `PIECE_BYTES` at most."""
+        """The values of `region` of array `name`, read in pieces of about `PIECE_BYTES` at most (a small array's
+        from its whole, read once: `CACHE_BYTES`)."""
         store = self.open(name)
         shape = tuple(hi - lo for lo, hi in region)
         out = aligned_empty(shape, store.dtype.numpy_dtype)
         if out.size == 0:
+            return out
+        whole = self._small(name, store)
+        if whole is not None:
+            out[...] = whole[tuple(slice(lo, hi) for lo, hi in region)]
             return out
         chunk = cast(tuple[int, ...], store.chunk_layout.read_chunk.shape)[-1]  # (set, as `check` says)
         row_bytes = math.prod(shape[:-1]) * out.dtype.itemsize
@@ -142,6 +152,22 @@ class ItemArrays:
                 index = tuple(slice(a, b) for a, b in region[:-1]) + (slice(start, stop),)
                 out[..., start - lo:stop - lo] = store[index].read().result()
         return out
+
+
+    def _small(self, name: str, store: ts.TensorStore) -> np.ndarray | None:
+        """Array `name` whole if it is at most `PIECE_BYTES` (read once, kept up to `CACHE_BYTES`), else None."""
+        if name in self._whole:
+            self._whole.move_to_end(name)
+            return self._whole[name]
+        shape = tuple(store.domain.shape)
+        if math.prod(shape) * store.dtype.numpy_dtype.itemsize > PIECE_BYTES:
+            return None
+        with _failing(lambda m: self._fail(name, f"reading it failed ({m})")):
+            whole = np.asarray(store.read().result())
+        self._whole[name] = whole
+        while sum(x.nbytes for x in self._whole.values()) > CACHE_BYTES and len(self._whole) > 1:
+            self._whole.popitem(last=False)
+        return whole
 
 
 class ItemWriter:
