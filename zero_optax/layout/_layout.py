@@ -43,7 +43,9 @@ class Group:
     offsets: tuple[int, ...]
     size: int
     shape: tuple[int, ...] | None = None
-    program: int | None = None
+    # (Not compared: a hint for tracing, which gives the same programs without it; two states of one optimizer,
+    # one behind optax.inject_hyperparams, are alike.)
+    program: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def first(self) -> int:
