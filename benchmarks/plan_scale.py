@@ -181,6 +181,7 @@ def _checkpoints(n: int, partition: str, directory: str, tensor_parallel: bool =
 
 def _run(code: str, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env.pop("NPROC", None)  # (a parent's, sized for its own device count: zero_optax sizes the child's, jaxlib < 0.12)
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
