@@ -351,16 +351,9 @@ def _call_graph(hlo_text: str) -> tuple[dict[str, set[str]], list[tuple[str, lis
     return calls, conds
 
 
-def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
-    """Wire bytes per execution path of a module whose collectives sit in `conditional` branches.
-
-    `collective_bytes` counts every branch of a conditional (an upper bound); a step that branches on its
-    position in an accumulation cycle executes one branch. Returns ``{"outside": bytes, "branches": [[bytes per
-    branch] per conditional with collectives in a branch], "kinds": [[{kind: count} per branch] ...]}``, bytes
-    weighted by `weights` (default `WIRE_WEIGHTS`); ``outside`` counts the collectives in no branch. Nested
-    conditionals are attributed to the outermost branch that reaches them.
-    """
-    weights = WIRE_WEIGHTS if weights is None else weights
+def _branches(hlo_text: str) -> tuple[list[dict[str, Any]], list[tuple[str, list[set[str]]]], set[str]]:
+    """The module's collectives; per conditional, its computation and the computations each branch reaches; and
+    every computation some branch reaches."""
     calls, conds = _call_graph(hlo_text)
 
     def reach(start: str) -> set[str]:
@@ -372,13 +365,26 @@ def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -
                     stack.append(c)
         return seen
 
-    ops = collective_ops(hlo_text)
-    branch_sets = [[reach(b) for b in branches] for _, branches in conds]
-    in_branch = set().union(*[s for sets in branch_sets for s in sets]) if branch_sets else set()
+    branch_sets = [(comp, [reach(b) for b in branches]) for comp, branches in conds]
+    in_branch = set().union(*[s for _, sets in branch_sets for s in sets]) if branch_sets else set()
+    return collective_ops(hlo_text), branch_sets, in_branch
+
+
+def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
+    """Wire bytes per execution path of a module whose collectives sit in `conditional` branches.
+
+    `collective_bytes` counts every branch of a conditional (an upper bound); a step that branches on its
+    position in an accumulation cycle executes one branch. Returns ``{"outside": bytes, "branches": [[bytes per
+    branch] per conditional with collectives in a branch], "kinds": [[{kind: count} per branch] ...]}``, bytes
+    weighted by `weights` (default `WIRE_WEIGHTS`); ``outside`` counts the collectives in no branch. Nested
+    conditionals are attributed to the outermost branch that reaches them.
+    """
+    weights = WIRE_WEIGHTS if weights is None else weights
+    ops, branch_sets, in_branch = _branches(hlo_text)
     outside = sum(op["bytes"] * op["multiplier"] * weights[op["kind"]] for op in ops
                   if op["computation"] not in in_branch)
     result: dict[str, Any] = {"outside": outside, "branches": [], "kinds": []}
-    for (comp, _), sets in zip(conds, branch_sets):
+    for comp, sets in branch_sets:
         if comp in in_branch:
             continue  # nested: counted within the outer branch
         per, kinds = [], []
@@ -395,20 +401,7 @@ def branch_collectives(hlo_text: str, weights: dict[str, float] | None = None) -
 def heaviest_path(hlo_text: str) -> list[dict[str, Any]]:
     """The collectives of one execution: those in no `conditional` branch, and of each outermost conditional the
     branch that moves the most bytes (`collective_ops` counts every branch)."""
-    calls, conds = _call_graph(hlo_text)
-
-    def reach(start: str) -> set[str]:
-        seen, stack = {start}, [start]
-        while stack:
-            for c in calls.get(stack.pop(), ()):
-                if c not in seen:
-                    seen.add(c)
-                    stack.append(c)
-        return seen
-
-    ops = collective_ops(hlo_text)
-    branch_sets = [(comp, [reach(b) for b in branches]) for comp, branches in conds]
-    in_branch = set().union(*[s for _, sets in branch_sets for s in sets]) if branch_sets else set()
+    ops, branch_sets, in_branch = _branches(hlo_text)
     out = [op for op in ops if op["computation"] not in in_branch]
     for comp, sets in branch_sets:
         if comp not in in_branch:
