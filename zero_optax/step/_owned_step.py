@@ -109,6 +109,7 @@ class _OwnedPlans(NamedTuple):
     u: Any
     tp_u: Any
     tp: tuple[Gathered, Gathered | None] | None
+    summed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -149,9 +150,11 @@ class OwnedStep:
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = self.masters.sent_dtypes(self.views, step, owned)
-        u_plan, tp_u_plan = (_packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
-                                                        if layout.leaves[i].tp_owned == t}) for t in (False, True))
-        plans = _OwnedPlans(mode, plan_g, u_plan, tp_u_plan, tp)
+        sent = {i: d for i, d in u_dtypes.items() if not layout.leaves[i].tp_owned}
+        summed = (self.wire.sums_owned_results and not any(layout.leaves[i].tp_owned for i in owned)
+                  and _packed.sums_results(layout, sent))
+        tp_u_plan = _packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items() if layout.leaves[i].tp_owned})
+        plans = _OwnedPlans(mode, plan_g, _packed.leaf_plan(layout, sent, summed), tp_u_plan, tp, summed)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
                     for r in range(n)]
@@ -162,7 +165,7 @@ class OwnedStep:
         new, u_out, t_out = out
         if not step.streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
-        u = _gather_owned(self.wire, layout, u_out, plans.u)
+        u = _gather_owned(self.wire, layout, u_out, plans.u, plans.summed)
         u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))  # (on one device, `t_out` is empty)
         return {d: b[None] for d, b in new.items()}, u
 
@@ -332,8 +335,14 @@ def _member_type(x: jax.Array):
     return aval.update(shape=aval.shape[1:])
 
 
-def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array], plan_u) -> dict[int, jax.Array]:
-    """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf."""
+def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array], plan_u,
+                  summed: bool = False) -> dict[int, jax.Array]:
+    """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf: gathered
+    row by row, or `summed` (each owner's row is the whole buffer, zeros where the others' leaves sit)."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as invariant
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
+    if summed:
+        offsets = {i: at for row in plan_u.offsets for i, at in row.items()}
+        row = _packed.Row(wire.sum_packed(u_out), offsets, {i: layout.leaves[i].shape for i in offsets})
+        return {i: row[i] for i in offsets}
     return _packed.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)

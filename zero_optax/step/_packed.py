@@ -116,12 +116,30 @@ def unstacked(values: Mapping[K, jax.Array]) -> dict[int, jax.Array]:
     return out
 
 
-def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
-    """Where each owned leaf of `dtypes` sits in its owner's row: in tree order, a stack's members after its first."""
+def leaf_plan(layout: Layout, dtypes: dict[int, str], summed: bool = False) -> Packing:
+    """Where each owned leaf of `dtypes` sits in its owner's row: in tree order, a stack's members after its first.
+    `summed`: each leaf at its own place of one buffer, the owners' leaves one after the other, so that every row is
+    that whole buffer with zeros where the others' leaves sit (for `sums_results`)."""
     first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
-    return _stored.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
-                               for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
-                               if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
+    order = sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
+    rows = [[(i, layout.leaves[i].size, dtypes[i]) for i in order if layout.leaves[i].owner == r and i in dtypes]
+            for r in range(layout.world_size)]
+    if not summed:
+        return _stored.pack_plan(rows)
+    whole = _stored.pack_plan([[item for row in rows for item in row]])
+    return Packing(tuple({i: whole.offsets[0][i] for i, _, _ in row} for row in rows), whole.sizes)
+
+
+def sums_results(layout: Layout, dtypes: dict[int, str]) -> bool:
+    """Whether the owners' results travel by one sum of an unpadded buffer rather than an all-gather of rows padded
+    to the largest owner's: when the rows, `n` times, would move more than twice the results' bytes (many
+    devices owning leaves of very different sizes)."""
+    n = layout.world_size
+    if n == 1 or not dtypes:
+        return False
+    rows = leaf_plan(layout, dtypes)
+    padded = n * sum(size * np.dtype(d).itemsize for d, size in rows.sizes.items())
+    return padded > 2 * sum(layout.leaves[i].size * np.dtype(d).itemsize for i, d in dtypes.items())
 
 
 def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:

@@ -195,6 +195,16 @@ class Wire:
         crosses replica axes, and because quantized gradients travel by reduce-scatters only."""
         return bool(self.replicas) or self._quantized("grads", self.axes)
 
+    @property
+    def sums_owned_results(self) -> bool:
+        """Whether owners' results may travel by a sum (`sum_packed`): not where the parameters' gathers are
+        quantized (only all-gathers are)."""
+        return not self._quantized("params", self.axes)
+
+    def sum_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Every device's buffers, each holding its own items and zeros elsewhere, summed over the ZeRO axes."""
+        return {d: lax.psum(b, self.axes) for d, b in buffers.items()}
+
     def gather_packed(self, buffers: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Every device's packed buffers gathered to every device as `[n, size]` (typed invariant)."""
         return {d: self._gather_values(b, self.axes).reshape(-1, b.shape[0]) for d, b in buffers.items()}
