@@ -20,14 +20,17 @@ import typing
 from typing import Any
 
 import jax
-from kauldron import kd
-from kauldron.train import checkpoint_state
+from etils import epath
+from kauldron import kd  # pyright: ignore[reportMissingImports]  (an optional dependency)
+from kauldron.checkpoints.checkpointer import CHECKPOINT_FOLDER_NAME  # pyright: ignore[reportMissingImports]
+from kauldron.train import checkpoint_state  # pyright: ignore[reportMissingImports]
 
 from zero_optax.checkpoint._handler import ZeroCheckpointHandler, ZeroRestore, ZeroSave
+from zero_optax.core._errors import ZeroCheckpointError
 
 
 class _ZeroCheckpointFields(typing.NamedTuple):
-    """The items of a checkpoint: Kauldron's three, the train state without its optimizer state, and that state."""
+    """The items of a training checkpoint: Kauldron's three, the train state without its optimizer state apart."""
 
     train_state: Any
     opt_state: Any
@@ -39,6 +42,19 @@ class _ZeroCheckpointState(_ZeroCheckpointFields, kd.ckpts.items.TopLevelCheckpo
     """Kauldron's `CheckpointState` with the optimizer state as an item of its own."""
 
     DEFAULT_ITEM = "train_state"  # where Kauldron's own checkpoints keep the train state
+
+
+class _ZeroTrainFields(typing.NamedTuple):
+    """The items of a train state alone (an evaluator's): the state without its optimizer state, and that state."""
+
+    train_state: Any
+    opt_state: Any
+
+
+class _ZeroTrainState(_ZeroTrainFields, kd.ckpts.items.TopLevelCheckpointItem):
+    """A `kd.train.TrainState` with the optimizer state as an item of its own."""
+
+    DEFAULT_ITEM = "train_state"
 
 
 class _OptState(kd.ckpts.items.CheckpointItem):
@@ -67,9 +83,9 @@ class Checkpointer(kd.ckpts.Checkpointer):
     Takes the arguments of `kd.ckpts.Checkpointer` and saves when it does. The optimizer state is saved by
     `zo.ZeroCheckpointHandler` as the item `opt_state` (every array in it must belong to a zero1 state) and
     restored into the zero1 state that the new run's `Trainer` initialized, on its mesh, whatever device count
-    saved it; the train state (without its optimizer state), the timer and the data iterator are Kauldron's items.
-    States other than the training loop's `CheckpointState` (an evaluator's `TrainState`, say) are saved and
-    restored as `kd.ckpts.Checkpointer` does.
+    saved it. The rest are Kauldron's items: the train state (without its optimizer state, in the default item,
+    where Kauldron's partial loaders read the parameters), the timer and the data iterator. A `TrainState` alone
+    (a continuous evaluator's) is split alike; other states are saved and restored as `kd.ckpts.Checkpointer` does.
 
     Example:
       `kd.train.Trainer(optimizer=zo.zero1(optax.adamw(1e-3), axis_name="devices",
@@ -78,27 +94,45 @@ class Checkpointer(kd.ckpts.Checkpointer):
     """
 
     def save(self, state: Any, *, step: int, force: bool = False, metrics: Any = None) -> bool:
-        """Saves `state` (the training loop's `CheckpointState`) at `step`, its optimizer state as `opt_state`."""
+        """Saves `state` (the training loop's `CheckpointState`) at `step`, its optimizer state apart."""
         return super().save(_split(state), step=step, force=force, metrics=metrics)
 
     def restore(self, state: Any, *, step: int = -1, noop_if_missing: bool = False, donate: bool = True) -> Any:
         """Restores the checkpoint of `step` (-1: the latest) into the structure and shardings of `state`."""
-        if not isinstance(state, checkpoint_state.CheckpointState) or self.latest_step is None:
+        split = _split(state)
+        if split is state or self.latest_step is None:
             return super().restore(state, step=step, noop_if_missing=noop_if_missing, donate=donate)
-        opt_state = state.train_state.opt_state
+        _check_has_opt_state(self, step)
+        opt_state = split.opt_state.state
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
         if donate:  # as Kauldron frees the rest of `state`: the restore never holds two copies
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, opt_state)
-        split = _split(state)._replace(opt_state=_OptState(target))
-        restored = super().restore(split, step=step, noop_if_missing=noop_if_missing, donate=donate)
-        return checkpoint_state.CheckpointState(restored.train_state.replace(opt_state=restored.opt_state),
-                                                restored.timer, restored.ds_iter)
+        restored = super().restore(split._replace(opt_state=_OptState(target)), step=step,
+                                   noop_if_missing=noop_if_missing, donate=donate)
+        train_state = restored.train_state.replace(opt_state=restored.opt_state)
+        if isinstance(restored, _ZeroTrainState):
+            return train_state
+        return checkpoint_state.CheckpointState(train_state, restored.timer, restored.ds_iter)
+
+
+def _check_has_opt_state(checkpointer: Checkpointer, step: int) -> None:
+    """Refuses a step that Kauldron's own checkpointer wrote (its optimizer state inside the train state)."""
+    step = checkpointer.latest_step if step == -1 else step
+    path = epath.Path(checkpointer.workdir) / CHECKPOINT_FOLDER_NAME / f"ckpt_{step}"  # Kauldron's step names
+    if path.exists() and not (path / "opt_state").exists():
+        raise ZeroCheckpointError(
+            f"The checkpoint {path} has no `opt_state` item: `kd.ckpts.Checkpointer` wrote it, with the optimizer "
+            "state inside the train state. Resume it with `kd.ckpts.Checkpointer`, on the device count that saved "
+            "it; a run checkpointed by `zero_optax.kauldron.Checkpointer` from its start resumes on any.")
 
 
 def _split(state: Any) -> Any:
-    """A `CheckpointState` as the four items this checkpointer saves; any other state as it is."""
-    if not isinstance(state, checkpoint_state.CheckpointState):
-        return state
-    return _ZeroCheckpointState(train_state=state.train_state.replace(opt_state=None),
-                                opt_state=_OptState(state.train_state.opt_state),
-                                timer=state.timer, ds_iter=state.ds_iter)
+    """`state` as the items this checkpointer saves: a `CheckpointState` or a `TrainState` with an optimizer state
+    as Kauldron's items and `opt_state`; any other state as it is."""
+    if isinstance(state, checkpoint_state.CheckpointState):
+        return _ZeroCheckpointState(train_state=state.train_state.replace(opt_state=None),
+                                    opt_state=_OptState(state.train_state.opt_state),
+                                    timer=state.timer, ds_iter=state.ds_iter)
+    if isinstance(state, kd.train.TrainState) and state.opt_state is not None:
+        return _ZeroTrainState(train_state=state.replace(opt_state=None), opt_state=_OptState(state.opt_state))
+    return state
