@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
 
 def _sliced_bytes(params, devices):
     """adamw's state on one device of `devices` under zero1: ceil(count / N) coordinates of mu and of nu (float32)
-    and the int32 step count, replicated."""
+    and its int32 step count."""
     return 2 * 4 * math.ceil(params / devices) + 4
 
 
