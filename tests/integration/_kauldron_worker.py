@@ -3,7 +3,7 @@
     python tests/integration/_kauldron_worker.py OUT.json OPTIMIZER:WORKDIR:STEPS [...]
 
 OPTIMIZER is `adamw` (Kauldron's own: `optax.adamw`, `kd.ckpts.Checkpointer`), `zero1` (the same adamw through
-`zo.zero1(..., mesh=kd.sharding.DEVICES_MESH)`, `zero_optax.kauldron.Checkpointer`) or `zero1-kd` (that zero1 with
+`zo.zero1(..., mesh=kd.sharding.DEVICES_MESH)`, `zero_optax.with_kauldron.Checkpointer`) or `zero1-kd` (that zero1 with
 `kd.ckpts.Checkpointer`). Each run trains to STEPS in
 WORKDIR, resuming from its latest checkpoint (saved every 3 steps); OUT.json gets, per run, the loss of every
 step, the optimizer state's bytes on each device after init, after the restore and at the end, whether restoring
@@ -24,7 +24,7 @@ from kauldron import kd
 from kauldron.train import checkpoint_state
 
 import zero_optax as zo
-import zero_optax.kauldron
+import zero_optax.with_kauldron
 
 SAVE_EVERY = 3
 LOSSES = []
@@ -69,7 +69,7 @@ def trainer(optimizer, workdir, steps):
     if optimizer.startswith("zero1"):
         tx = zo.zero1(tx, axis_name="devices", mesh=kd.sharding.DEVICES_MESH)
     if optimizer == "zero1":
-        checkpointer = zero_optax.kauldron.Checkpointer(save_interval_steps=SAVE_EVERY)
+        checkpointer = zero_optax.with_kauldron.Checkpointer(save_interval_steps=SAVE_EVERY)
     return kd.train.Trainer(
         seed=0, workdir=workdir, model=MLP(), num_train_steps=steps, optimizer=tx, checkpointer=checkpointer,
         train_ds=kd.data.py.DataSource(data_source=Regression(), shuffle=True, seed=1, batch_size=16,

@@ -1,5 +1,5 @@
 """zero1 inside Kauldron: `kd.train.Trainer` with `zo.zero1(optax.adamw(...), mesh=kd.sharding.DEVICES_MESH)` trains
-as with plain `optax.adamw`, holds 1/N of the state per device, and `zero_optax.kauldron.Checkpointer` resumes it
+as with plain `optax.adamw`, holds 1/N of the state per device, and `zero_optax.with_kauldron.Checkpointer` resumes it
 at another device count (8 -> 4 -> 8) as the uninterrupted run continues.
 
 Skipped unless Kauldron is installed (Python >= 3.12). Set-up, from the repository root (about 3 minutes; Kauldron
@@ -10,7 +10,7 @@ pulls TensorFlow, grain and JAX 0.12):
     PYTHONPATH=$PWD /root/venvs/kauldron/bin/python -m pytest -p no:xdist tests/integration/test_kauldron.py
 
 Each device count is fixed when its process starts, so the runs happen in three processes of
-`_kauldron_worker.py` (8, 4, then 8 devices): 35 to 55 s in all on 2 shared cores.
+`_kauldron_worker.py` (8, 4, then 8 devices): 35 to 70 s in all on 2 shared cores.
 """
 
 import json

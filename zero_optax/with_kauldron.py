@@ -8,7 +8,7 @@ item of its own, `opt_state`, through `zo.ZeroCheckpointHandler`, and is restore
 
     trainer = kd.train.Trainer(
         optimizer=zo.zero1(optax.adamw(1e-3), axis_name="devices", mesh=kd.sharding.DEVICES_MESH),
-        checkpointer=zero_optax.kauldron.Checkpointer(save_interval_steps=1000),
+        checkpointer=zero_optax.with_kauldron.Checkpointer(save_interval_steps=1000),
         ...)
 
 Importing `zero_optax` does not import this module; importing this module imports Kauldron.
@@ -89,7 +89,7 @@ class Checkpointer(kd.ckpts.Checkpointer):
 
     Example:
       `kd.train.Trainer(optimizer=zo.zero1(optax.adamw(1e-3), axis_name="devices",
-      mesh=kd.sharding.DEVICES_MESH), checkpointer=zero_optax.kauldron.Checkpointer(save_interval_steps=500), ...)`
+      mesh=kd.sharding.DEVICES_MESH), checkpointer=zero_optax.with_kauldron.Checkpointer(save_interval_steps=500), ...)`
       trains on 8 devices, and the same trainer resumes from its last checkpoint on 4 (see the docs' recipe).
     """
 
@@ -117,13 +117,13 @@ class Checkpointer(kd.ckpts.Checkpointer):
 
 def _check_has_opt_state(checkpointer: Checkpointer, step: int) -> None:
     """Refuses a step that Kauldron's own checkpointer wrote (its optimizer state inside the train state)."""
-    step = checkpointer.latest_step if step == -1 else step
-    path = epath.Path(checkpointer.workdir) / CHECKPOINT_FOLDER_NAME / f"ckpt_{step}"  # Kauldron's step names
+    name = f"ckpt_{checkpointer.latest_step if step == -1 else step}"  # Kauldron's step directories
+    path = epath.Path(checkpointer.workdir) / CHECKPOINT_FOLDER_NAME / name
     if path.exists() and not (path / "opt_state").exists():
         raise ZeroCheckpointError(
             f"The checkpoint {path} has no `opt_state` item: `kd.ckpts.Checkpointer` wrote it, with the optimizer "
             "state inside the train state. Resume it with `kd.ckpts.Checkpointer`, on the device count that saved "
-            "it; a run checkpointed by `zero_optax.kauldron.Checkpointer` from its start resumes on any.")
+            "it; a run checkpointed by `zero_optax.with_kauldron.Checkpointer` from its start resumes on any.")
 
 
 def _split(state: Any) -> Any:
