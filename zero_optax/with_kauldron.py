@@ -127,9 +127,8 @@ def _check_has_opt_state(checkpointer: Checkpointer, step: int) -> None:
 
 
 def _split(state: Any) -> Any:
-    """`state` as the items this checkpointer saves: a `CheckpointState` or a `TrainState` with an optimizer state
-    as Kauldron's items and `opt_state`; any other state as it is."""
-    if isinstance(state, checkpoint_state.CheckpointState):
+    """A `CheckpointState` or `TrainState` with an optimizer state as Kauldron's items and `opt_state`; else `state`."""
+    if isinstance(state, checkpoint_state.CheckpointState) and state.train_state.opt_state is not None:
         return _ZeroCheckpointState(train_state=state.train_state.replace(opt_state=None),
                                     opt_state=_OptState(state.train_state.opt_state),
                                     timer=state.timer, ds_iter=state.ds_iter)
