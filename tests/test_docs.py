@@ -10,10 +10,14 @@ import zero_optax
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(zero_optax.__path__, "zero_optax.")
                  if m.name not in ("zero_optax.demo", "zero_optax.reshard"))
+OPTIONAL = {"zero_optax.with_kauldron": "kauldron"}
+"""Modules that import a package zero_optax does not depend on: their examples run where it is installed."""
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name])
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
