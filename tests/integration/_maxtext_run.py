@@ -32,6 +32,53 @@ if SPEC["optimizer"] == "zero1":
         return zo.zero1(maxtexts_own(config, learning_rate_schedule, model, mesh=mesh), axis_name="data", mesh=mesh)
 
     optimizers.get_optimizer = get_optimizer
+    if SPEC.get("relayout_call"):
+        made = []
+
+        def get_optimizer_kept(*args, **kwargs):
+            made.append(get_optimizer(*args, **kwargs))
+            return made[-1]
+
+        optimizers.get_optimizer = get_optimizer_kept
+        from jax.sharding import NamedSharding  # noqa: E402
+        from jax.sharding import PartitionSpec as P  # noqa: E402
+        from maxtext.common import checkpointing  # noqa: E402
+
+        def as_saved(target, saved):
+            """The restore target with the saved shapes of zero1's arrays, replicated on the new mesh."""
+            if isinstance(target, dict):
+                return {k: as_saved(v, saved[str(k)]) for k, v in target.items()}
+            return jax.ShapeDtypeStruct(saved.shape, target.dtype, sharding=NamedSharding(target.sharding.mesh, P()))
+
+        def like(target, state):
+            """`state`'s arrays in the nested dict `target` is (its keys, ints or strings)."""
+            flat = {tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in p): v
+                    for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+            def walk(node, at):
+                return {k: walk(v, (*at, str(k))) for k, v in node.items()} if isinstance(node, dict) else flat[at]
+            return walk(target, ())
+
+        maxtexts_load = checkpointing.load_state_if_possible
+
+        def load_state_if_possible(checkpoint_manager, *args, **kwargs):
+            """MaxText's restore, reading zero1's state at its saved shapes and laying it out for this run."""
+            if checkpoint_manager is not None:
+                manager_load = checkpoint_manager.load_checkpointables
+
+                def load_checkpointables(step, abstract):
+                    saved = checkpoint_manager.checkpointables_metadata(step).metadata["items"]["opt_state"]
+                    target = abstract["items"]["opt_state"]
+                    restored = manager_load(step, {**abstract, "items": {**abstract["items"],
+                                                                         "opt_state": as_saved(target, saved)}})
+                    items = restored["items"]
+                    state = zo.relayout(items["opt_state"], made[-1], items["params"]["params"])
+                    return {**restored, "items": {**items, "opt_state": like(target, state)}}
+
+                checkpoint_manager.load_checkpointables = load_checkpointables
+            return maxtexts_load(checkpoint_manager, *args, **kwargs)
+
+        checkpointing.load_state_if_possible = load_state_if_possible
     if SPEC.get("over_data_call"):
         # the documented call of docs/recipes/maxtext.md: MaxText's own ZeRO-1 shards the parameters like Adam's `mu`,
         # which a zero1 state does not hold; zero1 shards the state itself, so the parameters keep their sharding
