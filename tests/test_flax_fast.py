@@ -148,3 +148,24 @@ def test_compiled_steps_gather_the_new_parameters():
                               (train_state.TrainState, zo.ZeroTrainState, train_state_step)):
         saved = _written(step(plain)) - _written(step(fast))
         assert saved >= 0.8 * nbytes, (fast.__name__, saved, nbytes)
+
+
+def test_nnx_optimizer_state_carries_the_layouts_shardings():
+    """Given Flax Variables, a mesh-bound zero1's `init` returns Variables annotated with the layout's specs, so
+    Flax's `nnx.get_partition_spec` (what trainers built on Flax derive the state's shardings from) reads
+    `zo.state_specs`; plain arrays in, plain arrays out. (`nnx.Optimizer` steps as before: the tests above.)"""
+    mesh = h.mesh_of(N)
+    model = Model(nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    tx = zo.zero1(optax.adamw(1e-2), axis_name="data", mesh=mesh)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    expected = zo.state_specs(tx, params, mesh=mesh)
+    annotated = nnx.as_pure(nnx.get_partition_spec(optimizer.opt_state))
+    assert jax.tree.structure(annotated) == jax.tree.structure(expected)
+    assert jax.tree.leaves(annotated) == jax.tree.leaves(expected) and set(jax.tree.leaves(expected)) == {P("data")}
+    assert [x.sharding.spec for x in jax.tree.leaves(optimizer.opt_state)] == jax.tree.leaves(expected)
+    plain = tx.init(params)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    assert not any(is_variable(x) for x in jax.tree.leaves(plain, is_leaf=is_variable))
+    _assert_close(zo.gather_state(nnx.as_pure(optimizer.opt_state)), zo.gather_state(plain))

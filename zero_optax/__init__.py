@@ -11,6 +11,7 @@ from zero_optax.api._flax import (
 from zero_optax.api._transfer import (
     gather_state,
     master_params,
+    relayout,
     scatter_state,
 )
 from zero_optax.api._zero1 import (
@@ -89,6 +90,7 @@ __all__ = (
     "master_params",
     "plan",
     "reduce_gradients",
+    "relayout",
     "reshard",
     "reshard_explicit",
     "scatter_state",

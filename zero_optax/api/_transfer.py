@@ -8,14 +8,16 @@ the same mesh axes, so cutting and joining move no data between devices.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zero_optax.api import _bound
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
 from zero_optax.layout import _handle, _inner_state, _keys, _specs
@@ -301,3 +303,91 @@ def scatter_state(tx: Any, inner_state: Any, params: Any) -> ZeroState:
     inner_state = jax.tree.map(_keys.to_data, inner_state)
     bound = zero.outside()
     return bound.init(params, inner_state) if bound is not None else zero.engine.init(params, inner_state)
+
+
+def relayout(saved: Any, tx: Any, params: Any) -> ZeroState:
+    """A zero1 state saved at another data-parallel size, laid out for `tx` on its mesh, holding the same values.
+
+    For trainers whose own checkpointer stores the state's arrays as they are and restores them only into the new
+    run's shapes (a zero1 state's shapes depend on the number of devices): read the saved arrays at their stored
+    shapes, then lay them out for the new run here. The saved size is read from the arrays; the step counts, the
+    histories and the master copy move exactly, as `zo.gather_state` on the old mesh followed by
+    `zo.scatter_state` on the new one would move them.
+
+    Args:
+      saved: the saved state's arrays, a nested mapping keyed by the state's path (attribute names and indices,
+        ints or their strings), as `nnx.State.to_pure_dict()` and Orbax hold a pytree, or a zero1 state.
+      tx: the zero1 transformation of the new run, bound to its mesh (`zero1(..., mesh=mesh)`), one ZeRO axis.
+      params: the parameters, as `tx.init` takes them.
+
+    Returns:
+      The state `tx.init(params)` returns, holding `saved`'s values.
+
+    Raises:
+      ZeroError: `tx` is not mesh-bound over one axis, or `saved` does not hold this state at some size.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, zero_optax as zo
+      >>> params = {"w": jnp.arange(3.0)}
+      >>> on_2 = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=jax.make_mesh((2,), ("data",)))
+      >>> saved = jax.device_get(on_2.init(params))                 # as a checkpoint holds it
+      >>> on_1 = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=jax.make_mesh((1,), ("data",)))
+      >>> state = zo.relayout(saved, on_1, params)
+      >>> zo.describe(saved).world_size, zo.describe(state).world_size
+      (2, 1)
+    """
+    zero = _handle.zero1_of(tx, "zo.relayout")
+    if zero.mesh is None or len(_compat.as_tuple(zero.cfg.axis_name)) != 1:
+        raise ZeroError("zo.relayout lays a state out for a zero1 bound to its mesh over one ZeRO axis: "
+                        "zero1(inner, axis_name=\"data\", mesh=mesh).")
+    params, found = _compat.pure(params), _by_path(_compat.pure(saved))
+    axis = _compat.as_tuple(zero.cfg.axis_name)[0]
+    local = _saved_layout(found, tx, params, zero.mesh, axis)
+    values = []
+    for path, x in jax.tree_util.tree_flatten_with_path(local)[0]:
+        value = _at(found, path)
+        want = (x.shape[0] * local.layout.world_size, *x.shape[1:])
+        if np.shape(value) != want:
+            raise ZeroError(f"zo.relayout: the saved state's `{jax.tree_util.keystr(path)}` has shape "
+                            f"{np.shape(value)}, where the state saved on {local.layout.world_size} devices holds "
+                            f"{want}.")
+        values.append(jax.device_put(np.asarray(value), jax.devices()[0]))
+    src = jax.tree.unflatten(jax.tree.structure(local), values)
+    plain = jax.device_get(jax.tree.map(_keys.to_data, _gather_one(src)))  # (on the host, to reach the new mesh)
+    return scatter_state(tx, plain, params)
+
+
+def _saved_layout(found: dict, tx: Any, params: Any, mesh: Any, axis: str) -> ZeroState:
+    """The per-device state (traced, abstract) of `tx` for `params` on `mesh` with `axis` at the saved size (the
+    leading dimension of the saved step counts, one row per device)."""
+    here = jax.eval_shape(tx.init, params)
+    counts = jax.tree_util.tree_flatten_with_path(here.inner_state.shared)[0]
+    if not counts:
+        raise ZeroError("zo.relayout reads the saved size from the state's step counts; this state has none.")
+    path = (jax.tree_util.GetAttrKey("inner_state"), jax.tree_util.GetAttrKey("shared"), *counts[0][0])
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes[axis] = int(np.shape(_at(found, path))[0])
+    source = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=mesh.abstract_mesh.axis_types)
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    return _specs.traced_state(tx, structs, _bound.param_specs(params, mesh), source)
+
+
+def _name(key: Any) -> str:
+    """A key path entry as a string: an attribute name, a dict key or an index."""
+    return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
+
+
+def _by_path(saved: Any) -> dict[tuple[str, ...], Any]:
+    """`saved`'s arrays by path (`_name`s), from a nested mapping or a pytree."""
+    if isinstance(saved, Mapping):
+        return {(str(k), *rest): v for k, sub in saved.items() for rest, v in _by_path(sub).items()}
+    return {tuple(map(_name, p)): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+
+
+def _at(found: dict, path: tuple) -> Any:
+    """The saved array at `path`, a key path of the state."""
+    names = tuple(map(_name, path))
+    if names not in found:
+        raise ZeroError(f"zo.relayout: the saved state has no `{jax.tree_util.keystr(path)}`; is it the state of "
+                        "this transformation, for these parameters?")
+    return found[names]

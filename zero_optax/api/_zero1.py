@@ -19,6 +19,7 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.layout import _handle, _keys
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
+from zero_optax.layout._specs import specs_of
 from zero_optax.layout._state import ZeroState, canonical, find_states
 from zero_optax.layout._stored import LEAF, PARTITIONS, SHARDED
 from zero_optax.step import _accumulate, _engine, _offload, _quantize, _wire
@@ -52,9 +53,15 @@ class Zero1:
     def init(self, params: optax.Params) -> ZeroState | _NoParameterTrees:
         if _compat.is_params_placeholder(params):
             return NO_PARAMETER_TREES
+        boxed = _compat.has_variables(params)
         params = _compat.pure(params)
         bound = self.outside()
-        return bound.init(params) if bound is not None else self.engine.init(params)
+        if bound is None:
+            return self.engine.init(params)
+        state = bound.init(params)
+        # (Flax's Variables in, Variables out: `nnx.Optimizer` keeps their metadata, so code that derives the
+        # state's shardings from the annotations, as trainers built on Flax do, finds the layout's)
+        return _compat.annotated(state, specs_of(state), bound.mesh) if boxed else state
 
     def update(self, grads, state, params=None, *, weight=None, **extra_args):
         return self.step(grads, state, params, weight, False, extra_args)

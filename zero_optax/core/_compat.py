@@ -143,17 +143,32 @@ def is_params_placeholder(params) -> bool:
     return bool(_PLACEHOLDER) and isinstance(params, _PLACEHOLDER)
 
 
-def pure(tree):
-    """`tree` with Flax `nnx.Variable` wrappers replaced by their values (`nnx.Optimizer`'s `init` receives them)."""
+def has_variables(tree) -> bool:
+    """Whether `tree` holds Flax `nnx.Variable`s (as the state `nnx.Optimizer` passes to `init` does)."""
     nnx = sys.modules.get("flax.nnx")
     if tree is None or nnx is None:
-        return tree
+        return False
     def is_var(x) -> bool:
         return isinstance(x, nnx.Variable)
 
-    if not any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
+    return any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var))
+
+
+def pure(tree):
+    """`tree` with Flax `nnx.Variable` wrappers replaced by their values (`nnx.Optimizer`'s `init` receives them)."""
+    if not has_variables(tree):
         return tree
-    return jax.tree.map(lambda x: pure(x.get_value()) if is_var(x) else x, tree, is_leaf=is_var)
+    nnx = sys.modules["flax.nnx"]
+    return jax.tree.map(lambda x: pure(x.get_value()) if isinstance(x, nnx.Variable) else x, tree,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def annotated(tree, specs, mesh):
+    """`tree`'s arrays as Flax `nnx.Variable`s whose `out_sharding` metadata is their `PartitionSpec` in `specs` (a
+    tree like `tree`) on `mesh`: the annotation Flax (`nnx.get_partition_spec`) and trainers built on it read."""
+    nnx = sys.modules["flax.nnx"]
+    return jax.tree.map(lambda x, spec: nnx.Variable(x, out_sharding=spec, mesh=mesh, eager_sharding=False),
+                        tree, specs)
 
 
 def replicate(x: jax.Array) -> jax.Array:
