@@ -10,7 +10,7 @@ import zero_optax
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(zero_optax.__path__, "zero_optax.")
                  if m.name not in ("zero_optax.demo", "zero_optax.reshard"))
-OPTIONAL = {"zero_optax.with_kauldron": "kauldron"}
+OPTIONAL = {"zero_optax.with_kauldron": "kauldron", "zero_optax.with_maxtext": "maxtext"}
 """Modules that import a package zero_optax does not depend on: their examples run where it is installed."""
 
 

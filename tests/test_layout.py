@@ -64,7 +64,7 @@ def test_the_folders_are_the_layers():
     assert folders == sorted(LAYERS)
     loose = sorted(m for m in MODULES if _layer(m) == TOP)
     assert loose == ["zero_optax", "zero_optax._plan", "zero_optax._quantized_demo", "zero_optax.demo", "zero_optax.plan",
-                     "zero_optax.reshard", "zero_optax.with_kauldron"]
+                     "zero_optax.reshard", "zero_optax.with_kauldron", "zero_optax.with_maxtext"]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -1,4 +1,5 @@
-"""zero1 inside MaxText's own pre-training (`maxtext.trainers.pre_train.train`), with only the optimizer changed.
+"""zero1 inside MaxText's own pre-training (`maxtext.trainers.pre_train.train`) after one call,
+`zero_optax.with_maxtext.use_zero1()`.
 
 Skipped unless MaxText is installed (it needs Python >= 3.12). Set-up (MaxText 0.2.5's wheel declares no base
 dependencies; these are the packages its training entry imports), from the repository root:
@@ -9,7 +10,7 @@ dependencies; these are the packages its training entry imports), from the repos
         ml-dtypes pathwaysutils jinja2 aqtp qwix tokamax huggingface_hub transformers grain drjax pillow tiktoken \
         sentencepiece sympy ml-collections
     pip install -e . pytest pytest-xdist
-    pytest -n 0 tests/integration/test_maxtext.py      # about 6 minutes on 2 CPU cores (12 runs)
+    pytest -n 0 tests/integration/test_maxtext.py      # about 4 minutes on 2 CPU cores (12 runs)
 
 Each run is a process of its own (`_maxtext_run.py`, 8 simulated CPU devices): MaxText's
 `configs/decoupled_base_test.yml` with `hardware=cpu dataset_type=synthetic`, a 2-layer model of width 64,
@@ -33,12 +34,11 @@ MODEL = ["hardware=cpu", "dataset_type=synthetic", "skip_jax_distributed_system=
 STEPS = 6
 
 
-def run(tmp: pathlib.Path, name: str, optimizer: str, *args: str, devices: int = 8, over_data_call: bool = False,
-        relayout_call: bool = False, run_name: str | None = None) -> dict:
+def run(tmp: pathlib.Path, name: str, optimizer: str, *args: str, devices: int = 8,
+        run_name: str | None = None) -> dict:
     """One MaxText run in its own process (`_maxtext_run.py`); its losses and state bytes per device."""
     out = tmp / f"{name}.json"
-    spec = {"optimizer": optimizer, "devices": devices, "out": str(out), "over_data_call": over_data_call,
-            "relayout_call": relayout_call,
+    spec = {"optimizer": optimizer, "devices": devices, "out": str(out),
             "args": [*MODEL, f"ici_data_parallelism={devices}", f"per_device_batch_size={8 // devices}",
                      f"base_output_directory={tmp / 'runs'}",
                      f"run_name={run_name or name}", f"metrics_file={tmp / name}.metrics", "enable_checkpointing=false",
@@ -65,9 +65,9 @@ def adamw(tmp) -> dict:
 @pytest.mark.parametrize("over_data", [False, True])
 def test_state_is_one_eighth_per_device_and_losses_equal_maxtexts_adamw(tmp, adamw, over_data):
     """zero1's state is 1/8 per device before the first step and after the last; the losses are MaxText's, bit for
-    bit. With `shard_optimizer_over_data=true` through the recipe's one call."""
+    bit. With `shard_optimizer_over_data` true and false: `use_zero1` keeps the parameters' sharding."""
     flag = f"shard_optimizer_over_data={str(over_data).lower()}"
-    got = run(tmp, f"zero1_{over_data}", "zero1", f"steps={STEPS}", flag, over_data_call=over_data)
+    got = run(tmp, f"zero1_{over_data}", "zero1", f"steps={STEPS}", flag)
     assert got["losses"] == adamw["losses"] and sorted(got["losses"]) == list(range(STEPS))
     assert len(set(adamw["end"])) == 1 and adamw["end"][0] == adamw["global"]  # MaxText's AdamW: replicated
     assert got["setup"] == got["end"] == [got["global"] // 8] * 8 and got["global"] % 8 == 0
@@ -77,17 +77,18 @@ def test_state_is_one_eighth_per_device_and_losses_equal_maxtexts_adamw(tmp, ada
 
 def test_checkpoint_resumes_as_the_uninterrupted_run(tmp, adamw):
     """MaxText's checkpointer saves zero1's state after 3 steps and restores it 1/8 per device; the resumed run's
-    losses are the uninterrupted run's, bit for bit."""
+    losses are the uninterrupted run's, bit for bit. At the saved size the restore is MaxText's own (no relayout)."""
     ckpt = ["enable_checkpointing=true", "checkpoint_period=100"]
     first = run(tmp, "first", "zero1", "steps=3", *ckpt, run_name="resumed")
     second = run(tmp, "second", "zero1", f"steps={STEPS}", *ckpt, run_name="resumed")
     assert sorted(first["losses"]) == [0, 1, 2] and sorted(second["losses"]) == [3, 4, 5]
     assert {**first["losses"], **second["losses"]} == adamw["losses"]
     assert second["setup"] == second["end"] == [second["global"] // 8] * 8
+    assert first["relayouts"] == second["relayouts"] == 0
 
 
 def test_checkpoint_resumes_at_another_data_parallel_size(tmp):
-    """8 -> 4 -> 8 devices (the same global batch) through MaxText's checkpointer and the recipe's restore, which
+    """8 -> 4 -> 8 devices (the same global batch) through MaxText's checkpointer and `use_zero1`'s restore, which
     reads zero1's state at its saved shapes and lays it out with `zo.relayout`: 1/N per device after each restore,
     and the losses of MaxText's own AdamW moved 8 -> 4 -> 8 alike, bit for bit."""
     ckpt = ["enable_checkpointing=true", "checkpoint_period=100"]
@@ -95,9 +96,10 @@ def test_checkpoint_resumes_at_another_data_parallel_size(tmp):
     for optimizer in ("adamw", "zero1"):
         for i, (devices, steps) in enumerate([(8, 2), (4, 4), (8, STEPS)]):
             runs[optimizer, i] = run(tmp, f"moved_{optimizer}_{i}", optimizer, f"steps={steps}", *ckpt,
-                                     devices=devices, relayout_call=True, run_name=f"moved_{optimizer}")
+                                     devices=devices, run_name=f"moved_{optimizer}")
     for i, devices in enumerate([8, 4, 8]):
         got, own = runs["zero1", i], runs["adamw", i]
         assert got["losses"] == own["losses"] and sorted(got["losses"]) == [[0, 1], [2, 3], [4, 5]][i]
         assert got["setup"] == got["end"] == [got["global"] // devices] * devices
         assert own["end"] == [own["global"]] * devices
+        assert got["relayouts"] == [0, 1, 1][i]  # a restore at another size: on 4, and back on 8
