@@ -233,3 +233,34 @@ def test_devices_that_own_nothing_share_one_branch():
                 if "branch_computations={" in line]
         assert sets and max(len(b.split(",")) for b in sets) == 3
     h.assert_matches(zero_params, zero_state, *h.run_oracle(optax.adafactor(1e-2), params, grads))
+
+
+
+SHARED = {
+    "muon": lambda: optax.contrib.muon(2e-2),
+    "adamw_masked": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: {k: k != "w1" for k in p}),
+    "shampoo_like": shampoo_like,
+}
+
+
+@pytest.mark.parametrize(("name", "partition", "branches"), [
+    ("muon", "leaf", 4), ("muon", "auto", 4), ("adamw_masked", "leaf", 5), ("shampoo_like", "leaf", 4)])
+def test_devices_owning_alike_share_a_branch(name, partition, branches, monkeypatch):
+    """Past `SHARED_BRANCHES` (here 0), devices whose leaves run one program share a branch of the owners' switch,
+    each on its own leaves' values, and the results still equal plain optax's: 8 devices owning 7 leaves of 3 shapes
+    run 4 branches (one for the device owning nothing); `w1`, of `w0`'s shape but masked out of AdamW's weight
+    decay, runs its own program and keeps its own branch."""
+    from zero_optax.step import _owned_step
+
+    monkeypatch.setattr(_owned_step, "SHARED_BRANCHES", 0)
+    keys_of = _owned_step.branch_keys
+    seen = []
+    monkeypatch.setattr(_owned_step, "branch_keys", lambda *a: seen.append(len(set(keys := keys_of(*a)))) or keys)
+    params = {"w0": jnp.linspace(-1, 1, 35).reshape(5, 7), "w1": jnp.linspace(1, -1, 35).reshape(5, 7),
+              "w2": jnp.linspace(-0.5, 1, 35).reshape(5, 7), "b0": jnp.linspace(-1, 1, 13),
+              "b1": jnp.linspace(0, 1, 13), "s": jnp.float32(0.3), "t": jnp.float32(-0.2)}
+    grads = h.gradient_sequence(params, 8, steps=3)
+    zp, zs, _ = h.run_zero(zo.zero1(SHARED[name](), axis_name="data", partition=partition), params, grads, 8)
+    rp, rs = h.run_oracle(SHARED[name](), params, grads)
+    h.assert_matches(zp, zs, rp, rs, rtol=5e-5, atol=1e-6)
+    assert set(seen) == {branches}

@@ -78,6 +78,8 @@ class Layout(StoredViews):
       joint: whether the sliced leaves' update runs in one view of them all (it reduces or draws across leaves).
       replicas: `(entry, leaf)` for a sliced leaf's entry that is no history (novograd's per-leaf norm), stored as
         shared state.
+      programs: per leaf, the program its inner update runs (with its shape and dtype), where the step may run
+        it for another leaf of the same program: devices owning alike share one branch; empty where unknown.
     """
 
     partition: str
@@ -98,6 +100,7 @@ class Layout(StoredViews):
     joint: bool = False
     replicas: tuple[tuple[int, int], ...] = ()
     replica_sizes: tuple[tuple[str, int], ...] = ()
+    programs: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __hash__(self) -> int:
         return self._hash

@@ -291,7 +291,9 @@ def build_layout(cfg: Config, params) -> Layout:
         axis_sizes=tuple(axis_sizes.items()), accumulate=cfg.accumulate, accumulate_steps=cfg.accumulate_steps,
         memory_kind="pinned_host" if cfg.offload else "device", groups=groups,
         stacks=_fusion.stacks(cfg, leaves, entries, programs), joint=found.joint and bool(groups),
-        replicas=replicas, replica_sizes=replica_sizes)
+        replicas=replicas, replica_sizes=replica_sizes,
+        programs=tuple((programs[i], leaf.shape, leaf.dtype) if i in programs and not leaf.sliced and not leaf.tp_owned
+                       else None for i, leaf in enumerate(leaves)))
 
 
 def _leaf_specs(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list

@@ -154,18 +154,21 @@ class OwnedStep:
         summed = (self.wire.sums_owned_results and not any(layout.leaves[i].tp_owned for i in owned)
                   and _packed.sums_results(layout, sent))
         tp_u_plan = _packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items() if layout.leaves[i].tp_owned})
-        plans = _OwnedPlans(mode, plan_g, _packed.leaf_plan(layout, sent, summed), tp_u_plan, tp, summed)
+        plans = _OwnedPlans(mode, plan_g, _packed.leaf_plan(layout, sent), tp_u_plan, tp, summed)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
-        branches = [self._branch(step, plans, [i for i in owned if layout.leaves[i].owner == r], r)
-                    for r in range(n)]
-        out = _packed.switch(step.rank, branches, grad_input, old_buffers, step.p_leaves, tp_rows,
-                             owns=owned_by(layout))
+        mine = [[i for i in owned if layout.leaves[i].owner == r] for r in range(n)]
+        keys = branch_keys(layout, plans, mine, not step.streamed and layout.accumulate is None)
+        branches = [self._branch(step, plans, mine[r], r) for r in range(n)]
+        if mode != "psum_scatter":  # (reduce-scattered, each device's gradients are its own row already)
+            grad_input = shared_operands(keys, mine, step.rank, grad_input)
+        p_leaves = shared_operands(keys, mine, step.rank, step.p_leaves)
+        out = _packed.switch(step.rank, branches, grad_input, old_buffers, p_leaves, tp_rows, owns=keys)
         if not step.stepping:
             return {d: b[None] for d, b in out.items()}, {}
         new, u_out, t_out = out
         if not step.streamed:  # (streamed, each bucket keeps its old state where the step is skipped)
             new = _reduce.skip_if_empty(denom.ok, new, old_buffers)
-        u = _gather_owned(self.wire, layout, u_out, plans.u, plans.summed)
+        u = _gather_owned(self.wire, layout, u_out, plans.u, step.rank if plans.summed else None)
         u.update(_gather_owned(self.wire, layout, t_out, plans.tp_u))  # (on one device, `t_out` is empty)
         return {d: b[None] for d, b in new.items()}, u
 
@@ -336,13 +339,64 @@ def _member_type(x: jax.Array):
 
 
 def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array], plan_u,
-                  summed: bool = False) -> dict[int, jax.Array]:
+                  rank: jax.Array | None = None) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf: gathered
-    row by row, or `summed` (each owner's row is the whole buffer, zeros where the others' leaves sit)."""
+    row by row, or with `rank` summed (each device's row placed after the rows before it, zeros elsewhere)."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as invariant
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
-    if summed:
-        offsets = {i: at for row in plan_u.offsets for i, at in row.items()}
-        row = _packed.Row(wire.sum_packed(u_out), offsets, {i: layout.leaves[i].shape for i in offsets})
-        return {i: row[i] for i in offsets}
-    return _packed.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)
+    if rank is None:
+        return _packed.gathered_leaves(wire.gather_packed(u_out), plan_u, layout)
+    starts, length = _packed.row_starts(plan_u, layout)
+    placed = {d: lax.dynamic_update_slice_in_dim(jnp.zeros((length[d],), row.dtype), row,
+                                                 jnp.asarray([s[d] for s in starts], jnp.int32)[rank], 0)
+              for d, row in u_out.items()}
+    summed = wire.sum_packed(placed)
+    return {i: _packed.Row({d: summed[d]}, {i: (d, starts[r][d] + off)}, {i: layout.leaves[i].shape})[i]
+            for r, offsets in enumerate(plan_u.offsets) for i, (d, off) in offsets.items()}
+
+
+SHARED_BRANCHES = 16
+"""Above this many branches in the owners' switch (devices owning different leaves), devices whose leaves run one
+program share a branch: XLA compiles every branch, which then dominates the time to the first step."""
+
+
+def branch_keys(layout: Layout, plans: _OwnedPlans, mine: list[list[int]], shareable: bool) -> list[Any]:
+    """Per device, what its branch of the owners' switch runs: the leaves it owns, or, past `SHARED_BRANCHES`, for
+    leaves of one program, shape and dtype packed alike, a key devices share (their branch is the first's, run on
+    their own leaves' values: `shared_operands`); never with tensor-parallel leaves, streamed or accumulated state."""
+    owns = owned_by(layout)
+    shareable = shareable and len(set(owns)) > SHARED_BRANCHES
+    keys: list[Any] = []
+    for r, leaves in enumerate(mine):
+        programs = [layout.programs[i] if layout.programs else None for i in leaves]
+        if not (leaves and shareable) or None in programs:
+            keys.append(owns[r])
+            continue
+        entries = [layout.entries[j] for j in layout.rank_entries(r)]
+        keys.append((tuple(programs),
+                     tuple((e.role, leaves.index(e.leaf) if e.leaf in leaves else -1) for e in entries),
+                     tuple(layout.state_packing.offsets[r][j] for j in layout.rank_entries(r)),
+                     tuple(plans.g.offsets[r].get(i) for i in leaves),
+                     tuple(plans.u.offsets[r].get(i) for i in leaves),
+                     tuple(tuple(leaves.index(i) for i in s) for s in layout.stacks if s[0] in leaves)))
+    return keys
+
+
+def shared_operands(keys: list[Any], mine: list[list[int]], rank: jax.Array, values):
+    """`values` (leaf -> array, a dict or a list; or None) with, where the first device of devices sharing a branch
+    reads its leaves, each device's own leaves' values (a select on its place among them)."""
+    sharing: dict[Any, list[int]] = {}
+    for r, key in enumerate(keys):
+        sharing.setdefault(key, []).append(r)
+    sets = [ranks for ranks in sharing.values() if len(ranks) > 1 and mine[ranks[0]]]
+    if values is None or not sets:
+        return values
+    place = np.zeros(len(keys), np.int32)
+    for ranks in sets:
+        place[ranks] = np.arange(len(ranks))
+    which = jnp.asarray(place)[rank]
+    out = dict(values) if isinstance(values, dict) else list(values)
+    for ranks in sets:
+        for k, first in enumerate(mine[ranks[0]]):
+            out[first] = lax.select_n(jnp.minimum(which, len(ranks) - 1), *(values[mine[r][k]] for r in ranks))
+    return out

@@ -116,30 +116,44 @@ def unstacked(values: Mapping[K, jax.Array]) -> dict[int, jax.Array]:
     return out
 
 
-def leaf_plan(layout: Layout, dtypes: dict[int, str], summed: bool = False) -> Packing:
-    """Where each owned leaf of `dtypes` sits in its owner's row: in tree order, a stack's members after its first.
-    `summed`: each leaf at its own place of one buffer, the owners' leaves one after the other, so that every row is
-    that whole buffer with zeros where the others' leaves sit (for `sums_results`)."""
+def leaf_plan(layout: Layout, dtypes: dict[int, str]) -> Packing:
+    """Where each owned leaf of `dtypes` sits in its owner's row: in tree order, a stack's members after its first."""
     first = {i: (s[0], k) for s in layout.stacks for k, i in enumerate(s)}
-    order = sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
-    rows = [[(i, layout.leaves[i].size, dtypes[i]) for i in order if layout.leaves[i].owner == r and i in dtypes]
-            for r in range(layout.world_size)]
-    if not summed:
-        return _stored.pack_plan(rows)
-    whole = _stored.pack_plan([[item for row in rows for item in row]])
-    return Packing(tuple({i: whole.offsets[0][i] for i, _, _ in row} for row in rows), whole.sizes)
+    return _stored.pack_plan([[(i, layout.leaves[i].size, dtypes[i])
+                               for i in sorted(range(len(layout.leaves)), key=lambda i: first.get(i, (i, 0)))
+                               if layout.leaves[i].owner == r and i in dtypes] for r in range(layout.world_size)])
+
+
+def row_starts(plan: Packing, layout: Layout) -> tuple[list[dict[str, int]], dict[str, int]]:
+    """Where each (padded) row of `plan` starts in one buffer per dtype that holds the rows' used parts one after
+    the other, shortest first (so the padding of each row, zeros, falls on the rows after it and the buffer needs no
+    room beyond them; a row with nothing of a dtype starts at 0), and that buffer's length. For `sums_results`:
+    each device's row placed there, and the buffers summed over the devices."""
+    used = [{d: max([off + layout.leaves[i].size for i, (e, off) in offsets.items() if e == d] or [0])
+             for d in plan.sizes} for offsets in plan.offsets]
+    starts: list[dict[str, int]] = [dict.fromkeys(plan.sizes, 0) for _ in plan.offsets]
+    length = {}
+    for d, size in plan.sizes.items():
+        at = 0
+        for r in sorted((r for r, u in enumerate(used) if u[d]), key=lambda r: used[r][d]):
+            starts[r][d] = at
+            at += used[r][d]
+        length[d] = max([at] + [starts[r][d] + size for r, u in enumerate(used) if u[d]])
+    return starts, length
 
 
 def sums_results(layout: Layout, dtypes: dict[int, str]) -> bool:
-    """Whether the owners' results travel by one sum of an unpadded buffer rather than an all-gather of rows padded
-    to the largest owner's: when the rows, `n` times, would move more than twice the results' bytes (many
-    devices owning leaves of very different sizes)."""
+    """Whether the owners' results travel by one sum of the rows placed one after the other (`row_starts`) rather
+    than an all-gather of rows padded to the largest owner's: when the rows, `n` times, would move more than
+    twice the summed buffer's bytes (many devices owning leaves of very different sizes)."""
     n = layout.world_size
     if n == 1 or not dtypes:
         return False
     rows = leaf_plan(layout, dtypes)
-    padded = n * sum(size * np.dtype(d).itemsize for d, size in rows.sizes.items())
-    return padded > 2 * sum(layout.leaves[i].size * np.dtype(d).itemsize for i, d in dtypes.items())
+    _, length = row_starts(rows, layout)
+    nbytes = {d: np.dtype(d).itemsize for d in rows.sizes}
+    return n * sum(size * nbytes[d] for d, size in rows.sizes.items()) > 2 * sum(
+        size * nbytes[d] for d, size in length.items())
 
 
 def choose_reduce(reduce: str | None, plan: Packing, nbytes: int, n: int, packed: bool = False) -> str | None:
