@@ -78,8 +78,8 @@ class Layout(StoredViews):
       joint: whether the sliced leaves' update runs in one view of them all (it reduces or draws across leaves).
       replicas: `(entry, leaf)` for a sliced leaf's entry that is no history (novograd's per-leaf norm), stored as
         shared state.
-      programs: per leaf, the program its inner update runs (with its shape and dtype), where the step may run
-        it for another leaf of the same program: devices owning alike share one branch; empty where unknown.
+      programs: per owned leaf, the programs its inner update and init run (with its shape and dtype), where one
+        may run for another leaf of the same programs: devices owning alike share one branch; empty where unknown.
     """
 
     partition: str

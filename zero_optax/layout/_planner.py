@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -238,6 +241,26 @@ def _small_elementwise(cfg: Config, real, coupled: frozenset[int], placement) ->
             if i not in coupled and not placement[i][0] and math.prod(x.shape) < smallest}
 
 
+_REMEMBERED: collections.OrderedDict = collections.OrderedDict()
+REMEMBERED = 4
+"""How many traces of inner transformations `build_layout` keeps: `state_specs`, `init` and `zo.plan` each build
+the layout of the same transformation and shapes, and tracing the inner update is most of it."""
+
+
+def _remembered(key: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`, kept under `key` for the last `REMEMBERED` keys (computed each time where `key` is unhashable)."""
+    try:
+        found = _REMEMBERED.get(key)
+    except TypeError:  # (a transformation holding an unhashable value)
+        return compute()
+    if found is None:
+        found = _REMEMBERED[key] = compute()
+        while len(_REMEMBERED) > REMEMBERED:
+            _REMEMBERED.popitem(last=False)
+    _REMEMBERED.move_to_end(key)
+    return found
+
+
 def build_layout(cfg: Config, params) -> Layout:
     """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -249,11 +272,14 @@ def build_layout(cfg: Config, params) -> Layout:
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
     keys = _typed_keys(cfg, treedef, real_tree)
+    shapes = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
     else:
-        real_entries, real_state = _attribution.discover_entries(cfg.inner.init, treedef, real)
-    traced, extra = _inner.trace_update(cfg.inner, real_tree, real_state, real_tree)
+        real_entries, real_state = _remembered(("entries", cfg.inner, shapes), lambda: _attribution.discover_entries(
+            cfg.inner.init, treedef, real))
+    traced, extra = _remembered(("update", cfg.inner, shapes),
+                                lambda: _inner.trace_update(cfg.inner, real_tree, real_state, real_tree))
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     if found.joint and cfg.offload:
         raise ZeroCouplingError(
@@ -282,8 +308,8 @@ def build_layout(cfg: Config, params) -> Layout:
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    groups = () if all(owned) else _fusion.groups(views, entries, programs,
-                                                  _fusion.init_programs(cfg, real_tree, by_leaf))
+    inits = _remembered(("init", cfg.inner, shapes, by_leaf), lambda: _fusion.init_programs(cfg, real_tree, by_leaf))
+    groups = () if all(owned) else _fusion.groups(views, entries, programs, inits)
     return Layout(
         partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,
         treedef=treedef, state_tree=_names.tree_signature(real_state), state_treedef=jax.tree.structure(real_state),
@@ -292,8 +318,9 @@ def build_layout(cfg: Config, params) -> Layout:
         memory_kind="pinned_host" if cfg.offload else "device", groups=groups,
         stacks=_fusion.stacks(cfg, leaves, entries, programs), joint=found.joint and bool(groups),
         replicas=replicas, replica_sizes=replica_sizes,
-        programs=tuple((programs[i], leaf.shape, leaf.dtype) if i in programs and not leaf.sliced and not leaf.tp_owned
-                       else None for i, leaf in enumerate(leaves)))
+        programs=tuple((programs[i], inits[i], leaf.shape, leaf.dtype)
+                       if i in programs and i in inits and not leaf.sliced and not leaf.tp_owned else None
+                       for i, leaf in enumerate(leaves)))
 
 
 def _leaf_specs(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list

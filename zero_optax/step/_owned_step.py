@@ -139,8 +139,10 @@ class OwnedStep:
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
 
-        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)], values, full,
-                                 owns=owned_by(layout))
+        mine = [[i for i, leaf in enumerate(layout.leaves) if leaf.owner == r] for r in range(layout.world_size)]
+        keys = branch_keys(layout, mine, full is None and layout.accumulate is None)
+        buffers = _packed.switch(rank, [functools.partial(run, r) for r in range(layout.world_size)],
+                                 shared_operands(keys, mine, rank, values), full, owns=keys)
         return {d: b[None] for d, b in buffers.items()}
 
     def update(self, step: _groups.Step, owned: list[int], g_leaves: list, state) -> tuple[dict, dict]:
@@ -157,7 +159,7 @@ class OwnedStep:
         plans = _OwnedPlans(mode, plan_g, _packed.leaf_plan(layout, sent), tp_u_plan, tp, summed)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         mine = [[i for i in owned if layout.leaves[i].owner == r] for r in range(n)]
-        keys = branch_keys(layout, plans, mine, not step.streamed and layout.accumulate is None)
+        keys = branch_keys(layout, mine, not step.streamed and layout.accumulate is None, (plans.g, plans.u))
         branches = [self._branch(step, plans, mine[r], r) for r in range(n)]
         if mode != "psum_scatter":  # (reduce-scattered, each device's gradients are its own row already)
             grad_input = shared_operands(keys, mine, step.rank, grad_input)
@@ -360,10 +362,11 @@ SHARED_BRANCHES = 16
 program share a branch: XLA compiles every branch, which then dominates the time to the first step."""
 
 
-def branch_keys(layout: Layout, plans: _OwnedPlans, mine: list[list[int]], shareable: bool) -> list[Any]:
+def branch_keys(layout: Layout, mine: list[list[int]], shareable: bool, rows: Sequence[Packing] = ()) -> list[Any]:
     """Per device, what its branch of the owners' switch runs: the leaves it owns, or, past `SHARED_BRANCHES`, for
-    leaves of one program, shape and dtype packed alike, a key devices share (their branch is the first's, run on
-    their own leaves' values: `shared_operands`); never with tensor-parallel leaves, streamed or accumulated state."""
+    leaves of one program, shape and dtype packed alike (in the state and in `rows`), a key devices share (their
+    branch is the first's, run on their own leaves' values: `shared_operands`); never with tensor-parallel leaves,
+    streamed or accumulated state."""
     owns = owned_by(layout)
     shareable = shareable and len(set(owns)) > SHARED_BRANCHES
     keys: list[Any] = []
@@ -376,8 +379,7 @@ def branch_keys(layout: Layout, plans: _OwnedPlans, mine: list[list[int]], share
         keys.append((tuple(programs),
                      tuple((e.role, leaves.index(e.leaf) if e.leaf in leaves else -1) for e in entries),
                      tuple(layout.state_packing.offsets[r][j] for j in layout.rank_entries(r)),
-                     tuple(plans.g.offsets[r].get(i) for i in leaves),
-                     tuple(plans.u.offsets[r].get(i) for i in leaves),
+                     tuple(tuple(plan.offsets[r].get(i) for i in leaves) for plan in rows),
                      tuple(tuple(leaves.index(i) for i in s) for s in layout.stacks if s[0] in leaves)))
     return keys
 
