@@ -61,6 +61,7 @@ class Zero1:
 
     def step(self, grads, state, params, weight, apply: bool, extra_args: dict):
         """`update`, or with `apply` (`zero_optax.apply_gradients`) the new parameters, and the new state."""
+        _engine.check_extra_values(extra_args)
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
         outside = self.outside()
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
