@@ -23,14 +23,15 @@ cannot place:
 A shared value that `init` computes from all the parameters (dog's first distance, from their norm) is computed on
 the whole parameters, as plain optax does (`test_shared_state_that_init_reads_from_the_parameters`).
 
-Extra arguments: `value=` (the loss; momo and reduce_on_plateau require it) is passed to every case whose optax
-test passes it, the same on every device. An extra argument that is not an array (a function, say) is refused
+Extra arguments: `value=` (the loss) goes to momo, momo_adam and reduce_on_plateau, which require it, the same on
+every device and changing from step to step. An extra argument that is not an array (a function, say) is refused
 by name at `update` (`test_function_valued_extra_argument_refused_by_name`): zero1 decided how to split the
 update at `init` without it; bound into the transformation, it is analysed at `init` as the rest of the update is.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -100,7 +101,7 @@ HELPERS = {
 }
 
 _SLICES = r"coordinate slices[\s\S]*partition=\"leaf\""
-_OBJ_FN = r"obj_fn[\s\S]*function of the whole\s+parameters"
+_OBJ_FN = r"obj_fn[\s\S]*function of the whole\s+parameters[\s\S]*functools.partial\(inner.update"
 _PER_EXAMPLE = r"per-example gradients[\s\S]*reduce=False"
 # (case, partition) -> (error class, what its message must say); a partition of None: every partition.
 REFUSED = {
@@ -260,3 +261,20 @@ def test_function_valued_extra_argument_refused_by_name(form):
     h.assert_matches(got_params, got_state, want_params, want_state)
     np.testing.assert_allclose(got_params["w"], params["w"] - 0.2 * h.reduced(grads_seq[0])["w"], rtol=1e-6)
 
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_sophia_with_its_objective_bound_is_analysed(partition):
+    """sophia's `obj_fn` bound into the transformation, as the refusal says: zero1 analyses the update with it and
+    names what it cannot split (the Hessian estimate's random draw on slices, a sum over all the leaves)."""
+    target = jax.tree.map(lambda x: jnp.full_like(x, 0.5), _params())
+
+    def objective(params):
+        return sum(jnp.sum((p - t) ** 2) for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target)))
+
+    sophia = optax.contrib.sophia(1e-2)
+    bound = optax.GradientTransformationExtraArgs(sophia.init, functools.partial(sophia.update, obj_fn=objective))
+    with pytest.raises(zo.ZeroCouplingError, match=r"_sophia\.py[\s\S]*(Flat slices|mixes parameter leaves|"
+                                                   r"combines full reductions)"):
+        _run_zero(zo.zero1(bound, axis_name="data", partition=partition), _params(),
+                  h.gradient_sequence(_params(), N, 1), [None])
