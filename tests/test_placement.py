@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -119,3 +120,23 @@ def test_auto_axes_under_jit_cannot_tell_and_the_recipe_finds_it():
                 exec(recipe, scope)
     with pytest.raises(zo.ZeroStructureError, match=REPLICATED):  # (eagerly, its arrays say)
         tx.update(grads, replicated, params)
+
+
+@pytest.mark.parametrize("optimizer", ["nnx.Optimizer", "zo.ZeroOptimizer"])
+def test_flax_optimizer_with_a_replicated_state_refused(optimizer):
+    """A Flax trainer whose optimizer state was placed replicated: refused at the first jitted step."""
+    mesh = h.mesh_of(N)
+    model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+    make = nnx.Optimizer if optimizer == "nnx.Optimizer" else zo.ZeroOptimizer
+    opt = make(model, tx, wrt=nnx.Param)
+    nnx.update(opt.opt_state, jax.device_put(nnx.state(opt.opt_state), NamedSharding(mesh, P())))
+    x = jax.device_put(jnp.ones((8, 5)), NamedSharding(mesh, P("data")))
+
+    @nnx.jit
+    def step(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: (m(x) ** 2).mean())(model))
+
+    with pytest.raises(zo.ZeroStructureError, match=REPLICATED):
+        step(model, opt, x)
