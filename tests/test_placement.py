@@ -1,7 +1,8 @@
 """A zero1 state that a trainer placed unlike its layout (replicated, or sharded over another mesh axis) is refused
 wherever zero1 can tell, with the fix (`zo.state_specs` as the state's shardings): a mesh-bound `update` or
 `zo.apply_gradients` given concrete arrays (their shardings say), the same under `jax.jit` on `Explicit` axes (a
-traced value's type carries its sharding), and a checkpoint save (each array's block per device). Under `jax.jit`
+traced value's type carries its sharding), a Flax optimizer's jitted step, a checkpoint save (each array's block per
+device), and `update` inside the caller's `shard_map` given the state with `in_specs=P()` (typed invariant). Under `jax.jit`
 on `Auto` axes a trace does not say, and nothing is refused: the check of docs/recipes/jit_and_flax.md ("Check
 that the state is sharded") finds it, run here as the page writes it. Correct placements are never refused."""
 
@@ -140,3 +141,23 @@ def test_flax_optimizer_with_a_replicated_state_refused(optimizer):
 
     with pytest.raises(zo.ZeroStructureError, match=REPLICATED):
         step(model, opt, x)
+
+
+@pytest.mark.parametrize("partition", ["flat", "leaf"])
+def test_state_passed_replicated_into_shard_map_refused(partition):
+    """Inside the caller's `shard_map`, a state given `in_specs=P()` is typed invariant over the data axis."""
+    mesh = h.mesh_of(N)
+    params = h.small_params()
+    tx = zo.zero1(optax.adam(1e-2), axis_name="data", partition=partition)
+    init, step = h.zero_fns(tx, mesh)
+    state = init(params)
+    grads = jax.device_put(h.gradient_sequence(params, N, 1)[0], NamedSharding(mesh, P("data")))
+
+    def update(params, state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+
+    replicated = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+    with pytest.raises(zo.ZeroStructureError, match=r"same on every device of `data` \(typed invariant\)[\s\S]*"
+                                                    r"in_specs P\(\)[\s\S]*zo\.state_specs\(tx, params"):
+        replicated(params, jax.device_put(state, NamedSharding(mesh, P())), grads)
+    step(params, state, grads)  # (with in_specs P("data"): runs)

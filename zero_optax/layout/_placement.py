@@ -1,5 +1,6 @@
 """Whether a zero1 state's arrays are placed as its layout says: read from a concrete array's sharding, or from a
-traced value's type on `Explicit` mesh axes (on `Auto` axes a trace does not say, and nothing is refused)."""
+traced value's type on `Explicit` mesh axes (on `Auto` axes a trace does not say, and nothing is refused), or inside
+`shard_map` from a value's varying-manual-axes type (a state passed with `in_specs=P()` is typed invariant)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_optax.core import _compat
 from zero_optax.layout._specs import specs_of
 from zero_optax.layout._state import ZeroState
+
+BODY_HELP = """\
+The zero1 state's array `{path}` is the same on every device of `{axes}` (typed invariant) inside shard_map: the \
+shard_map that calls update was given the state replicated (in_specs P()), so every device holds all of it, where \
+zero1 expects its own part. Pass the state's specs as in_specs and out_specs: zo.state_specs(tx, params, \
+mesh=mesh), P({axes!r}) for the whole state when the parameters are replicated."""
 
 PLACEMENT_HELP = """\
 The zero1 state's array `{path}` is {got}, but its layout stores it as {want} on the mesh{sizes}: a trainer \
@@ -86,4 +94,20 @@ def misplaced(state: ZeroState, mesh: Any = None) -> str | None:
                 how="replicated" if replicated else "on other axes than its layout's",
                 cost=(f"every device would hold the whole state, {layout.world_size}x what zero1 keeps per device"
                       if replicated else "JAX would move the state between devices at every step"))
+    return None
+
+
+def misplaced_in_body(state: ZeroState) -> str | None:
+    """`BODY_HELP` for the first stored array of `state` (not a shared field, which `optax.tree.set` may replace
+    with a replicated value) that a `shard_map` body types invariant across the state's axes; None where every one
+    varies, outside a `shard_map` binding its axes, on one device, or without varying-manual-axes types
+    (`check_vma=False`)."""
+    axes = state.layout.axes
+    if not _compat.is_bound(axes) or _compat.axis_size(axes) == 1 or not _compat.vma_enabled(axes):
+        return None
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        where = jax.tree_util.keystr(path)
+        if isinstance(x, jax.Array) and not where.startswith(".inner_state.shared") and \
+                not set(axes) <= _compat.varying_axes(x):
+            return BODY_HELP.format(path=where, axes=axes[0] if len(axes) == 1 else axes)
     return None
