@@ -30,6 +30,7 @@ those specs as your trainer's abstract-state shardings; the state tx.init return
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one entry of a `PartitionSpec`."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -40,6 +41,7 @@ def _dims(spec: Any, ndim: int) -> list[tuple[str, ...]]:
 
 
 def _describe(sharding: Any, shape: tuple[int, ...]) -> str:
+    """How `sharding` places an array of `shape`, in words."""
     if isinstance(sharding, NamedSharding):
         dims = _dims(sharding.spec, len(shape))
         return "replicated" if not any(dims) else f"sharded as {P(*[d or None for d in dims])}"
