@@ -2,9 +2,10 @@
 wherever zero1 can tell, with the fix (`zo.state_specs` as the state's shardings): a mesh-bound `update` or
 `zo.apply_gradients` given concrete arrays (their shardings say), the same under `jax.jit` on `Explicit` axes (a
 traced value's type carries its sharding), a Flax optimizer's jitted step, a checkpoint save (each array's block per
-device), and `update` inside the caller's `shard_map` given the state with `in_specs=P()` (typed invariant). Under `jax.jit`
-on `Auto` axes a trace does not say, and nothing is refused: the check of docs/recipes/jit_and_flax.md ("Check
-that the state is sharded") finds it, run here as the page writes it. Correct placements are never refused."""
+device), and `update` inside the caller's `shard_map` given the state with `in_specs=P()` (typed invariant).
+Under `jax.jit` on `Auto` axes a trace does not say, and nothing is refused: the check of
+docs/recipes/jit_and_flax.md ("Check that the state is sharded") finds it, run here as the page writes it. Correct
+placements are never refused."""
 
 from __future__ import annotations
 
