@@ -205,15 +205,16 @@ def assert_matches(zero_params, zero_state, ref_params, ref_state, rtol=2e-5, at
     for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(ref_params)):
         assert a.dtype == b.dtype
         r, t = _tol(a.dtype, rtol, atol)
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=r, atol=t)
+        wide = np.complex64 if np.iscomplexobj(a) else np.float32
+        np.testing.assert_allclose(np.asarray(a, wide), np.asarray(b, wide), rtol=r, atol=t)
     got = full_state(zero_state)
     want = {jax.tree_util.keystr(p): np.asarray(key_data(x)) for p, x in jax.tree_util.tree_leaves_with_path(ref_state)}
     assert set(got) == set(want), (sorted(got), sorted(want))
     for path, x in want.items():
         assert got[path].dtype == x.dtype, path
         r, t = _tol(x.dtype, rtol, atol)
-        np.testing.assert_allclose(np.asarray(got[path], np.float64), np.asarray(x, np.float64), rtol=r,
-                                   atol=t, err_msg=path)
+        wide = np.complex128 if np.iscomplexobj(x) else np.float64
+        np.testing.assert_allclose(np.asarray(got[path], wide), np.asarray(x, wide), rtol=r, atol=t, err_msg=path)
 
 
 def assert_resumes_anywhere(make, tmp_path, params=None, steps=(2, 2)):

@@ -111,7 +111,10 @@ def trace_update(inner, grads, state, params) -> tuple[_programs.Traced, dict[st
             f"{type(err).__name__}: {err}\nIf it requires extra arguments that zero1 did not find among the "
             f"keyword-only arguments of the functions it reaches (found: {sorted(extra)}), wrap it so that they "
             f"are keyword-only arguments of its update. An extra argument that is a function of the whole "
-            f"parameters (sophia's `obj_fn`) cannot run on the shards and owned leaves zero1 updates.") from err
+            f"parameters (sophia's `obj_fn`) cannot run on the shards and owned leaves zero1 updates; bind it into "
+            f"the transformation (optax.GradientTransformationExtraArgs(inner.init, functools.partial(inner.update, "
+            f"obj_fn=...))) so that zero1 analyses the update with it and runs it where its partition can, or names "
+            f"what couples the leaves (then use plain optax for it).") from err
     updates, new_state = traced.out_shape
     for what, got, want in (("updates", updates, grads), ("state", new_state, state)):
         if jax.tree.structure(got) != jax.tree.structure(want):

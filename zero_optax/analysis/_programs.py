@@ -462,6 +462,17 @@ def retraced(eqn: Any, ins: list[Any], run: Callable[[Any, list], list],
     return None
 
 
+def value_dependent(program: Any) -> list[bool]:
+    """For each output of `program`, whether it may depend on the values of its inputs, not only on their shapes
+    and dtypes (an equation holding sub-programs: each output on any operand)."""
+    jaxpr = _compat.jaxpr_parts(program)[0]
+    reads = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jcore.Literal) and v in reads for v in eqn.invars):
+            reads.update(eqn.outvars)
+    return [not isinstance(v, jcore.Literal) and v in reads for v in jaxpr.outvars]
+
+
 def any_equation(program: Any, predicate: Callable[[Any], bool]) -> bool:
     """Whether `predicate` holds for an equation of `program` or of a program it holds (in any equation's params)."""
     for eqn in _compat.jaxpr_parts(program)[0].eqns:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from zero_optax.analysis import _inner, _programs
 from zero_optax.core import _compat
 from zero_optax.core._errors import WeightError, ZeroError, ZeroStructureError
-from zero_optax.layout import _specs
+from zero_optax.layout import _placement, _specs
 from zero_optax.layout._config import Config
 from zero_optax.layout._state import ZeroState
 from zero_optax.step import _engine
@@ -107,6 +107,8 @@ class Bound:
             raise ZeroStructureError(
                 f"zero1 update expected the ZeroState returned by this transformation's init, got "
                 f"{type(state).__name__}.")
+        if (misplaced := _placement.misplaced(state, self.mesh)) is not None:
+            raise ZeroStructureError(misplaced)
         with_params = params is not None
         specs = self._specs.get(state.layout)
         if specs is None or with_params:

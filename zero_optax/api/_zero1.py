@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from zero_optax.api import _bound
 from zero_optax.core import _compat
-from zero_optax.core._errors import ZeroError
-from zero_optax.layout import _handle, _keys
+from zero_optax.core._errors import ZeroError, ZeroStructureError
+from zero_optax.layout import _handle, _keys, _placement
 from zero_optax.layout._config import Config
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._specs import specs_of
@@ -68,8 +68,11 @@ class Zero1:
 
     def step(self, grads, state, params, weight, apply: bool, extra_args: dict):
         """`update`, or with `apply` (`zero_optax.apply_gradients`) the new parameters, and the new state."""
+        _engine.check_extra_values(extra_args)
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
         outside = self.outside()
+        if outside is None and isinstance(state, ZeroState) and (misplaced := _placement.misplaced_in_body(state)):
+            raise ZeroStructureError(misplaced)
         if isinstance(state, ZeroState):  # store the shared fields that optax.tree.set replaced
             axes = state.layout.axes
             state = (canonical(state, place=lambda x: _compat.reshard(x, NamedSharding(outside.mesh, P(axes))))

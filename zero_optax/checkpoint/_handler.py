@@ -18,6 +18,7 @@ from orbax.checkpoint import future
 
 from zero_optax.checkpoint import _arrays, _paths, _record, _restore, _schema
 from zero_optax.core._errors import ZeroCheckpointError
+from zero_optax.layout import _placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ def save_plan(tree: Any) -> SavePlan:
             if value.is_deleted():
                 raise ZeroCheckpointError(f"{where} holds an array that was deleted (donated to a later step?); "
                                           "save the state before passing it to a jitted function that donates it.")
+        if (misplaced := _placement.misplaced(state)) is not None:
+            raise ZeroCheckpointError(f"{where}: {misplaced}")
         values = _arrays.state_values(state)
         if len(values) != len(specs):
             raise ZeroCheckpointError(f"{where} has {len(values)} arrays but its layout describes {len(specs)}.")

@@ -72,6 +72,21 @@ def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
     return leaves
 
 
+def check_extra_values(extra: dict) -> None:
+    """Refuses an extra argument of `update` whose leaves are not arrays or numbers (a function, say)."""
+    for name, value in extra.items():
+        for x in jax.tree.leaves(value):
+            if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                kind = "a function" if callable(x) else f"a {type(x).__name__}"
+                raise ZeroStructureError(
+                    f"The extra argument `{name}` of update is {kind}, not an array: zero1 hands the inner update "
+                    f"only arrays and numbers. It decided at init how to split the update over the devices from the "
+                    f"update traced without `{name}`, so it cannot vouch for an update that uses it. Bind it into the "
+                    f"transformation instead, so that init traces the update with it (and zero1 runs it exactly or "
+                    f"refuses it with the reason): optax.GradientTransformationExtraArgs(inner.init, "
+                    f"functools.partial(inner.update, {name}=...)).")
+
+
 def _check_extra(extra: dict, axes) -> None:
     for name, value in extra.items():
         for x in jax.tree.leaves(value):
@@ -112,8 +127,9 @@ class Engine:
         values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
         ranks = self._ranks(layout)
         rows = _groups.own_parts(layout, values, ranks)
-        inner_state = self.sliced.groups.init(layout, rows, full, ranks)
-        buffers = self.owned.build(layout, values, full, ranks[layout.axes])
+        whole = _groups.value_shared(cfg.inner, layout, values) if full is None else None
+        inner_state = self.sliced.groups.init(layout, rows, full, ranks, whole)
+        buffers = self.owned.build(layout, values, full, ranks[layout.axes], whole)
         master = self.masters.init(rows, layout)
         local = (_accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
                  if layout.accumulate == LOCAL else None)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zero_optax.analysis import _programs
 from zero_optax.core._errors import ZeroError, ZeroStructureError
 from zero_optax.core._names import tree_signature
 from zero_optax.layout import _fusion, _inner_state, _layout, _planner, _stored
@@ -41,6 +42,20 @@ def tree(layout: Layout, values: list) -> Any:
 def masked_tree(layout: Layout, values: dict[int, Any]) -> Any:
     """A parameter-shaped tree holding `values` (leaf index -> array) and `optax.MaskedNode()` elsewhere."""
     return tree(layout, _layout.masked_view([values.get(i) for i in range(len(layout.leaves))], values))
+
+
+def value_shared(inner, layout: Layout, values: list) -> dict[int, jax.Array]:
+    """The shared entries whose `init` reads the parameters' values (dog's distance, a norm of them), from the inner
+    `init` on the whole parameters `values`, as plain optax computes them: a view's part would give another value.
+    Empty (the usual case: counts and zeros) where no shared entry reads them."""
+    structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in values]
+    closed = jax.make_jaxpr(lambda xs: inner.init(tree(layout, xs)))(structs)
+    reads = _programs.value_dependent(closed)
+    wanted = [j for j in layout.shared_entries if reads[j]]
+    if not wanted:
+        return {}
+    leaves = jax.tree.leaves(inner.init(tree(layout, values)))
+    return {j: leaves[j].astype(layout.entries[j].dtype) for j in wanted}
 
 
 def owned_entries(layout: Layout, leaves: Iterable[int]) -> list[int]:
@@ -296,8 +311,10 @@ class Groups:
         own = [] if g is None else [values[j] for j in layout.groups[g].histories[0]]
         return {j: values[j] for j in layout.shared_entries if j in values}, own
 
-    def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks) -> SlicedState:
-        """The groups' stored state: the inner `init` on each group's part `rows`, or an optax state's `full` cut."""
+    def init(self, layout: Layout, rows: list[jax.Array], full: list | None, ranks, whole: dict | None = None
+             ) -> SlicedState:
+        """The groups' stored state: the inner `init` on each group's part `rows`, or an optax state's `full` cut;
+        `whole`: shared values computed on the whole parameters (`value_shared`), in place of a view's."""
         shared: dict[int, Any] | None = None
         histories = []
         programs: dict = {}
@@ -314,7 +331,7 @@ class Groups:
                 mask = valid(layout, group, group_rank(layout, group, ranks))
                 histories.append(tuple(zero_padding(x, mask) for x in h))
         assert shared is not None  # (there is always a target)
-        return stored_state(layout, shared, histories)
+        return stored_state(layout, {**shared, **{j: x for j, x in (whole or {}).items() if j in shared}}, histories)
 
     def _init_view(self, layout: Layout, g: int | None, rows: list[jax.Array], programs: dict
                    ) -> tuple[dict[int, Any], list[Any]]:

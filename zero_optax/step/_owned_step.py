@@ -121,8 +121,10 @@ class OwnedStep:
     views: _groups.Views
     masters: _master.NoMasters
 
-    def build(self, layout: Layout, values: list, full: list | None, rank) -> dict[str, jax.Array]:
-        """The packed buffers: row `r` holds the state and master copies of the leaves device `r` owns (or `full`'s)."""
+    def build(self, layout: Layout, values: list, full: list | None, rank, whole: dict | None = None
+              ) -> dict[str, jax.Array]:
+        """The packed buffers: row `r` holds the state and master copies of the leaves device `r` owns (or `full`'s);
+        `whole`: shared values computed on the whole parameters (`_groups.value_shared`), in place of a view's."""
         packing = layout.state_packing
         if not packing.sizes:
             return {}
@@ -135,6 +137,7 @@ class OwnedStep:
                 self.views.owned(layout, r, owned)  # checks the entry order this device packs
                 state = self.cfg.inner.init(_groups.tree(layout, _layout.masked_view(values, owned)))
                 full = dict(zip(_groups.owned_entries(layout, owned), jax.tree.leaves(state)))
+                full.update((j, x) for j, x in (whole or {}).items() if j in full)
             items = {j: values[layout.entries[j].leaf] if layout.entries[j].role == MASTER else full[j]
                      for j in layout.rank_entries(r)}
             return _compat.pvary(_packed.pack(items, packing.offsets[r], packing.sizes), layout.axes)
