@@ -272,13 +272,13 @@ def build_layout(cfg: Config, params) -> Layout:
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
     keys = _typed_keys(cfg, treedef, real_tree)
-    shapes = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
+    traced_on = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
         real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
     else:
-        real_entries, real_state = _remembered(("entries", cfg.inner, shapes), lambda: _attribution.discover_entries(
+        real_entries, real_state = _remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
             cfg.inner.init, treedef, real))
-    traced, extra = _remembered(("update", cfg.inner, shapes),
+    traced, extra = _remembered(("update", cfg.inner, traced_on),
                                 lambda: _inner.trace_update(cfg.inner, real_tree, real_state, real_tree))
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     if found.joint and cfg.offload:
@@ -308,7 +308,7 @@ def build_layout(cfg: Config, params) -> Layout:
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    inits = _remembered(("init", cfg.inner, shapes, by_leaf), lambda: _fusion.init_programs(cfg, real_tree, by_leaf))
+    inits = _remembered(("init", cfg.inner, traced_on, by_leaf), lambda: _fusion.init_programs(cfg, real_tree, by_leaf))
     groups = () if all(owned) else _fusion.groups(views, entries, programs, inits)
     return Layout(
         partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,

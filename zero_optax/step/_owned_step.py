@@ -155,11 +155,11 @@ class OwnedStep:
                                                    g_leaves)
         tp, tp_rows = self._tp_inputs(step, [i for i in owned if layout.leaves[i].tp_owned], mode, g_leaves)
         u_dtypes = self.masters.sent_dtypes(self.views, step, owned)
-        sent = {i: d for i, d in u_dtypes.items() if not layout.leaves[i].tp_owned}
+        u_plan, tp_u_plan = (_packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items()
+                                                        if layout.leaves[i].tp_owned == t}) for t in (False, True))
         summed = (self.wire.sums_owned_results and not any(layout.leaves[i].tp_owned for i in owned)
-                  and _packed.sums_results(layout, sent))
-        tp_u_plan = _packed.leaf_plan(layout, {i: d for i, d in u_dtypes.items() if layout.leaves[i].tp_owned})
-        plans = _OwnedPlans(mode, plan_g, _packed.leaf_plan(layout, sent), tp_u_plan, tp, summed)
+                  and _packed.sums_results(layout, u_plan))
+        plans = _OwnedPlans(mode, plan_g, u_plan, tp_u_plan, tp, summed)
         old_buffers = {d: b[0] for d, b in state.buffers.items()}
         mine = [[i for i in owned if layout.leaves[i].owner == r] for r in range(n)]
         keys = branch_keys(layout, mine, not step.streamed and layout.accumulate is None, (plans.g, plans.u))
@@ -346,7 +346,7 @@ def _member_type(x: jax.Array):
 def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array], plan_u,
                   rank: jax.Array | None = None) -> dict[int, jax.Array]:
     """The owners' results, packed by `plan_u` (or, on one device, per leaf), on every device, per leaf: gathered
-    row by row, or with `rank` summed (each device's row placed after the rows before it, zeros elsewhere)."""
+    row by row, or with `rank` summed (each device's row placed where `_packed.row_starts` says, zeros elsewhere)."""
     if layout.world_size == 1:  # a psum of one device only retypes the value as invariant
         return {i: wire.invariant(x) for i, x in u_out.items()} if _compat.vma_enabled(layout.axes) else u_out
     if rank is None:
@@ -355,9 +355,9 @@ def _gather_owned(wire: _wire.Wire, layout: Layout, u_out: dict[Any, jax.Array],
     placed = {d: lax.dynamic_update_slice_in_dim(jnp.zeros((length[d],), row.dtype), row,
                                                  jnp.asarray([s[d] for s in starts], jnp.int32)[rank], 0)
               for d, row in u_out.items()}
-    summed = wire.sum_packed(placed)
-    return {i: _packed.Row({d: summed[d]}, {i: (d, starts[r][d] + off)}, {i: layout.leaves[i].shape})[i]
-            for r, offsets in enumerate(plan_u.offsets) for i, (d, off) in offsets.items()}
+    at = {i: (d, starts[r][d] + off) for r, offsets in enumerate(plan_u.offsets) for i, (d, off) in offsets.items()}
+    row = _packed.Row(wire.sum_packed(placed), at, {i: layout.leaves[i].shape for i in at})
+    return {i: row[i] for i in at}
 
 
 SHARED_BRANCHES = 16

@@ -142,14 +142,13 @@ def row_starts(plan: Packing, layout: Layout) -> tuple[list[dict[str, int]], dic
     return starts, length
 
 
-def sums_results(layout: Layout, dtypes: dict[int, str]) -> bool:
-    """Whether the owners' results travel by one sum of the rows placed one after the other (`row_starts`) rather
-    than an all-gather of rows padded to the largest owner's: when the rows, `n` times, would move more than
-    twice the summed buffer's bytes (many devices owning leaves of very different sizes)."""
+def sums_results(layout: Layout, rows: Packing) -> bool:
+    """Whether the owners' results, packed in `rows` (`leaf_plan`), travel by one sum of the rows placed one after
+    the other (`row_starts`) rather than an all-gather of the rows, padded to the largest owner's: when the rows,
+    `n` times, would move more than twice the summed buffer's bytes (devices owning leaves of unequal sizes)."""
     n = layout.world_size
-    if n == 1 or not dtypes:
+    if n == 1 or not rows.sizes:
         return False
-    rows = leaf_plan(layout, dtypes)
     _, length = row_starts(rows, layout)
     nbytes = {d: np.dtype(d).itemsize for d in rows.sizes}
     return n * sum(size * nbytes[d] for d, size in rows.sizes.items()) > 2 * sum(
