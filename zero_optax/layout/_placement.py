@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import jax
+import jax.core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
