@@ -1,19 +1,17 @@
 """The step trainers run, `tx.update` + `optax.apply_updates`, against GSPMD: `python -m benchmarks.contract_step`.
 
 Per device, from XLA's own `compiled.memory_analysis()` and `compiled.cost_analysis()` of one jitted step (params
-and state donated; 8 simulated CPU devices; flat AdamW; a GPT-like tree, `--layers 12 --width 256`):
+and state donated, their shardings pinned; 8 simulated CPU devices; a GPT-like tree, `--layers 12 --width 256`),
+for flat AdamW and for the Muon recipe (`optax.contrib.muon`, `partition="auto"`):
 
 * `gspmd(reduced)`: `jax.jit` with the state sharded over "data" (MaxText style), fed the already-reduced gradient;
 * `gspmd(reducing)`: the same fed each device's own gradient (stacked over "data"), reduced inside the step as a
   data-parallel backward pass hands it over;
 * `zero1 sm contract` / `zero1 sm apply`: zero1 under `jax.shard_map`, each device's own gradient, then
   `tx.update` + `optax.apply_updates`, or `zo.apply_gradients`;
-* `zero1 bound contract` / `zero1 bound apply`: the mesh-bound zero1 under plain `jax.jit`, the reduced gradient;
-* `rows gathered` / `rows exit`: a design probe, not zero1: SGD on flat rows (each leaf cut in N equal rows, as
-  `partition="flat"` cuts it) inside a `shard_map` under `jax.jit`, then `optax.apply_updates` outside. `gathered`
-  all-gathers the updates inside (what the mesh-bound zero1 does today); `exit` returns the rows sharded over
-  "data" behind a `lax.optimization_barrier`, so that GSPMD adds each shard and gathers the new parameters, as it
-  does for its own state. `main` checks that the two give the same bits.
+* `zero1 bound contract` / `zero1 bound apply`: the mesh-bound zero1 under plain `jax.jit`, the reduced gradient
+  (under a trace its sliced leaves' updates leave cut in rows over "data": `Engine.exit_rows`). `main` first checks
+  that three such steps give the same bits as the same steps run eagerly, where the updates are gathered.
 
 Every program is compiled twice, each time in a fresh process: with XLA:CPU's default scheduler
 (concurrency-optimized) and with its memory scheduler (`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=
@@ -45,10 +43,12 @@ import zero_optax as zo
 from benchmarks.variants import gspmd_state_specs, make_mesh
 from tests._models import gpt_params
 
+OPTIMIZERS = {"adamw": (optax.adamw(1e-3), "flat"), "muon": (optax.contrib.muon(1e-3), "auto")}
 SCHEDULERS = {"default": "", "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 
 
-def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[str, Callable[[], Any]]:
+def _programs(tx: optax.GradientTransformation, partition: str, params: Any, mesh: Any
+              ) -> dict[str, Callable[[], Any]]:
     """Each variant's lowered step, built lazily."""
     n = mesh.shape["data"]
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -56,7 +56,8 @@ def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[
     state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=dat), params)
     p = jax.device_put(params, rep)
-    ztx, btx = zo.zero1(tx, axis_name="data"), zo.zero1(tx, axis_name="data", mesh=mesh)
+    ztx = zo.zero1(tx, axis_name="data", partition=partition)
+    btx = zo.zero1(tx, axis_name="data", mesh=mesh, partition=partition)
 
     def contract(t: Any, own: bool) -> Callable[..., Any]:
         def step(p: Any, g: Any, s: Any) -> Any:
@@ -89,10 +90,10 @@ def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[
 
     def bound(make: Callable[..., Any]) -> Any:
         state = jax.eval_shape(btx.init, p)
-        return jax.jit(make(btx, False), donate_argnums=(0, 2)).lower(p, p, state)
+        pinned = (rep, jax.tree.map(lambda x: x.sharding, state))
+        return jax.jit(make(btx, False), donate_argnums=(0, 2), out_shardings=pinned).lower(p, p, state)
 
     return {
-        **_rows_programs(params, mesh),
         "gspmd(reduced)": lambda: gspmd(False),
         "gspmd(reducing)": lambda: gspmd(True),
         "zero1 sm contract": lambda: sharded(contract),
@@ -102,47 +103,29 @@ def _programs(tx: optax.GradientTransformation, params: Any, mesh: Any) -> dict[
     }
 
 
-def _rows_step(params: Any, mesh: Any, exit_sharded: bool) -> Callable[..., Any]:
-    """The design probe: SGD on flat rows, the updates gathered inside or leaving sharded."""
-    n, leaves = mesh.shape["data"], jax.tree.leaves(params)
-
-    def rows(x: Any) -> Any:
-        flat = x.reshape(-1)
-        return jnp.pad(flat, (0, -flat.size % n)).reshape(n, -1)
-
-    def local(grads: list[Any]) -> list[Any]:
-        own = [-1e-3 * jax.lax.psum_scatter(rows(g), "data", tiled=True) for g in grads]
-        if exit_sharded:
-            return jax.lax.optimization_barrier(own)
-        return [jax.lax.all_gather(u, "data", tiled=True) for u in own]
-
-    def step(p: Any, g: Any) -> Any:
-        out = P("data") if exit_sharded else P()
-        u = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=out, check_vma=False)(jax.tree.leaves(g))
-        u = [r.reshape(-1)[: x.size].reshape(x.shape) for r, x in zip(u, leaves)]
-        return optax.apply_updates(p, jax.tree.unflatten(jax.tree.structure(params), u))
-
-    return step
-
-
-def _rows_programs(params: Any, mesh: Any) -> dict[str, Callable[[], Any]]:
-    """The design probe's two programs, lowered with the parameters donated and replicated."""
-    rep = NamedSharding(mesh, P())
-    p = jax.device_put(params, rep)
-    return {f"rows {name}": (lambda e=e: jax.jit(_rows_step(params, mesh, e), donate_argnums=(0,),
-                                                 out_shardings=rep).lower(p, p))
-            for name, e in (("gathered", False), ("exit", True))}
-
-
-def rows_agree(layers: int, width: int) -> bool:
-    """Whether the design probe's two programs give the same bits after one step."""
+def bits_agree(layers: int, width: int) -> dict[str, bool]:
+    """Per optimizer, whether three mesh-bound contract steps under `jax.jit` (updates leaving in rows) give the same
+    bits as the same steps run eagerly (updates gathered inside the `shard_map`)."""
     params = gpt_params(1024, width, layers)
     mesh = make_mesh(len(jax.devices()))
     rep = NamedSharding(mesh, P())
-    p = jax.device_put(params, rep)
+    out = {}
     with jax.set_mesh(mesh):
-        a, b = (jax.jit(_rows_step(params, mesh, e), out_shardings=rep)(p, p) for e in (False, True))
-    return all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        for name, (tx, partition) in OPTIMIZERS.items():
+            btx = zo.zero1(tx, axis_name="data", mesh=mesh, partition=partition)
+
+            def step(p: Any, g: Any, s: Any, btx: Any = btx) -> Any:
+                u, s = btx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+            runs = []
+            for run in (jax.jit(step), step):
+                p = jax.device_put(params, rep)
+                s = btx.init(p)
+                for t in range(3):
+                    p, s = run(p, jax.tree.map(lambda x, t=t: jnp.cos(x * (t + 1)) * 1e-2, p), s)
+                runs.append(jax.tree.leaves((p, s)))
+            out[name] = all(bool((x == y).all()) for x, y in zip(*runs))
+    return out
 
 
 def measure(layers: int, width: int) -> list[dict[str, Any]]:
@@ -151,12 +134,14 @@ def measure(layers: int, width: int) -> list[dict[str, Any]]:
     mesh = make_mesh(len(jax.devices()))
     rows = []
     with jax.set_mesh(mesh):
-        for name, lower in _programs(optax.adamw(1e-3), params, mesh).items():
-            compiled = lower().compile()
-            memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, list) else cost
-            rows.append({"variant": name, "temp": memory.temp_size_in_bytes, "argument": memory.argument_size_in_bytes,
-                         "alias": memory.alias_size_in_bytes, "accessed": int(cost.get("bytes accessed", 0))})
+        for optimizer, (tx, partition) in OPTIMIZERS.items():
+            for name, lower in _programs(tx, partition, params, mesh).items():
+                compiled = lower().compile()
+                memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+                cost = cost[0] if isinstance(cost, list) else cost
+                rows.append({"optimizer": optimizer, "variant": name, "temp": memory.temp_size_in_bytes,
+                             "argument": memory.argument_size_in_bytes, "alias": memory.alias_size_in_bytes,
+                             "accessed": int(cost.get("bytes accessed", 0))})
     return rows
 
 
@@ -178,16 +163,17 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.layers, args.width)))
         return
-    print(f"rows gathered and rows exit give the same bits: {rows_agree(args.layers, args.width)}")
+    print(f"mesh-bound contract under jit, same bits as eagerly: {bits_agree(args.layers, args.width)}")
     rows = [r for s in SCHEDULERS for r in _child(s, args.layers, args.width)]
-    base = {r["scheduler"]: r for r in rows if r["variant"] == "gspmd(reduced)"}
-    fair = {r["scheduler"]: r for r in rows if r["variant"] == "gspmd(reducing)"}
-    print("| variant | scheduler | temporaries MB | bytes accessed MB | x gspmd(reduced) | x gspmd(reducing) |")
-    print("|---|---|---|---|---|---|")
+    base = {(r["optimizer"], r["scheduler"]): r for r in rows if r["variant"] == "gspmd(reduced)"}
+    fair = {(r["optimizer"], r["scheduler"]): r for r in rows if r["variant"] == "gspmd(reducing)"}
+    print("| optimizer | variant | scheduler | temporaries MB | bytes accessed MB | x gspmd(reduced) | "
+          "x gspmd(reducing) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        s = r["scheduler"]
-        print(f"| {r['variant']} | {s} | {r['temp'] / 1e6:.2f} | {r['accessed'] / 1e6:.1f} | "
-              f"{r['accessed'] / base[s]['accessed']:.2f} | {r['accessed'] / fair[s]['accessed']:.2f} |")
+        k = (r["optimizer"], r["scheduler"])
+        print(f"| {r['optimizer']} | {r['variant']} | {k[1]} | {r['temp'] / 1e6:.2f} | {r['accessed'] / 1e6:.1f} | "
+              f"{r['accessed'] / base[k]['accessed']:.2f} | {r['accessed'] / fair[k]['accessed']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -24,23 +24,32 @@ from zero_optax.layout import _placement, _specs
 from zero_optax.layout._config import Config
 from zero_optax.layout._state import ZeroState
 from zero_optax.step import _engine
+from zero_optax.step._wire import unpadded as wire_unpadded
 
 
-def _spec_of(x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> P:
-    """The `PartitionSpec` of a global array (or tracer) over `mesh`; replicated when it carries none."""
+def _spec_of(x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, drop: tuple[str, ...] = ()) -> P:
+    """The `PartitionSpec` of a global array (or tracer) over `mesh`, without the axes of `drop`; replicated when it
+    carries none."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):  # (a tracer carries its sharding in its type only)
         sharding = getattr(jax.typeof(x), "sharding", None)
     if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
-        spec = tuple(sharding.spec)
+        spec = tuple(_without(entry, drop) for entry in sharding.spec)
         while spec and spec[-1] is None:
             spec = spec[:-1]
         return P(*spec)
     return P()
 
 
-def param_specs(params: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Any:
-    return jax.tree.map(lambda x: _spec_of(x, mesh), params)
+def _without(entry: Any, drop: tuple[str, ...]) -> Any:
+    """A `PartitionSpec` entry without the axes of `drop`."""
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in drop)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def param_specs(params: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, drop: tuple[str, ...] = ()) -> Any:
+    """Each leaf's `PartitionSpec` over `mesh`, without the axes of `drop`."""
+    return jax.tree.map(lambda x: _spec_of(x, mesh, drop), params)
 
 
 def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -59,6 +68,8 @@ class Bound:
         self._fns: dict = {}
         self._specs: dict = {}
         self._hoisted: _Hoisted | None = None
+        # Parameters sharded over these (by GSPMD, after `exit_rows`) are gathered: every device runs the whole step.
+        self._zero_axes = zero.cfg.axes + zero.cfg.replica_axes
 
     def _hoisting(self, params) -> _Hoisted:
         """The `_Hoisted` values and engines, found once (a transformation's closure does not change)."""
@@ -68,7 +79,7 @@ class Bound:
 
     def init(self, params, full_state=None):
         """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
-        specs = param_specs(params, self.mesh)
+        specs = param_specs(params, self.mesh, self._zero_axes)
         hoisted = self._hoisting(params)
         shapes = tuple((np.shape(x), np.dtype(x.dtype).name) for x in jax.tree.leaves(params))
         key = ("init", jax.tree.structure(params), shapes, tuple(jax.tree.leaves(specs)),
@@ -112,24 +123,39 @@ class Bound:
         with_params = params is not None
         specs = self._specs.get(state.layout)
         if specs is None or with_params:
-            found = param_specs(params if with_params else grads, self.mesh)
+            found = param_specs(params if with_params else grads, self.mesh, self._zero_axes)
             specs = found if specs is None or any(s != P() for s in jax.tree.leaves(found)) else specs
         hoisted = self._hoisting(params if with_params else grads)
         state_specs = _specs.specs_of(state)
-        key = ("update", state.layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra))
+        layout = state.layout
+        # Under a trace, the updates of the sliced leaves leave cut in rows over the ZeRO axis, so that GSPMD adds
+        # each device's rows to its part of the parameters and gathers the new ones, as for its own sharded state.
+        # (Not on an `Explicit` axis, where the sharding is in the updates' type: the caller's add would refuse it.)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(grads))
+        auto = all(self.mesh.axis_types[self.mesh.axis_names.index(a)] == jax.sharding.AxisType.Auto
+                   for a in layout.axes)
+        exits = hoisted.mean.exit_rows(layout) if traced and auto and not apply else frozenset()
+        key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra), exits)
         if key not in self._fns:
             def run(values, grads, state, params, extra):
                 with hoisted.reading(values):
-                    return hoisted.mean.update(grads, state, params, apply=apply, **extra)
+                    return hoisted.mean.update(grads, state, params, apply=apply, exits=exits, **extra)
 
+            flat, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+            out = jax.tree.unflatten(treedef, [P(layout.axes) if i in exits else s for i, s in enumerate(flat)])
             # One device: untyped (check_vma=False), so that no one-device collective retypes values (XLA:CPU copies).
             self._fns[key] = jax.jit(jax.shard_map(
                 run, mesh=self.mesh, in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), P()),
-                out_specs=(specs, state_specs), check_vma=self.mesh.size > 1))
+                out_specs=(out, state_specs), check_vma=self.mesh.size > 1))
         grads = placed(grads, specs, self.mesh)
         params = placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)
-        return self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
+        updates, new_state = self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
+        if exits:  # each exiting leaf's rows, `(n * slots,)`, back in the leaf's shape
+            u, treedef = jax.tree.flatten(updates)
+            updates = jax.tree.unflatten(treedef, [wire_unpadded(x, layout.leaves[i]) if i in exits else x
+                                                   for i, x in enumerate(u)])
+        return updates, new_state
 
 
 # No mesh: the context where values typed on any mesh may be read (to find and read what the inner one closes over).

@@ -136,8 +136,10 @@ class Engine:
         state = ZeroState(inner_state, buffers, master, layout, local)
         return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
 
-    def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
-        """One `update` call; with `apply` (`zo.apply_gradients`), the new parameters instead of the updates."""
+    def update(self, grads, state, params=None, *, weight=None, apply: bool = False,
+               exits: frozenset[int] = frozenset(), **extra):
+        """One `update` call; with `apply` (`zo.apply_gradients`), the new parameters instead of the updates; the
+        updates of the leaves of `exits` (`exit_rows`) as this device's `(slots,)`, not gathered."""
         cfg = self.cfg
         layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
         if cfg.offload:  # the stored state stays in host memory and streams through the device
@@ -145,14 +147,27 @@ class Engine:
         if cfg.accumulating is None:
             denom = _reduce.denominator(weight, *_reduce.reduction(layout))
             step = self._step(layout, g_leaves, p_leaves, denom, extra)
-            updates, new_state = self._run(step, g_leaves, state, apply)
+            updates, new_state = self._run(step, g_leaves, state, apply, exits)
         else:
             updates, new_state = self._accumulate(layout, g_leaves, p_leaves, state, extra, weight)
         if cfg.offload:
             new_state = _offload.move_small(new_state, jax.memory.Space.Host, cfg.bucket_bytes)
         return updates, new_state
 
-    def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False):
+    def exit_rows(self, layout: Layout) -> frozenset[int]:
+        """The leaves whose updates can leave a mesh-bound `update` cut in rows over the ZeRO axis, as a data-parallel
+        state's updates do under GSPMD (each device adds its rows, the new parameters are gathered): the sliced
+        leaves sharded over that one axis only, in a step with no master copies, offload, accumulation,
+        replica axes or quantized gather, whose updates are what the inner update returned."""
+        cfg = self.cfg
+        if (cfg.offload or cfg.accumulating is not None or cfg.master_dtype is not None or layout.replica_axes
+                or (cfg.quantize is not None and cfg.quantize.params is not None) or len(layout.axes) != 1
+                or layout.world_size == 1):
+            return frozenset()
+        return frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.sliced and not leaf.axes)
+
+    def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False,
+             exits: frozenset[int] = frozenset()):
         """Reduce, update the sliced groups and the owned leaves, gather (a micro-step gathers nothing: None)."""
         layout = step.layout
         owned = [i for i, leaf in enumerate(layout.leaves) if not leaf.sliced]
@@ -164,7 +179,7 @@ class Engine:
             new_buffers, u_owned = self.owned.update(step, owned, g_leaves, state)
         if not step.stepping:
             return None, ZeroState(done.new_inner, new_buffers, state.master, layout, state.local)
-        return self.sliced.gather(step, done, state, new_buffers, u_owned, apply)
+        return self.sliced.gather(step, done, state, new_buffers, u_owned, apply, exits)
 
     def _accumulate(self, layout: Layout, g_leaves: list, p_leaves: list | None, state: ZeroState, extra: dict,
                     weight):

@@ -207,12 +207,31 @@ def own_parts(layout: Layout, values, ranks) -> list[jax.Array]:
     return [own_part(layout, g, values, ranks) for g in layout.groups]
 
 
+MASK_PIECES = 16
+"""`valid` builds a mask of a group with at most this many padded members piece by piece, which XLA fuses into the
+mask's readers; past it, one search over the members' offsets (a loop), which keeps the program small."""
+
+
 def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | None = None) -> jax.Array | None:
-    """Which coordinates `[start, start + length)` of this device's part of the buffer are not padding (None: all);
-    built from per-member numbers, not from a constant the size of the buffer."""
+    """Which coordinates `[start, start + length)` of this device's part of the buffer are not padding (None: all;
+    `length` None: the whole part, `start` 0); built from per-member numbers, not from a constant the size of the
+    buffer."""
     leaves = [layout.leaves[i] for i in group.leaves]
-    if all(leaf.slots * leaf.group == leaf.size for leaf in leaves):
+    padded = [k for k, leaf in enumerate(leaves) if leaf.slots * leaf.group != leaf.size]
+    if not padded:
         return None
+    if length is None and len(padded) <= MASK_PIECES:  # (the whole part) runs of whole members, and the padded ones
+        pieces, at = [], 0
+        for k in padded:
+            if group.offsets[k] > at:
+                pieces.append(jnp.ones((group.offsets[k] - at,), bool))
+            leaf = leaves[k]
+            real = jnp.clip(leaf.size - rank.astype(jnp.int32) * leaf.slots, 0, leaf.slots)
+            pieces.append(lax.iota(jnp.int32, leaf.slots) < real)
+            at = group.offsets[k] + leaf.slots
+        if at < group.size:
+            pieces.append(jnp.ones((group.size - at,), bool))
+        return _wire.concat(pieces)
     slots = jnp.asarray([leaf.slots for leaf in leaves], jnp.int32)
     real = jnp.clip(jnp.asarray([leaf.size for leaf in leaves], jnp.int32) - rank.astype(jnp.int32) * slots, 0, slots)
     offsets = jnp.asarray(group.offsets, jnp.int32)

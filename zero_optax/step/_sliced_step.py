@@ -96,8 +96,9 @@ class SlicedStep:
         return dataclasses.replace(done, new_inner=new_inner)
 
     def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
-               apply: bool):
-        """The step's result on every device (the updates, with `apply` the new parameters) and the new state."""
+               apply: bool, exits: frozenset[int] = frozenset()):
+        """The step's result on every device (the updates, with `apply` the new parameters) and the new state; the
+        leaves of `exits` (`exit_rows`) keep this device's slots, `(slots,)`, not gathered."""
         layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
         if done.u_parts is not None and layout.groups:
@@ -108,7 +109,7 @@ class SlicedStep:
         elif done.u_parts is not None:
             values, new_master = [], state.master
         assert values is not None  # (streamed: `done.values`)
-        result = self.masters.after_gather(self._gather_values(layout, values), u_owned, p_leaves, ok, apply)
+        result = self.masters.after_gather(self._gather_values(layout, values, exits), u_owned, p_leaves, ok, apply)
         new_state = ZeroState(done.new_inner, new_buffers, new_master, layout, state.local)
         return _groups.tree(layout, [result[i] for i in range(len(layout.leaves))]), new_state
 
@@ -120,12 +121,17 @@ class SlicedStep:
             return [None]
         return self.masters.group_params(state, lambda: _groups.own_parts(layout, p_leaves, ranks))
 
-    def _gather_values(self, layout: Layout, values: list) -> dict[int, jax.Array]:
-        """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts."""
+    def _gather_values(self, layout: Layout, values: list, exits: frozenset[int]) -> dict[int, jax.Array]:
+        """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts;
+        those of `exits`, this device's slots behind an optimization barrier (so that XLA fuses none of the
+        update into what the caller computes from it, which keeps the caller's results bit for bit)."""
         if not layout.groups:
             return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
-        order = _groups.order(layout)
+        own = {i: x[off:off + layout.leaves[i].slots] for g, x in zip(layout.groups, values)
+               for i, off in zip(g.leaves, g.offsets) if i in exits}
+        order = [i for i in _groups.order(layout) if i not in exits]
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
-        return self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
+        gathered = self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
+        return {**gathered, **(jax.lax.optimization_barrier(own) if own else {})}
