@@ -151,7 +151,7 @@ class Bound:
         params = placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)
         updates, new_state = self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
-        if exits:  # each exiting leaf's rows, `(n * slots,)`, back in the leaf's shape
+        if exits:  # each exiting leaf's rows back in the leaf's shape (where they are not already)
             u, treedef = jax.tree.flatten(updates)
             updates = jax.tree.unflatten(treedef, [wire_unpadded(x, layout.leaves[i]) if i in exits else x
                                                    for i, x in enumerate(u)])

@@ -242,9 +242,9 @@ def _small_elementwise(cfg: Config, real, coupled: frozenset[int], placement) ->
 
 
 _REMEMBERED: collections.OrderedDict = collections.OrderedDict()
-REMEMBERED = 4
-"""How many traces of inner transformations `build_layout` keeps: `state_specs`, `init` and `zo.plan` each build
-the layout of the same transformation and shapes, and tracing the inner update is most of it."""
+REMEMBERED = 8
+"""How many layouts and traces of inner transformations `build_layout` keeps: `state_specs`, `init` and `zo.plan`
+each build the layout of the same transformation and shapes, and tracing the inner update is most of it."""
 
 
 def _remembered(key: Any, compute: Callable[[], Any]) -> Any:
@@ -262,12 +262,25 @@ def _remembered(key: Any, compute: Callable[[], Any]) -> Any:
 
 
 def build_layout(cfg: Config, params) -> Layout:
-    """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`)."""
+    """The layout of `cfg` for `params` (local blocks, inside `shard_map` over `cfg.axis_name`), kept for the last
+    keys as the traces are: it depends on the parameters' shapes, dtypes and placement, the mesh and the specs."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_names.key_path(p) for p, _ in flat]
     values = [x for _, x in flat]
     replica_sizes = _compat.axis_sizes(cfg.replica_axes)  # (bound: a clear error otherwise)
     placement, axis_sizes = _placement(values, paths, cfg)
+    specs = cfg.param_specs if _specs.DECLARED.get() is None else _specs.DECLARED.get()
+    spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    if not any(p[0] for p in placement) and all(not tuple(s) for s in spec_leaves):
+        spec_leaves, spec_tree = [], None  # (no spec, or none naming an axis: the same layout)
+    key = ("layout", cfg, treedef, tuple((np.shape(x), str(x.dtype)) for x in values),
+           tuple(_compat.manual_axes().items()), tuple(placement), replica_sizes, spec_tree, tuple(spec_leaves))
+    return _remembered(key, lambda: _build_layout(cfg, params, treedef, paths, values, replica_sizes, placement,
+                                                  axis_sizes))
+
+
+def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, replica_sizes, placement: list,
+                  axis_sizes: dict) -> Layout:
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)

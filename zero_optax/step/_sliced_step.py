@@ -25,6 +25,14 @@ from zero_optax.step import (
 )
 
 
+def _in_rows(x: jax.Array, leaf) -> jax.Array:
+    """This device's slots of `leaf`, in the leaf's shape where they are whole rows of it (its block of rows, which
+    the caller's GSPMD then reads as the leaf cut over its first dimension, with nothing to reshape), else 1-D."""
+    if len(leaf.shape) > 1 and leaf.shape[0] % leaf.group == 0:
+        return x.reshape(leaf.shape[0] // leaf.group, *leaf.shape[1:])
+    return x
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupsDone:
     """What the group views leave for the rest of the step.
@@ -128,10 +136,10 @@ class SlicedStep:
         if not layout.groups:
             return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
-        own = {i: x[off:off + layout.leaves[i].slots] for g, x in zip(layout.groups, values)
+        own = {i: _in_rows(x[off:off + layout.leaves[i].slots], layout.leaves[i]) for g, x in zip(layout.groups, values)
                for i, off in zip(g.leaves, g.offsets) if i in exits}
         order = [i for i in _groups.order(layout) if i not in exits]
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
         gathered = self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
-        return {**gathered, **(jax.lax.optimization_barrier(own) if own else {})}
+        return {**gathered, **{i: jax.lax.optimization_barrier(x) for i, x in own.items()}}  # (one each: freed alike)
