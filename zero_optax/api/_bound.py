@@ -23,8 +23,7 @@ from zero_optax.core._errors import WeightError, ZeroError, ZeroStructureError
 from zero_optax.layout import _placement, _specs
 from zero_optax.layout._config import Config
 from zero_optax.layout._state import ZeroState
-from zero_optax.step import _engine
-from zero_optax.step._wire import unpadded as wire_unpadded
+from zero_optax.step import _engine, _wire
 
 
 def _spec_of(x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, drop: tuple[str, ...] = ()) -> P:
@@ -55,6 +54,13 @@ def param_specs(params: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
 def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     """`tree` resharded onto `mesh` by `specs` (a tree of `PartitionSpec`s like it)."""
     return jax.tree.map(lambda x, s: _compat.reshard(x, NamedSharding(mesh, s)), tree, specs)
+
+
+ENTER_BYTES = 1 << 16
+"""Under `jax.jit`, a leaf of at least this many bytes takes its gradient cut in rows over the data axis (what the
+state needs) where its rows divide, so that GSPMD reduce-scatters it; XLA then partitions the backward pass towards
+that cut, as for GSPMD's own sharded state, which costs more than it saves on small leaves (activations dominate):
+the demo's model, all below it, keeps its peak (`benchmarks/RESULTS.md`, the whole step)."""
 
 
 class Bound:
@@ -135,25 +141,32 @@ class Bound:
         auto = all(self.mesh.axis_types[self.mesh.axis_names.index(a)] == jax.sharding.AxisType.Auto
                    for a in layout.axes)
         exits = hoisted.mean.exit_rows(layout) if traced and auto and not apply else frozenset()
+        # Their gradients enter as each device's block of rows where the slots are whole rows of a large leaf: GSPMD
+        # then reduce-scatters a data-parallel gradient rather than all-reducing it.
+        entered = frozenset(i for i in exits if _wire.row_block(layout.leaves[i]) is not None
+                            and layout.leaves[i].size * np.dtype(layout.leaves[i].dtype).itemsize >= ENTER_BYTES)
         key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra), exits)
+        flat, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+        rows = jax.tree.unflatten(treedef, [P(layout.axes) if i in exits else s for i, s in enumerate(flat)])
+        grad_specs = jax.tree.unflatten(treedef, [P(layout.axes) if i in entered else s for i, s in enumerate(flat)])
         if key not in self._fns:
             def run(values, grads, state, params, extra):
                 with hoisted.reading(values):
-                    return hoisted.mean.update(grads, state, params, apply=apply, exits=exits, **extra)
+                    return hoisted.mean.update(grads, state, params, apply=apply, exits=exits, entered=entered,
+                                               **extra)
 
-            flat, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
-            out = jax.tree.unflatten(treedef, [P(layout.axes) if i in exits else s for i, s in enumerate(flat)])
             # One device: untyped (check_vma=False), so that no one-device collective retypes values (XLA:CPU copies).
             self._fns[key] = jax.jit(jax.shard_map(
-                run, mesh=self.mesh, in_specs=(hoisted.specs, specs, state_specs, specs if with_params else P(), P()),
-                out_specs=(out, state_specs), check_vma=self.mesh.size > 1))
-        grads = placed(grads, specs, self.mesh)
+                run, mesh=self.mesh,
+                in_specs=(hoisted.specs, grad_specs, state_specs, specs if with_params else P(), P()),
+                out_specs=(rows, state_specs), check_vma=self.mesh.size > 1))
+        grads = placed(grads, grad_specs, self.mesh)
         params = placed(params, specs, self.mesh) if with_params else None
         extra = jax.tree.map(lambda x: _compat.reshard(x, NamedSharding(self.mesh, P())), extra)
         updates, new_state = self._fns[key](hoisted.placed(self.mesh), grads, state, params, extra)
         if exits:  # each exiting leaf's rows back in the leaf's shape (where they are not already)
             u, treedef = jax.tree.flatten(updates)
-            updates = jax.tree.unflatten(treedef, [wire_unpadded(x, layout.leaves[i]) if i in exits else x
+            updates = jax.tree.unflatten(treedef, [_wire.unpadded(x, layout.leaves[i]) if i in exits else x
                                                    for i, x in enumerate(u)])
         return updates, new_state
 

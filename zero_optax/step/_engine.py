@@ -56,16 +56,17 @@ def check_layout(state, axis_name, replica_axes: tuple[str, ...] = ()) -> Layout
     return layout
 
 
-def check_tree(tree, layout: Layout, what: str) -> list[jax.Array]:
-    """The leaves of `tree` after checking structure and shapes against the parameters of `layout`."""
+def check_tree(tree, layout: Layout, what: str, entered: frozenset[int] = frozenset()) -> list[jax.Array]:
+    """The leaves of `tree` after checking structure and shapes against the parameters of `layout` (those of
+    `entered`: against a device's block of rows, `_wire.row_block`)."""
     leaves, treedef = jax.tree.flatten(tree)
     if treedef != layout.treedef:
         raise ZeroStructureError(
             f"The {what} do not have the structure of the parameters this state was initialised with.\n"
             f"  {what}: {tree_signature(tree)}\n"
             f"  parameters: {tree_signature(_groups.tree(layout, [0] * len(layout.leaves)))}")
-    for x, leaf in zip(leaves, layout.leaves):
-        if tuple(np.shape(x)) != leaf.shape:
+    for i, (x, leaf) in enumerate(zip(leaves, layout.leaves)):
+        if tuple(np.shape(x)) != (_wire.row_block(leaf) if i in entered else leaf.shape):
             raise ZeroStructureError(
                 f"The {what} leaf `{leaf.path}` has shape {tuple(np.shape(x))}, but the parameter has shape "
                 f"{leaf.shape}.")
@@ -137,16 +138,18 @@ class Engine:
         return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False,
-               exits: frozenset[int] = frozenset(), **extra):
+               exits: frozenset[int] = frozenset(), entered: frozenset[int] = frozenset(), **extra):
         """One `update` call; with `apply` (`zo.apply_gradients`), the new parameters instead of the updates; the
-        updates of the leaves of `exits` (`exit_rows`) as this device's `(slots,)`, not gathered."""
+        updates of the leaves of `exits` (`exit_rows`) as this device's slots, not gathered (its block of rows where
+        they are whole rows: `_wire.row_block`); the gradients of `entered` (of `exits`, global means) given as
+        this device's block of rows."""
         cfg = self.cfg
-        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra)
+        layout, g_leaves, p_leaves = self._check_step(grads, state, params, weight, extra, entered)
         if cfg.offload:  # the stored state stays in host memory and streams through the device
             state = _offload.move_small(state, jax.memory.Space.Device, cfg.bucket_bytes)
         if cfg.accumulating is None:
             denom = _reduce.denominator(weight, *_reduce.reduction(layout))
-            step = self._step(layout, g_leaves, p_leaves, denom, extra)
+            step = dataclasses.replace(self._step(layout, g_leaves, p_leaves, denom, extra), entered=entered)
             updates, new_state = self._run(step, g_leaves, state, apply, exits)
         else:
             updates, new_state = self._accumulate(layout, g_leaves, p_leaves, state, extra, weight)
@@ -221,17 +224,20 @@ class Engine:
         return _groups.Step(layout, cfg.inner if phase is None else phase.inner, extra, denom, inner_dt, sum_dt,
                             self._ranks(layout), phase is None or phase.step, cfg.offload, p_leaves, phase=phase)
 
-    def _check_step(self, grads, state, params, weight, extra) -> tuple[Layout, list, list | None]:
+    def _check_step(self, grads, state, params, weight, extra, entered: frozenset[int] = frozenset()
+                    ) -> tuple[Layout, list, list | None]:
         """The layout and the leaves of `grads` and `params`, every argument of `update` checked."""
         cfg = self.cfg
         layout = check_layout(state, cfg.axis_name, cfg.replica_axes)
-        g_leaves = check_tree(grads, layout, "gradients")
+        g_leaves = check_tree(grads, layout, "gradients", entered)
         p_leaves = None if params is None else check_tree(params, layout, "parameters")
         self.masters.check(p_leaves)
         reducing = cfg.reduce is not None
         if cfg.accumulate != LOCAL:
-            _reduce.check_semantics(g_leaves, layout.paths, [layout.zero_axes(leaf) for leaf in layout.leaves],
-                                    reducing, replicas=layout.replica_axes)
+            whole = [i for i in range(len(g_leaves)) if i not in entered]  # (a block of rows varies, by design)
+            _reduce.check_semantics([g_leaves[i] for i in whole], [layout.paths[i] for i in whole],
+                                    [layout.zero_axes(layout.leaves[i]) for i in whole], reducing,
+                                    replicas=layout.replica_axes)
         if weight is not None and not reducing:
             raise WeightError(
                 "`weight=` weighs each device's gradient (a loss sum) in the reduction, but with reduce=False the "

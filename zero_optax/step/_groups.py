@@ -196,15 +196,17 @@ def group_rank(layout: Layout, group: Group, ranks) -> jax.Array:
     return ranks[layout.zero_axes(layout.leaves[group.first])]
 
 
-def own_part(layout: Layout, group: Group, values, ranks) -> jax.Array:
-    """This device's slots of `group`'s members of `values` (leaf -> array), concatenated."""
+def own_part(layout: Layout, group: Group, values, ranks, entered: frozenset[int] = frozenset()) -> jax.Array:
+    """This device's slots of `group`'s members of `values` (leaf -> array), concatenated; those of `entered` are
+    their slots already (`Engine.update`)."""
     rank = group_rank(layout, group, ranks)
-    return _wire.concat([_wire.own_slice(values[i], layout.leaves[i], rank) for i in group.leaves])
+    return _wire.concat([values[i].reshape(-1) if i in entered else _wire.own_slice(values[i], layout.leaves[i], rank)
+                         for i in group.leaves])
 
 
-def own_parts(layout: Layout, values, ranks) -> list[jax.Array]:
+def own_parts(layout: Layout, values, ranks, entered: frozenset[int] = frozenset()) -> list[jax.Array]:
     """`own_part` of every group."""
-    return [own_part(layout, g, values, ranks) for g in layout.groups]
+    return [own_part(layout, g, values, ranks, entered) for g in layout.groups]
 
 
 MASK_PIECES = 16
@@ -268,6 +270,7 @@ class Step:
       shared_old: the shared entries' old values, once the group views have read them.
       phase: under accumulation, the side of the call that runs (`_accumulate.Phase`).
       programs: the inner update's programs traced on group views so far, by `Groups.program_key`.
+      entered: the sliced leaves whose gradients are this device's block of rows already (`Engine.update`).
     """
 
     layout: Layout
@@ -283,6 +286,7 @@ class Step:
     shared_old: dict | None = None
     phase: Any = None
     programs: dict = dataclasses.field(default_factory=dict)
+    entered: frozenset[int] = frozenset()
 
     @property
     def rank(self):

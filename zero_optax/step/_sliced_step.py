@@ -25,14 +25,6 @@ from zero_optax.step import (
 )
 
 
-def _in_rows(x: jax.Array, leaf) -> jax.Array:
-    """This device's slots of `leaf`, in the leaf's shape where they are whole rows of it (its block of rows, which
-    the caller's GSPMD then reads as the leaf cut over its first dimension, with nothing to reshape), else 1-D."""
-    if len(leaf.shape) > 1 and leaf.shape[0] % leaf.group == 0:
-        return x.reshape(leaf.shape[0] // leaf.group, *leaf.shape[1:])
-    return x
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupsDone:
     """What the group views leave for the rest of the step.
@@ -76,7 +68,7 @@ class SlicedStep:
         sliced = _groups.order(layout)
         grads = {i: g_leaves[i] for i in sliced}
         if self.cfg.reduce is None:  # already the global mean
-            return _groups.own_parts(layout, {i: grads[i].astype(inner_dt[i]) for i in sliced}, ranks)
+            return _groups.own_parts(layout, {i: grads[i].astype(inner_dt[i]) for i in sliced}, ranks, step.entered)
         buckets = self.wire.plan(layout, sliced, [step.sum_dt[i] for i in sliced])
         if self.cfg.reduce == "psum":
             rows = self.wire.all_reduce_slices(grads, layout, buckets, ranks)
@@ -136,8 +128,11 @@ class SlicedStep:
         if not layout.groups:
             return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
-        own = {i: _in_rows(x[off:off + layout.leaves[i].slots], layout.leaves[i]) for g, x in zip(layout.groups, values)
+        own = {i: x[off:off + layout.leaves[i].slots] for g, x in zip(layout.groups, values)
                for i, off in zip(g.leaves, g.offsets) if i in exits}
+        # (in the leaf's shape where they are its block of rows: the caller's GSPMD reads the leaf cut over its first
+        # dimension, with nothing to reshape)
+        own = {i: x.reshape(block) if (block := _wire.row_block(layout.leaves[i])) else x for i, x in own.items()}
         order = [i for i in _groups.order(layout) if i not in exits]
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])

@@ -50,13 +50,20 @@ def unpadded(x: jax.Array, leaf: ParamLeaf) -> jax.Array:
     return x[:leaf.size].reshape(leaf.shape) if x.shape[0] != leaf.size else x.reshape(leaf.shape)
 
 
+def row_block(leaf: ParamLeaf) -> tuple[int, ...] | None:
+    """The shape of a device's slots of `leaf` where they are whole rows of it, its block of rows (the leaf cut over
+    its first dimension); None where they are not."""
+    if leaf.group > 1 and leaf.shape and leaf.shape[0] % leaf.group == 0:
+        return (leaf.shape[0] // leaf.group, *leaf.shape[1:])
+    return None
+
+
 def own_slice(x: jax.Array, leaf: ParamLeaf, rank: jax.Array) -> jax.Array:
     """This device's `(slots,)` coordinates of the flattened, zero-padded block `x`."""
     if leaf.group == 1:
         return x.reshape(-1)
-    if x.ndim > 1 and x.shape[0] % leaf.group == 0:  # whole rows: cut in the leaf's shape, which XLA reads in place
-        rows = x.shape[0] // leaf.group
-        return lax.dynamic_slice_in_dim(x, rank * rows, rows, allow_negative_indices=False).reshape(-1)
+    if x.ndim > 1 and (block := row_block(leaf)) is not None:  # whole rows: cut in the leaf's shape, read in place
+        return lax.dynamic_slice_in_dim(x, rank * block[0], block[0], allow_negative_indices=False).reshape(-1)
     return lax.dynamic_slice_in_dim(padded(x, leaf), rank * leaf.slots, leaf.slots, allow_negative_indices=False)
 
 
