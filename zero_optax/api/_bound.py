@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax

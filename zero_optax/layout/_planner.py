@@ -279,8 +279,8 @@ def build_layout(cfg: Config, params) -> Layout:
                                                   axis_sizes))
 
 
-def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, replica_sizes, placement: list,
-                  axis_sizes: dict) -> Layout:
+def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, replica_sizes,
+                  placement: list[tuple[tuple[str, ...], int, int]], axis_sizes: dict) -> Layout:
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
