@@ -9,7 +9,12 @@ no cache is shared:
 * `gspmd`: MaxText style, `jax.jit` with the state sharded over "data" on its first divisible dimension
   (`benchmarks.variants.build_gspmd`), the gradient given as the stacked per-device gradients;
 * `flat`, `leaf`, `auto`: zero1 under `jax.shard_map`: the shard_map'ed `init` (trace, compile, run) plus the
-  compile of the step.
+  compile of the step;
+* `bound`: the mesh-bound zero1 (on the "Auto" mesh GSPMD gets): `tx.init` plus the compile of `tx.update` +
+  `optax.apply_updates` under `jax.jit`, parameters and state donated and pinned.
+
+`--gpt` times the GPT-like tree of 12 blocks of width 256 (147 leaves, 9.74 M parameters) instead; the leaf count
+column then reads 0.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zero_optax as zo
 
 L, variant, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-params = {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(L)}
-if variant == "gspmd":
+if L == 0:  # --gpt: the GPT-like tree of 12 blocks of width 256 (9.74 M parameters, 147 leaves)
+    from tests._models import gpt_params
+    params = gpt_params(1024, 256, 12)
+else:
+    params = {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(L)}
+if variant in ("gspmd", "bound"):
     from jax.sharding import AxisType
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 else:
@@ -48,6 +57,9 @@ with jax.set_mesh(mesh):
     elif variant in ("optax", "optax_shard_map"):
         tx = inner
         state = jax.block_until_ready(jax.jit(tx.init)(params))
+    elif variant == "bound":
+        tx = zo.zero1(inner, axis_name="data", mesh=mesh)
+        state = jax.block_until_ready(tx.init(params))
     else:
         tx = zo.zero1(inner, axis_name="data", partition=variant)
         init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
@@ -59,6 +71,13 @@ with jax.set_mesh(mesh):
     elif variant == "optax":
         step = jax.jit(lambda p, s, g: tx.update(g, s, p))
         args = (params, state, params)
+    elif variant == "bound":  # the step trainers write: update + apply_updates, donated and pinned
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        rep = NamedSharding(mesh, P())
+        step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(rep, jax.tree.map(lambda x: x.sharding, state)))
+        args = (params, state, jax.device_put(params, rep))
     else:
         out_specs = P() if variant == "optax_shard_map" else P("data")
         def step(p, s, g):
@@ -91,8 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--leaves", type=int, nargs="+", default=[400, 1000])
     parser.add_argument("--variants", nargs="+", default=["optax", "gspmd", "flat"])
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--gpt", action="store_true", help="the GPT-like tree of 147 real-size leaves instead")
     args = parser.parse_args(argv)
-    rows = [measure(L, v, args.optimizer) for L in args.leaves for v in args.variants]
+    rows = [measure(L, v, args.optimizer) for L in ([0] if args.gpt else args.leaves) for v in args.variants]
     base = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "optax"}
     gspmd = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "gspmd"}
     print(f"{args.optimizer}:")
