@@ -1,6 +1,8 @@
 """zero1 bound to a mesh: `init` and `update` on global arrays, in its own `shard_map` over the mesh, eagerly or under
-`jax.jit`; gradients are taken as the global mean. Values the inner transformation closes over that a `shard_map`
-body may not read (typed on `Explicit` axes) enter it as arguments (`_Hoisted`).
+`jax.jit`; gradients are taken as the global mean. Under `jax.jit` on an `Auto` axis the flat leaves' updates (and
+large leaves' gradients) cross the `shard_map` cut in rows over it, as GSPMD's own sharded state has them. Values the
+inner transformation closes over that a `shard_map` body may not read (typed on `Explicit` axes) enter it as
+arguments (`_Hoisted`).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class SlicedStep:
     def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
                apply: bool, exits: frozenset[int] = frozenset()):
         """The step's result on every device (the updates, with `apply` the new parameters) and the new state; the
-        leaves of `exits` (`exit_rows`) keep this device's slots, `(slots,)`, not gathered."""
+        leaves of `exits` (`Engine.exit_rows`) keep this device's slots, not gathered (`_gather_values`)."""
         layout, p_leaves, ok = step.layout, step.p_leaves, step.denom.ok
         values, new_master = done.values, done.new_master
         if done.u_parts is not None and layout.groups:
@@ -123,8 +123,9 @@ class SlicedStep:
 
     def _gather_values(self, layout: Layout, values: list, exits: frozenset[int]) -> dict[int, jax.Array]:
         """Every sliced leaf's full value, all-gathered in buckets planned in tree order from the groups' parts;
-        those of `exits`, this device's slots behind an optimization barrier (so that XLA fuses none of the
-        update into what the caller computes from it, which keeps the caller's results bit for bit)."""
+        those of `exits`, this device's slots (its block of rows where they are whole rows), each behind an
+        optimization barrier (so that XLA fuses none of the update into what the caller computes from it, which keeps
+        the caller's results bit for bit, and frees each once read)."""
         if not layout.groups:
             return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
@@ -137,4 +138,4 @@ class SlicedStep:
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
         gathered = self.wire.gather(_groups.rows_from_parts(layout, values, buckets), layout, buckets)
-        return {**gathered, **{i: jax.lax.optimization_barrier(x) for i, x in own.items()}}  # (one each: freed alike)
+        return {**gathered, **{i: jax.lax.optimization_barrier(x) for i, x in own.items()}}
