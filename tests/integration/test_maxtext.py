@@ -90,7 +90,9 @@ def test_checkpoint_resumes_as_the_uninterrupted_run(tmp, adamw):
 def test_checkpoint_resumes_at_another_data_parallel_size(tmp):
     """8 -> 4 -> 8 devices (the same global batch) through MaxText's checkpointer and `use_zero1`'s restore, which
     reads zero1's state at its saved shapes and lays it out with `zo.relayout`: 1/N per device after each restore,
-    and the losses of MaxText's own AdamW moved 8 -> 4 -> 8 alike, bit for bit."""
+    and the losses of MaxText's own AdamW moved 8 -> 4 -> 8 alike: bit for bit on 8 devices, to float32 rounding on
+    4, where XLA partitions the step around zero1's gradient cut in rows (a reduce-scatter, as for GSPMD's own
+    sharded state) where MaxText's AdamW all-reduces it: its third loss differs by one ulp."""
     ckpt = ["enable_checkpointing=true", "checkpoint_period=100"]
     runs = {}
     for optimizer in ("adamw", "zero1"):
@@ -99,7 +101,11 @@ def test_checkpoint_resumes_at_another_data_parallel_size(tmp):
                                      devices=devices, run_name=f"moved_{optimizer}")
     for i, devices in enumerate([8, 4, 8]):
         got, own = runs["zero1", i], runs["adamw", i]
-        assert got["losses"] == own["losses"] and sorted(got["losses"]) == [[0, 1], [2, 3], [4, 5]][i]
+        assert sorted(got["losses"]) == sorted(own["losses"]) == [[0, 1], [2, 3], [4, 5]][i]
+        if devices == 8:
+            assert got["losses"] == own["losses"]
+        else:
+            assert got["losses"] == pytest.approx(own["losses"], rel=1e-6, abs=0)
         assert got["setup"] == got["end"] == [got["global"] // devices] * devices
         assert own["end"] == [own["global"]] * devices
         assert got["relayouts"] == [0, 1, 1][i]  # a restore at another size: on 4, and back on 8
