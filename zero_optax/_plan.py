@@ -26,6 +26,7 @@ from zero_optax.core._errors import ZeroError
 from zero_optax.layout import _specs
 from zero_optax.layout._layout import Layout
 from zero_optax.layout._state import find_states
+from zero_optax.layout._stored import spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,7 @@ def plan(inner: optax.GradientTransformation, params: Any, *, mesh: Any, param_s
 
 def _global(block: Any, spec: P, mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
     """The global array of a `shard_map` output whose blocks are `block`, laid out by `spec` over `mesh`."""
-    cuts = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    cuts = spec_axes(spec)
     cuts += [()] * (len(block.shape) - len(cuts))
     shape = tuple(n * math.prod(mesh.shape[a] for a in cut) for n, cut in zip(block.shape, cuts))
     return jax.ShapeDtypeStruct(shape, block.dtype, sharding=NamedSharding(mesh, spec))

@@ -26,6 +26,7 @@ from zero_optax.core._errors import WeightError, ZeroError, ZeroStructureError
 from zero_optax.layout import _placement, _specs
 from zero_optax.layout._config import Config
 from zero_optax.layout._state import ZeroState
+from zero_optax.layout._stored import spec_axes
 from zero_optax.step import _engine, _wire
 
 
@@ -36,17 +37,12 @@ def _spec_of(x: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, drop: 
     if not isinstance(sharding, NamedSharding):  # (a tracer carries its sharding in its type only)
         sharding = getattr(jax.typeof(x), "sharding", None)
     if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
-        spec = tuple(_without(entry, drop) for entry in sharding.spec)
+        kept = [tuple(a for a in cut if a not in drop) for cut in spec_axes(sharding.spec)]
+        spec = tuple(None if not cut else cut[0] if len(cut) == 1 else cut for cut in kept)
         while spec and spec[-1] is None:
             spec = spec[:-1]
         return P(*spec)
     return P()
-
-
-def _without(entry: Any, drop: tuple[str, ...]) -> Any:
-    """A `PartitionSpec` entry without the axes of `drop`."""
-    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in drop)
-    return None if not names else names[0] if len(names) == 1 else names
 
 
 def param_specs(params: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, drop: tuple[str, ...] = ()) -> Any:

@@ -27,7 +27,7 @@ from zero_optax.checkpoint._store import Region
 from zero_optax.core import _names
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout import _attribution
-from zero_optax.layout._stored import LEAF, ParamLeaf, StoredLayout, slot_count
+from zero_optax.layout._stored import LEAF, ParamLeaf, StoredLayout, slot_count, spec_axes
 
 Progress = Callable[[int, int], None]
 """`progress(done_bytes, total_bytes)`, called after every chunk written (bytes of the new checkpoint)."""
@@ -165,7 +165,7 @@ def _kept(spec: Sequence[Any] | None, axes: tuple[str, ...], shape: tuple[int, .
     """A target leaf's `ParamLeaf.spec`: `spec` on the target's `axes` (None where unknown and `axes` are some)."""
     if spec is None and axes:
         return None
-    cut = _regions.spec_entries(spec or ())[:len(shape)]
+    cut = spec_axes(spec or ())[:len(shape)]
     return tuple(tuple(a for a in c if a in axes) for c in cut) + ((),) * (len(shape) - len(cut))
 
 
@@ -174,7 +174,7 @@ def _owned_leaf(old: StoredLayout, x: ParamLeaf, sizes: dict[str, int], spec: Se
     """Owned leaf `x` of `old` on a mesh of axis sizes `sizes`, its blocks cut as `spec` says, else as saved."""
     whole = old.whole_shape(x)
     if spec is not None:
-        cut = _regions.spec_entries(spec)
+        cut = spec_axes(spec)
         cut += [()] * (len(whole) - len(cut))
     else:
         cut = list(x.dims) or [()] * len(whole)

@@ -27,7 +27,7 @@ from zero_optax.checkpoint._record import short
 from zero_optax.checkpoint._schema import SavedState
 from zero_optax.checkpoint._store import Region, aligned_empty, aligned_zeros
 from zero_optax.core._errors import ZeroCheckpointError
-from zero_optax.layout._stored import LOCAL, MICRO_STEP_PATH, ParamLeaf, StoredViews
+from zero_optax.layout._stored import LOCAL, MICRO_STEP_PATH, ParamLeaf, StoredViews, spec_axes
 
 Box = tuple[tuple[int, int], ...]
 """A box of an array: `(start, stop)` per dimension."""
@@ -111,14 +111,9 @@ def _logical(blocks: Blocks) -> str:
     return f"{list(blocks.shape)}" + (f" per block over {over}" if over else " (whole)")
 
 
-def spec_entries(spec: Sequence[Any]) -> list[tuple[str, ...]]:
-    """The axes cutting each dimension, from a `PartitionSpec` (or any sequence of None, axis, tuple of axes)."""
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-
-
 def spec_dims(spec: Sequence[Any] | None) -> dict[str, int]:
     """Axis -> the dimension it cuts, from a `PartitionSpec`."""
-    return {a: d for d, axes in enumerate(spec_entries(() if spec is None else spec)) for a in axes}
+    return {a: d for d, axes in enumerate(spec_axes(() if spec is None else spec)) for a in axes}
 
 
 def recut(saved: Blocks, target: Blocks, where: str, spec: Sequence[Any] | None = None) -> Recut:
@@ -168,7 +163,7 @@ def placement(old: ParamLeaf, new: ParamLeaf, saved: Blocks, where: str) -> tupl
 def show_spec(spec: Sequence[Any]) -> str:
     """How error messages show a spec (per dimension, the axes cutting it)."""
     return "(" + ", ".join("None" if not cut else repr(cut[0]) if len(cut) == 1 else repr(tuple(cut))
-                           for cut in spec_entries(spec)) + ")"
+                           for cut in spec_axes(spec)) + ")"
 
 
 def recuts(saved: StoredViews, target: StoredViews, where: str, specs: Mapping[str, Sequence[Any]] | None = None

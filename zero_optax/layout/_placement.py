@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from zero_optax.core import _compat
 from zero_optax.layout._specs import specs_of
 from zero_optax.layout._state import ZeroState
+from zero_optax.layout._stored import spec_axes
 
 BODY_HELP = """\
 The zero1 state's array `{path}` is the same on every device of `{axes}` (typed invariant) inside shard_map: the \
@@ -30,15 +31,10 @@ jax.tree.map(lambda spec: NamedSharding(mesh, spec), zo.state_specs(tx, params, 
 those specs as your trainer's abstract-state shardings; the state tx.init returns is placed that way already."""
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one entry of a `PartitionSpec`."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _dims(spec: Any, ndim: int) -> list[tuple[str, ...]]:
     """The mesh axes of each of `ndim` dimensions under `spec`."""
-    entries = list(spec)[:ndim]
-    return [_axes(e) for e in entries] + [()] * (ndim - len(entries))
+    entries = spec_axes(list(spec)[:ndim])
+    return entries + [()] * (ndim - len(entries))
 
 
 def _describe(sharding: Any, shape: tuple[int, ...]) -> str:

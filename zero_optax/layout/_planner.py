@@ -358,7 +358,7 @@ def _leaf_specs(cfg: Config, params, owned: list[bool], placement: list, paths: 
     out = []
     for i, x in enumerate(real):
         spec, axes, ndim = tuple(per_leaf[i]), placement[i][0], len(x.shape)
-        cut = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        cut = _stored.spec_axes(spec)
         named = [a for c in cut for a in c]
         if len(cut) > ndim or sorted(named) != sorted(axes):
             text = TENSOR_PARALLEL_SPEC_HELP if owned[i] else PLACEMENT_SPEC_HELP

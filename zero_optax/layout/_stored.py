@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,12 @@ WEIGHT_SUM_PATH = ".weight_sum"
 """The shared entry holding the cycle's global weight so far (`AccumulateState.weight_sum`)."""
 MASTER_PREFIX = "<master>"
 """Master-copy entries are named `<master>` followed by the parameter leaf's path."""
+
+
+def spec_axes(spec: Iterable[Any]) -> list[tuple[str, ...]]:
+    """The mesh axes cutting each dimension, from a `PartitionSpec` (or any sequence of None, an axis name, a tuple
+    of axis names)."""
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
 
 
 def slot_count(size: int, group: int) -> int:
