@@ -146,8 +146,10 @@ class Bound:
                             and layout.leaves[i].size * np.dtype(layout.leaves[i].dtype).itemsize >= ENTER_BYTES)
         key = ("update", layout, tuple(jax.tree.leaves(specs)), with_params, apply, jax.tree.structure(extra), exits)
         flat, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
-        rows = jax.tree.unflatten(treedef, [P(layout.axes) if i in exits else s for i, s in enumerate(flat)])
-        grad_specs = jax.tree.unflatten(treedef, [P(layout.axes) if i in entered else s for i, s in enumerate(flat)])
+
+        def in_rows(leaves: frozenset[int]) -> Any:  # `specs`, with `leaves` cut over the ZeRO axis
+            return jax.tree.unflatten(treedef, [P(layout.axes) if i in leaves else s for i, s in enumerate(flat)])
+        rows, grad_specs = in_rows(exits), in_rows(entered)
         if key not in self._fns:
             def run(values, grads, state, params, extra):
                 with hoisted.reading(values):

@@ -129,11 +129,10 @@ class SlicedStep:
         if not layout.groups:
             return {}
         values = [x.reshape(-1) for x in values]  # a part kept in its leaf's shape (`Group.shape`) gathers 1-D
-        own = {i: x[off:off + layout.leaves[i].slots] for g, x in zip(layout.groups, values)
-               for i, off in zip(g.leaves, g.offsets) if i in exits}
         # (in the leaf's shape where they are its block of rows: the caller's GSPMD reads the leaf cut over its first
         # dimension, with nothing to reshape)
-        own = {i: x.reshape(block) if (block := _wire.row_block(layout.leaves[i])) else x for i, x in own.items()}
+        own = {i: x[off:off + layout.leaves[i].slots].reshape(_wire.row_block(layout.leaves[i]) or (-1,))
+               for g, x in zip(layout.groups, values) for i, off in zip(g.leaves, g.offsets) if i in exits}
         order = [i for i in _groups.order(layout) if i not in exits]
         dtypes = {i: np.dtype(x.dtype).name for g, x in zip(layout.groups, values) for i in g.leaves}
         buckets = self.wire.plan(layout, order, [dtypes[i] for i in order])
