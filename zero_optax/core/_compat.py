@@ -16,6 +16,7 @@ import jax.core
 import jax.numpy as jnp
 import jaxlib.version
 from jax import lax
+from jax._src import config as _jax_config  # (`vma_enabled`: the flag shard_map sets)
 
 from zero_optax.core._errors import ZeroAxisError
 
@@ -79,8 +80,15 @@ def manual_axes() -> dict[str, int]:
 
 
 def vma_enabled(axes: Axes) -> bool:
-    """Whether values carry varying-manual-axes types (shard_map's `check_vma=True`, the default)."""
-    return all(a in varying_axes(lax.axis_index(a)) for a in as_tuple(axes))
+    """Whether values carry varying-manual-axes types (shard_map's `check_vma=True`, the default).
+
+    Read from the flag `shard_map` sets while it traces, where this JAX has it: asking the type of an
+    `axis_index`, the public way, writes an equation into the program at every call."""
+    axes = as_tuple(axes)
+    flag = getattr(_jax_config, "_check_vma", None)
+    if flag is None:
+        return all(a in varying_axes(lax.axis_index(a)) for a in axes)
+    return bool(flag.value) and set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def varying_axes(x) -> frozenset:
@@ -127,8 +135,10 @@ def _explicit_only(sharding) -> bool:
 
 
 def reshard(x, sharding):
-    """`x` moved to `sharding`, inside or outside `jax.jit`, on any mesh (`jax.reshard` refuses `Auto` axes)."""
-    if _explicit_only(sharding):
+    """`x` moved to `sharding`, inside or outside `jax.jit`, on any mesh (`jax.reshard` refuses `Auto` axes). An
+    array is put on a concrete mesh directly: `jax.reshard` of one compiles a program per shape."""
+    concrete = isinstance(getattr(sharding, "mesh", None), jax.sharding.Mesh)
+    if _explicit_only(sharding) and (isinstance(x, jax.core.Tracer) or not concrete):
         return jax.reshard(x, sharding)
     if isinstance(x, jax.core.Tracer):
         return lax.with_sharding_constraint(x, sharding)

@@ -41,10 +41,11 @@ def _traced(init_fn: Callable, params: Any) -> tuple[Any, dict[int, str]]:
     return jax.eval_shape(init_data, params), found
 
 
-def impls(init_fn: Callable, params: Any) -> dict[str, str]:
-    """The typed keys `init_fn(params)` puts in its state: state path -> implementation name (traced only)."""
+def impls(init_fn: Callable, params: Any) -> tuple[dict[str, str], Any]:
+    """The typed keys `init_fn(params)` puts in its state (state path -> implementation name), and that state,
+    abstract, holding key data (`as_data`'s `init`): one trace."""
     state, found = _traced(init_fn, params)
-    return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}
+    return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}, state
 
 
 def _unsigned(x: Any) -> bool:

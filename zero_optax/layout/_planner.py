@@ -215,10 +215,13 @@ def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], own
     return tuple(out)
 
 
-def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
-    """The typed PRNG keys the inner state holds: path -> implementation. Refuses a key per parameter."""
+def _typed_keys(cfg: Config, treedef, params) -> tuple[dict[str, str], Any]:
+    """The typed PRNG keys the inner state holds (path -> implementation), and the inner state on `params` where
+    the trace that found them gives it (None otherwise). Refuses a key per parameter."""
     typed_init = cfg.typed_init
-    impls = {} if typed_init is None else _keys.impls(typed_init, params)
+    impls, state = ({}, None) if typed_init is None else _keys.impls(typed_init, params)
+    if cfg.accumulating is not None:  # (`typed_init` initialises the accumulation too: another state)
+        state = None
     if typed_init is not None and impls:
         masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
         shared = set(_names.leaf_paths(jax.eval_shape(typed_init, masked)))
@@ -228,7 +231,7 @@ def _typed_keys(cfg: Config, treedef, params) -> dict[str, str]:
                     f"The inner optimizer's state `{path}` holds a typed PRNG key ({impl}) for one parameter; "
                     "zero1 keeps typed keys in state shared by all parameters (optax.noisy_sgd's), the same on "
                     "every device. Keep one key for all parameters, or keep this transformation outside zero1.")
-    return impls
+    return impls, state
 
 
 def _small_elementwise(cfg: Config, real, coupled: frozenset[int], placement) -> set[int]:
@@ -284,10 +287,11 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
-    keys = _typed_keys(cfg, treedef, real_tree)
+    keys, keys_state = _typed_keys(cfg, treedef, real_tree)
     traced_on = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
-        real_entries, real_state = (), jax.eval_shape(cfg.inner.init, real_tree)
+        real_state = jax.eval_shape(cfg.inner.init, real_tree) if keys_state is None else keys_state
+        real_entries = ()
     else:
         real_entries, real_state = _remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
             cfg.inner.init, treedef, real))

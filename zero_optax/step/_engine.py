@@ -8,6 +8,9 @@ coupling analysis at `init` proves the views exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +111,7 @@ class Engine:
         self.masters = _master.of(cfg)
         self.sliced = _sliced_step.SlicedStep(cfg, self.wire, _groups.Groups(cfg, self.views), self.masters)
         self.owned = _owned_step.OwnedStep(cfg, self.wire, self.views, self.masters)
+        self._fresh_states: dict[int, tuple[Layout, Callable[[Any], ZeroState]]] = {}
 
     @staticmethod
     def _ranks(layout: Layout) -> dict:
@@ -125,6 +129,25 @@ class Engine:
                 raise ZeroStructureError(
                     f"scatter_state: the inner state is structured as {tree_signature(full_state)}, but the inner "
                     f"transformation's init gives {layout.state_tree}.")
+        if full is None and not cfg.offload and _compat.manual_axes():
+            return self._fresh(layout)(params)
+        state = self._state(layout, params, full)
+        return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
+
+    def _fresh(self, layout: Layout) -> Callable[[Any], ZeroState]:
+        """The fresh state of `layout` as one nested `jax.jit`, kept per layout: the trace that `state_specs` makes
+        is then the one `init` evaluates, not made again."""
+        kept = self._fresh_states.get(id(layout))
+        if kept is None or kept[0] is not layout:  # (this very layout: equal ones may differ in what they record)
+            kept = self._fresh_states[id(layout)] = (layout, jax.jit(functools.partial(self._state, layout, full=None)))
+            while len(self._fresh_states) > _planner.REMEMBERED:
+                self._fresh_states.pop(next(iter(self._fresh_states)))
+        return kept[1]
+
+    def _state(self, layout: Layout, params, full: list | None) -> ZeroState:
+        """The state of `layout` for `params`: fresh from the inner `init`, or sliced from the leaves `full` of a
+        plain optax state."""
+        cfg = self.cfg
         values = [x.astype(cfg.inner_dtype(x.dtype)) for x in jax.tree.leaves(params)]
         ranks = self._ranks(layout)
         rows = _groups.own_parts(layout, values, ranks)
@@ -134,8 +157,7 @@ class Engine:
         master = self.masters.init(rows, layout)
         local = (_accumulate.init_local(layout, params, layout.replica_axes + layout.axes)
                  if layout.accumulate == LOCAL else None)
-        state = ZeroState(inner_state, buffers, master, layout, local)
-        return _offload.move(state, jax.memory.Space.Host, cfg.bucket_bytes) if cfg.offload else state
+        return ZeroState(inner_state, buffers, master, layout, local)
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False,
                exits: frozenset[int] = frozenset(), entered: frozenset[int] = frozenset(), **extra):
@@ -161,13 +183,16 @@ class Engine:
         """The leaves whose updates can leave a mesh-bound `update` cut in rows over the ZeRO axis, as a data-parallel
         state's updates do under GSPMD (each device adds its rows, the new parameters are gathered): the sliced
         leaves sharded over that one axis only, in a step with no master copies, offload, accumulation,
-        replica axes or quantized gather, whose updates are what the inner update returned."""
+        replica axes or quantized gather, whose updates are what the inner update returned. A leaf fused with
+        others into one group (`FUSE_BYTES`) is gathered with them: its rows, cut from the group's part at its own
+        offset, would be one more program for XLA to compile per leaf, for a few kilobytes."""
         cfg = self.cfg
         if (cfg.offload or cfg.accumulating is not None or cfg.master_dtype is not None or layout.replica_axes
                 or (cfg.quantize is not None and cfg.quantize.params is not None) or len(layout.axes) != 1
                 or layout.world_size == 1):
             return frozenset()
-        return frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.sliced and not leaf.axes)
+        alone = {g.first for g in layout.groups if len(g.leaves) == 1}
+        return frozenset(i for i, leaf in enumerate(layout.leaves) if leaf.sliced and not leaf.axes and i in alone)
 
     def _run(self, step: _groups.Step, g_leaves: list, state: ZeroState, apply: bool = False,
              exits: frozenset[int] = frozenset()):

@@ -269,7 +269,8 @@ class Step:
       p_leaves: the parameter leaves (None without), as the reading code holds them (in a branch, its operand).
       shared_old: the shared entries' old values, once the group views have read them.
       phase: under accumulation, the side of the call that runs (`_accumulate.Phase`).
-      programs: the inner update's programs traced on group views so far, by `Groups.program_key`.
+      programs: the inner update's programs traced on group views so far, by `Groups.program_key`, and their
+        evaluations under `jax.jit` by `("evaluate", key)` (`Groups._rerun`).
       entered: the sliced leaves whose gradients are this device's block of rows already (`Engine.update`).
     """
 
@@ -401,7 +402,7 @@ class Groups:
         leaves = [*g_part, *state, *p_part, *jax.tree.leaves(step.extra)]
         key = self.program_key(step, g, leaves)
         if g is not None and key in step.programs:
-            return self._rerun(step, g, step.programs[key], leaves)
+            return self._rerun(step, g, key, leaves)
         first = [] if g is None else [layout.groups[g].first]
         g_view = masked_tree(layout, dict(zip(first, g_part)))
         old = jax.tree_util.tree_unflatten(self.views.group(layout, g)[0], state)
@@ -456,10 +457,16 @@ class Groups:
         return tuple(("history", histories.index(j)) if j in histories else ("shared", j)
                      for j in self.views.order(layout, g))
 
-    def _rerun(self, step: Step, g: int, program, leaves: list) -> tuple[jax.Array, dict[int, Any], list[Any]]:
-        """`run_view` of group `g` on its view's `leaves` by `program`, traced on another group's view of the same
-        `program_key`: `check_returned` found its results structured like that view's arguments, so like these."""
-        out = _varying.evaluate(program, leaves, step.layout.axes)
+    def _rerun(self, step: Step, g: int, key: tuple, leaves: list) -> tuple[jax.Array, dict[int, Any], list[Any]]:
+        """`run_view` of group `g` on its view's `leaves` by the program traced on another group's view of the same
+        `program_key`: `check_returned` found its results structured like that view's arguments, so like these. The
+        program is evaluated inside one `jax.jit` per key, so that the step traces it once, not once per group (a
+        call XLA inlines: the same compiled step)."""
+        run = step.programs.get(("evaluate", key))
+        if run is None:
+            run = step.programs[("evaluate", key)] = jax.jit(
+                functools.partial(_varying.evaluate, step.programs[key], axes=step.layout.axes))
+        out = run(leaves)
         out = _varying.like(out, leaves[:len(out)])  # (the update and the new state, like the gradient and state)
         return out[0], *self._disassemble(step.layout, g, out[1:])
 
