@@ -67,6 +67,21 @@ def own_slice(x: jax.Array, leaf: ParamLeaf, rank: jax.Array) -> jax.Array:
     return lax.dynamic_slice_in_dim(padded(x, leaf), rank * leaf.slots, leaf.slots, allow_negative_indices=False)
 
 
+def pieces(x: jax.Array, bounds: Sequence[tuple[int, int]], axis: int = 0) -> list[jax.Array]:
+    """`x[a:b]` along `axis` for each `(a, b)` of `bounds`, read at offsets XLA cannot fold into its programs.
+
+    XLA:CPU compiles a program per distinct fused computation: pieces of one buffer cut at constant offsets are one
+    program each (with the update they feed), while at offsets behind an `optimization_barrier` the pieces of a
+    size share one. The values are the same."""
+    whole = [a == 0 and b == x.shape[axis] for a, b in bounds]
+    starts = [a for (a, _), w in zip(bounds, whole) if not w]
+    if len(starts) < 2 or max(starts) >= np.iinfo(np.int32).max:
+        return [lax.slice_in_dim(x, a, b, axis=axis) for a, b in bounds]
+    opaque = iter(lax.optimization_barrier(tuple(np.int32(a) for a in starts)))
+    return [x if w else lax.dynamic_slice_in_dim(x, next(opaque), b - a, axis=axis, allow_negative_indices=False)
+            for (a, b), w in zip(bounds, whole)]
+
+
 def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     """The 1-D `flat` cut into consecutive pieces of `sizes`."""
     if len(sizes) == 1:
@@ -185,7 +200,7 @@ class Wire:
             if b.axes and leaves[0].group > 1:
                 cols = self._gather_values(row.astype(b.dtype), b.axes).reshape(leaves[0].group, -1)
                 cuts = [0, *itertools.accumulate(leaf.slots for leaf in leaves)]
-                blocks = [cols[:, a:c].reshape(-1) for a, c in itertools.pairwise(cuts)]
+                blocks = [x.reshape(-1) for x in pieces(cols, list(itertools.pairwise(cuts)), axis=1)]
             else:
                 blocks = split(row.astype(b.dtype), [leaf.slots for leaf in leaves])
                 if b.axes and _compat.vma_enabled(b.axes):  # one device: the gather only types the value invariant
