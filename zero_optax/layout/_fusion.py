@@ -66,10 +66,11 @@ def leaf_programs(traced: _programs.Traced, treedef, entries: tuple[StateEntry, 
     return _programs.leaf_programs(traced, sources=ins, out_sources=outs, names=names, collective=reductions)
 
 
-def init_programs(cfg: Config, tree: Any, entries: tuple[StateEntry, ...]) -> dict[int | None, tuple[str, ...]]:
-    """Each leaf's program in the inner `init` on the parameters `tree` (`entries`: its state's leaves); key None
-    the shared state's."""
-    traced = _programs.trace(cfg.inner.init, tree)
+def init_programs(cfg: Config, tree: Any, entries: tuple[StateEntry, ...], traced: _programs.Traced | None = None
+                  ) -> dict[int | None, tuple[str, ...]]:
+    """Each leaf's program in the inner `init` on the parameters `tree` (`entries`: its state's leaves; `traced`:
+    that `init` traced already, if it was); key None the shared state's."""
+    traced = _programs.trace(cfg.inner.init if traced is None else traced, tree)
     treedef = jax.tree.structure(tree)
     leaves = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
     state = jax.tree_util.tree_unflatten(jax.tree.structure(traced.out_shape), [e.leaf for e in entries])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zero_optax.analysis import _programs
 from zero_optax.core import _names
 
 
@@ -29,23 +30,27 @@ def to_key(x: Any, impl: str | None) -> Any:
     return x if impl is None or is_key(x) else jax.random.wrap_key_data(x, impl=impl)
 
 
-def _traced(init_fn: Callable, params: Any) -> tuple[Any, dict[int, str]]:
-    """`init_fn(params)`'s abstract state holding key data, and leaf position -> implementation of its keys."""
-    found: dict[int, str] = {}
-
+def _recording(init_fn: Callable, found: dict[int, str]) -> Callable:
+    """`init_fn` with its typed keys as key data, writing each key's leaf position -> implementation into `found`."""
     def init_data(p):
         state = init_fn(p)
         found.update((k, str(jax.random.key_impl(x))) for k, x in enumerate(jax.tree.leaves(state)) if is_key(x))
         return jax.tree.map(to_data, state)
+    return init_data
 
-    return jax.eval_shape(init_data, params), found
+
+def _traced(init_fn: Callable, params: Any) -> tuple[Any, dict[int, str]]:
+    """`init_fn(params)`'s abstract state holding key data, and leaf position -> implementation of its keys."""
+    found: dict[int, str] = {}
+    return jax.eval_shape(_recording(init_fn, found), params), found
 
 
-def impls(init_fn: Callable, params: Any) -> tuple[dict[str, str], Any]:
-    """The typed keys `init_fn(params)` puts in its state (state path -> implementation name), and that state,
-    abstract, holding key data (`as_data`'s `init`): one trace."""
-    state, found = _traced(init_fn, params)
-    return {path: found[k] for k, path in enumerate(_names.leaf_paths(state)) if k in found}, state
+def impls(init_fn: Callable, params: Any) -> tuple[dict[str, str], _programs.Traced]:
+    """The typed keys `init_fn(params)` puts in its state (state path -> implementation name), and its program with
+    them as key data (`as_data`'s `init`, where it holds no key): one trace for the layout's analyses."""
+    found: dict[int, str] = {}
+    traced = _programs.trace(_recording(init_fn, found), params)
+    return {path: found[k] for k, path in enumerate(_names.leaf_paths(traced.out_shape)) if k in found}, traced
 
 
 def _unsigned(x: Any) -> bool:

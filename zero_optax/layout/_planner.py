@@ -215,13 +215,13 @@ def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], own
     return tuple(out)
 
 
-def _typed_keys(cfg: Config, treedef, params) -> tuple[dict[str, str], Any]:
-    """The typed PRNG keys the inner state holds (path -> implementation), and the inner state on `params` where
-    the trace that found them gives it (None otherwise). Refuses a key per parameter."""
+def _typed_keys(cfg: Config, treedef, params) -> tuple[dict[str, str], _programs.Traced | None]:
+    """The typed PRNG keys the inner state holds (path -> implementation), and the inner `init` traced on `params`
+    where the trace that found them is it (None otherwise). Refuses a key per parameter."""
     typed_init = cfg.typed_init
-    impls, state = ({}, None) if typed_init is None else _keys.impls(typed_init, params)
-    if cfg.accumulating is not None:  # (`typed_init` initialises the accumulation too: another state)
-        state = None
+    impls, traced = ({}, None) if typed_init is None else _keys.impls(typed_init, params)
+    if cfg.accumulating is not None:  # (`typed_init` initialises the accumulation too: another program)
+        traced = None
     if typed_init is not None and impls:
         masked = jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode()] * treedef.num_leaves)
         shared = set(_names.leaf_paths(jax.eval_shape(typed_init, masked)))
@@ -231,7 +231,7 @@ def _typed_keys(cfg: Config, treedef, params) -> tuple[dict[str, str], Any]:
                     f"The inner optimizer's state `{path}` holds a typed PRNG key ({impl}) for one parameter; "
                     "zero1 keeps typed keys in state shared by all parameters (optax.noisy_sgd's), the same on "
                     "every device. Keep one key for all parameters, or keep this transformation outside zero1.")
-    return impls, state
+    return impls, traced
 
 
 def _small_elementwise(cfg: Config, real, coupled: frozenset[int], placement) -> set[int]:
@@ -287,10 +287,10 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     n = _compat.axis_size(cfg.axes)
     real = [jax.ShapeDtypeStruct(np.shape(x), cfg.inner_dtype(x.dtype)) for x in values]
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
-    keys, keys_state = _typed_keys(cfg, treedef, real_tree)
+    keys, traced_init = _typed_keys(cfg, treedef, real_tree)
     traced_on = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
     if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
-        real_state = jax.eval_shape(cfg.inner.init, real_tree) if keys_state is None else keys_state
+        real_state = jax.eval_shape(cfg.inner.init, real_tree) if traced_init is None else traced_init.out_shape
         real_entries = ()
     else:
         real_entries, real_state = _remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
@@ -325,7 +325,8 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    inits = _remembered(("init", cfg.inner, traced_on, by_leaf), lambda: _fusion.init_programs(cfg, real_tree, by_leaf))
+    inits = _remembered(("init", cfg.inner, traced_on, by_leaf), lambda: _fusion.init_programs(
+        cfg, real_tree, by_leaf, traced_init))
     groups = () if all(owned) else _fusion.groups(views, entries, programs, inits)
     return Layout(
         partition=cfg.partition, axis_name=cfg.axis_name, world_size=n, leaves=leaves, entries=entries,
