@@ -457,7 +457,8 @@ class Groups:
         return tuple(("history", histories.index(j)) if j in histories else ("shared", j)
                      for j in self.views.order(layout, g))
 
-    def _rerun(self, step: Step, g: int, key: tuple, leaves: list) -> tuple[jax.Array, dict[int, Any], list[Any]]:
+    def _rerun(self, step: Step, g: int, key: tuple | None, leaves: list
+               ) -> tuple[jax.Array, dict[int, Any], list[Any]]:
         """`run_view` of group `g` on its view's `leaves` by the program traced on another group's view of the same
         `program_key`: `check_returned` found its results structured like that view's arguments, so like these. The
         program is evaluated inside one `jax.jit` per key, so that the step traces it once, not once per group (a
