@@ -250,17 +250,18 @@ REMEMBERED = 8
 each build the layout of the same transformation and shapes, and tracing the inner update is most of it."""
 
 
-def _remembered(key: Any, compute: Callable[[], Any]) -> Any:
-    """`compute()`, kept under `key` for the last `REMEMBERED` keys (computed each time where `key` is unhashable)."""
+def remembered(key: Any, compute: Callable[[], Any], kept: collections.OrderedDict = _REMEMBERED) -> Any:
+    """`compute()`, kept in `kept` under `key` for the last `REMEMBERED` keys (computed each time where `key` is
+    unhashable)."""
     try:
-        found = _REMEMBERED.get(key)
+        found = kept.get(key)
     except TypeError:  # (a transformation holding an unhashable value)
         return compute()
     if found is None:
-        found = _REMEMBERED[key] = compute()
-        while len(_REMEMBERED) > REMEMBERED:
-            _REMEMBERED.popitem(last=False)
-    _REMEMBERED.move_to_end(key)
+        found = kept[key] = compute()
+        while len(kept) > REMEMBERED:
+            kept.popitem(last=False)
+    kept.move_to_end(key)
     return found
 
 
@@ -278,7 +279,7 @@ def build_layout(cfg: Config, params) -> Layout:
         spec_leaves, spec_tree = [], None  # (no spec, or none naming an axis: the same layout)
     key = ("layout", cfg, treedef, tuple((np.shape(x), str(x.dtype)) for x in values),
            tuple(_compat.manual_axes().items()), tuple(placement), replica_sizes, spec_tree, tuple(spec_leaves))
-    return _remembered(key, lambda: _build_layout(cfg, params, treedef, paths, values, replica_sizes, placement,
+    return remembered(key, lambda: _build_layout(cfg, params, treedef, paths, values, replica_sizes, placement,
                                                   axis_sizes))
 
 
@@ -293,9 +294,9 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
         real_state = jax.eval_shape(cfg.inner.init, real_tree) if traced_init is None else traced_init.out_shape
         real_entries = ()
     else:
-        real_entries, real_state = _remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
+        real_entries, real_state = remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
             cfg.inner.init, treedef, real))
-    traced, extra = _remembered(("update", cfg.inner, traced_on),
+    traced, extra = remembered(("update", cfg.inner, traced_on),
                                 lambda: _inner.trace_update(cfg.inner, real_tree, real_state, real_tree))
     found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
     if found.joint and cfg.offload:
@@ -325,7 +326,7 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     views = _fusion.Views(cfg, treedef, leaves, extra, {}, found.joint)
     programs = _fusion.leaf_programs(traced, treedef, by_leaf, views.names, found.joint)
     entries = entries + _master_entries(cfg, leaves, axis_sizes)
-    inits = _remembered(("init", cfg.inner, traced_on, by_leaf), lambda: _fusion.init_programs(
+    inits = remembered(("init", cfg.inner, traced_on, by_leaf), lambda: _fusion.init_programs(
         cfg, real_tree, by_leaf, traced_init))
     groups = () if all(owned) else _fusion.groups(views, entries, programs, inits)
     return Layout(

@@ -7,6 +7,7 @@ coupling analysis at `init` proves the views exact.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -111,7 +112,7 @@ class Engine:
         self.masters = _master.of(cfg)
         self.sliced = _sliced_step.SlicedStep(cfg, self.wire, _groups.Groups(cfg, self.views), self.masters)
         self.owned = _owned_step.OwnedStep(cfg, self.wire, self.views, self.masters)
-        self._fresh_states: dict[int, tuple[Layout, Callable[[Any], ZeroState]]] = {}
+        self._fresh_states: collections.OrderedDict = collections.OrderedDict()  # (`_fresh`)
 
     @staticmethod
     def _ranks(layout: Layout) -> dict:
@@ -136,13 +137,10 @@ class Engine:
 
     def _fresh(self, layout: Layout) -> Callable[[Any], ZeroState]:
         """The fresh state of `layout` as one nested `jax.jit`, kept per layout: the trace that `state_specs` makes
-        is then the one `init` evaluates, not made again."""
-        kept = self._fresh_states.get(id(layout))
-        if kept is None or kept[0] is not layout:  # (this very layout: equal ones may differ in what they record)
-            kept = self._fresh_states[id(layout)] = (layout, jax.jit(functools.partial(self._state, layout, full=None)))
-            while len(self._fresh_states) > _planner.REMEMBERED:
-                self._fresh_states.pop(next(iter(self._fresh_states)))
-        return kept[1]
+        is then the one `init` evaluates, not made again. Kept by the layout's `id` (equal layouts may differ in
+        what they record); the entry holds the layout, so no other object has that `id` while it is kept."""
+        return _planner.remembered(id(layout), lambda: (layout, jax.jit(functools.partial(
+            self._state, layout, full=None))), self._fresh_states)[1]
 
     def _state(self, layout: Layout, params, full: list | None) -> ZeroState:
         """The state of `layout` for `params`: fresh from the inner `init`, or sliced from the leaves `full` of a
