@@ -10,6 +10,9 @@ no cache is shared:
   (`benchmarks.variants.build_gspmd`), the gradient given as the stacked per-device gradients;
 * `flat`, `leaf`, `auto`: zero1 under `jax.shard_map`: the shard_map'ed `init` (trace, compile, run) plus the
   compile of the step;
+* `gspmd_traced`: `gspmd` plus one `jax.make_jaxpr` of the inner update on the parameters' shapes before its
+  `init`: the least time any `init` adds to GSPMD's when it decides how to store the state from the update's
+  program (which leaves couple, which run one program), as zero1's layout does;
 * `bound`: the mesh-bound zero1 (on the "Auto" mesh GSPMD gets): `tx.init` plus the compile of `tx.update` +
   `optax.apply_updates` under `jax.jit`, parameters and state donated and pinned.
 
@@ -41,7 +44,7 @@ if L == 0:  # --gpt: the GPT-like tree of 12 blocks of width 256 (9.74 M paramet
     params = gpt_params(1024, 256, 12)
 else:
     params = {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(L)}
-if variant in ("gspmd", "bound"):
+if variant in ("gspmd", "gspmd_traced", "bound"):
     from jax.sharding import AxisType
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 else:
@@ -51,7 +54,10 @@ grads = jax.device_put(jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), params)
 inner = optax.adamw(1e-3) if optimizer == "adamw" else optax.contrib.muon(1e-3)
 with jax.set_mesh(mesh):
     t0 = time.perf_counter()
-    if variant == "gspmd":
+    if variant == "gspmd_traced":
+        shapes = jax.eval_shape(lambda: params)
+        jax.make_jaxpr(inner.update)(shapes, jax.eval_shape(inner.init, shapes), shapes)
+    if variant in ("gspmd", "gspmd_traced"):
         from benchmarks.variants import build_gspmd
         built = build_gspmd(inner, mesh, params)
         state = jax.block_until_ready(built.init(params))
@@ -66,7 +72,7 @@ with jax.set_mesh(mesh):
         init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("data")))
         state = jax.block_until_ready(init(params))
     t_init = time.perf_counter() - t0
-    if variant == "gspmd":
+    if variant in ("gspmd", "gspmd_traced"):
         step = built.step
         args = (params, grads, state)
     elif variant == "optax":

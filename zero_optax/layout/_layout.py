@@ -80,6 +80,8 @@ class Layout(StoredViews):
         shared state.
       programs: per owned leaf, the programs its inner update and init run (with its shape and dtype), where one
         may run for another leaf of the same programs: devices owning alike share one branch; empty where unknown.
+      reads: per inner entry, whether the inner `init` computes it from the parameters' values (not only from
+        their shapes), from the analysis's trace of that `init`; None where unknown.
     """
 
     partition: str
@@ -101,6 +103,7 @@ class Layout(StoredViews):
     replicas: tuple[tuple[int, int], ...] = ()
     replica_sizes: tuple[tuple[str, int], ...] = ()
     programs: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    reads: tuple[bool, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __hash__(self) -> int:
         return self._hash

@@ -339,7 +339,8 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
         replicas=replicas, replica_sizes=replica_sizes,
         programs=tuple((programs[i], inits[i], leaf.shape, leaf.dtype)
                        if i in programs and i in inits and not leaf.sliced and not leaf.tp_owned else None
-                       for i, leaf in enumerate(leaves)))
+                       for i, leaf in enumerate(leaves)),
+        reads=None if traced_init is None else tuple(_programs.value_dependent(traced_init.closed)))
 
 
 def _leaf_specs(cfg: Config, params, owned: list[bool], placement: list, paths: list[str], real: list

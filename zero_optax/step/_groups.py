@@ -48,9 +48,10 @@ def value_shared(inner, layout: Layout, values: list) -> dict[int, jax.Array]:
     """The shared entries whose `init` reads the parameters' values (dog's distance, a norm of them), from the inner
     `init` on the whole parameters `values`, as plain optax computes them: a view's part would give another value.
     Empty (the usual case: counts and zeros) where no shared entry reads them."""
-    structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in values]
-    closed = jax.make_jaxpr(lambda xs: inner.init(tree(layout, xs)))(structs)
-    reads = _programs.value_dependent(closed)
+    reads = layout.reads
+    if reads is None:  # (not found by the layout's analysis)
+        structs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in values]
+        reads = _programs.value_dependent(jax.make_jaxpr(lambda xs: inner.init(tree(layout, xs)))(structs))
     wanted = [j for j in layout.shared_entries if reads[j]]
     if not wanted:
         return {}
