@@ -17,7 +17,8 @@ no cache is shared:
   `optax.apply_updates` under `jax.jit`, parameters and state donated and pinned.
 
 `--gpt` times the GPT-like tree of 12 blocks of width 256 (147 leaves, 9.74 M parameters) instead; the leaf count
-column then reads 0. `fusions / distinct`: the compiled step's fused computations, and how many differ (names and
+column then reads 0. `--repeat K` runs every variant K times, one round after another, and shows each variant's median run (the
+machine is shared: single runs vary by 0.1-0.2 x). `fusions / distinct`: the compiled step's fused computations, and how many differ (names and
 metadata aside): XLA:CPU generates code once per distinct one, which is most of a compile's time after its passes.
 """
 
@@ -121,8 +122,12 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=["optax", "gspmd", "flat"])
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--gpt", action="store_true", help="the GPT-like tree of 147 real-size leaves instead")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every variant, interleaved; each row is the round of median total time")
     args = parser.parse_args(argv)
-    rows = [measure(L, v, args.optimizer) for L in ([0] if args.gpt else args.leaves) for v in args.variants]
+    rounds = [[measure(L, v, args.optimizer) for L in ([0] if args.gpt else args.leaves) for v in args.variants]
+              for _ in range(args.repeat)]
+    rows = [sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2] for runs in zip(*rounds)]
     base = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "optax"}
     gspmd = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "gspmd"}
     print(f"{args.optimizer}:")
