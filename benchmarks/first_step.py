@@ -17,9 +17,10 @@ no cache is shared:
   `optax.apply_updates` under `jax.jit`, parameters and state donated and pinned.
 
 `--gpt` times the GPT-like tree of 12 blocks of width 256 (147 leaves, 9.74 M parameters) instead; the leaf count
-column then reads 0. `--repeat K` runs every variant K times, one round after another, and shows each variant's median run (the
-machine is shared: single runs vary by 0.1-0.2 x). `fusions / distinct`: the compiled step's fused computations, and how many differ (names and
-metadata aside): XLA:CPU generates code once per distinct one, which is most of a compile's time after its passes.
+column then reads 0. `--repeat K` runs every variant K times, one round after another, and shows each variant's
+median run (the machine is shared: single runs vary by 0.1-0.2 x). `fusions / distinct`: the compiled step's fused
+computations, and how many differ (names and metadata aside): XLA:CPU generates code once per distinct one, which is
+most of a compile's time after its passes.
 """
 
 from __future__ import annotations
