@@ -1,8 +1,8 @@
 """Time to first step against the number of leaves: `python -m benchmarks.first_step [--leaves 400 1000]`.
 
 A tree of L leaves (half 16x16 matrices, half 16-vectors), AdamW (or `--optimizer muon`: `optax.contrib.muon`), 8
-simulated CPU devices. Every variant is timed from nothing to a compiled step, each in a fresh subprocess so that
-no cache is shared:
+simulated CPU devices (`--devices N`). Every variant is timed from nothing to a compiled step, each in a fresh
+subprocess so that no cache is shared:
 
 * `optax`: plain optax under `jax.jit` (one program, the parameters replicated): `init` (compile + run) plus the
   trace and compile of the step;
@@ -16,8 +16,8 @@ no cache is shared:
 * `bound`: the mesh-bound zero1 (on the "Auto" mesh GSPMD gets): `tx.init` plus the compile of `tx.update` +
   `optax.apply_updates` under `jax.jit`, parameters and state donated and pinned.
 
-`--gpt` times the GPT-like tree of 12 blocks of width 256 (147 leaves, 9.74 M parameters) instead; the leaf count
-column then reads 0. `--repeat K` runs every variant K times, one round after another, and shows each variant's
+`--gpt` times the GPT-like tree of 12 blocks of width 256 (147 leaves, 9.74 M parameters; `--tree 256,128,12`: 12 of
+width 128, 123 leaves) instead; the leaf count column then reads 0. `--repeat K` runs every variant K times, one round after another, and shows each variant's
 median run (the machine is shared: single runs vary by 0.1-0.2 x). `fusions / distinct`: the compiled step's fused
 computations, and how many differ (names and metadata aside): XLA:CPU generates code once per distinct one, which is
 most of a compile's time after its passes.
@@ -35,24 +35,25 @@ CHILD = r"""
 import os, sys, time, json
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
-jax.config.update("jax_num_cpu_devices", 8)
+N = int(sys.argv[4])
+jax.config.update("jax_num_cpu_devices", N)
 import jax.numpy as jnp, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import zero_optax as zo
 
 L, variant, optimizer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-if L == 0:  # --gpt: the GPT-like tree of 12 blocks of width 256 (9.74 M parameters, 147 leaves)
+if L == 0:  # --gpt: the GPT-like tree (`--tree`; by default 12 blocks of width 256: 9.74 M parameters, 147 leaves)
     from tests._models import gpt_params
-    params = gpt_params(1024, 256, 12)
+    params = gpt_params(*(int(v) for v in sys.argv[5].split(",")))
 else:
     params = {f"p{i:04d}": (jnp.ones((16, 16)) if i % 2 == 0 else jnp.ones((16,))) * 0.01 for i in range(L)}
 if variant in ("gspmd", "gspmd_traced", "bound"):
     from jax.sharding import AxisType
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
 else:
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",))
 params = jax.device_put(params, NamedSharding(mesh, P()))
-grads = jax.device_put(jax.tree.map(lambda x: jnp.zeros((8,) + x.shape), params), NamedSharding(mesh, P("data")))
+grads = jax.device_put(jax.tree.map(lambda x: jnp.zeros((N,) + x.shape), params), NamedSharding(mesh, P("data")))
 inner = optax.adamw(1e-3) if optimizer == "adamw" else optax.contrib.muon(1e-3)
 with jax.set_mesh(mesh):
     t0 = time.perf_counter()
@@ -110,9 +111,9 @@ print(json.dumps({"leaves": L, "variant": variant, "init_s": t_init, "update_com
 """
 
 
-def measure(leaves: int, variant: str, optimizer: str) -> dict:
+def measure(leaves: int, variant: str, optimizer: str, devices: int = 8, tree: str = "1024,256,12") -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(leaves), variant, optimizer], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(leaves), variant, optimizer, str(devices), tree], capture_output=True,
                          text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -123,10 +124,12 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=["optax", "gspmd", "flat"])
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--gpt", action="store_true", help="the GPT-like tree of 147 real-size leaves instead")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (the mesh's one axis)")
+    parser.add_argument("--tree", default="1024,256,12", help="with --gpt: vocabulary,width,layers")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of every variant, interleaved; each row is the round of median total time")
     args = parser.parse_args(argv)
-    rounds = [[measure(L, v, args.optimizer) for L in ([0] if args.gpt else args.leaves) for v in args.variants]
+    rounds = [[measure(L, v, args.optimizer, args.devices, args.tree) for L in ([0] if args.gpt else args.leaves) for v in args.variants]
               for _ in range(args.repeat)]
     rows = [sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2] for runs in zip(*rounds)]
     base = {r["leaves"]: r["total_s"] for r in rows if r["variant"] == "optax"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -171,10 +172,16 @@ def order(layout: Layout) -> list[int]:
     return sorted(i for g in layout.groups for i in g.leaves)
 
 
-def _pieces(arrays: Sequence[jax.Array], positions: Sequence[tuple[int, int, int]]) -> jax.Array:
-    pieces = [arrays[k] if (lo, hi) == (0, arrays[k].shape[0]) else arrays[k][lo:hi]
-              for k, lo, hi in _stored.runs(positions)]
-    return _wire.concat(pieces)
+def _joined(arrays: Sequence[jax.Array], wanted: Sequence[Sequence[tuple[int, int, int]]]) -> list[jax.Array]:
+    """For each list of `(array, start, length)` positions in `wanted`, those pieces of `arrays` concatenated, every
+    array cut once for all of them at offsets XLA cannot fold (`_wire.pieces`): at constant offsets XLA splits a
+    cut of a concatenation (the parameters' parts) into one program per leaf."""
+    ranges = [_stored.runs(positions) for positions in wanted]
+    bounds: dict[int, list[tuple[int, int]]] = {}
+    for k, lo, hi in itertools.chain.from_iterable(ranges):
+        bounds.setdefault(k, []).append((lo, hi))
+    cut = {k: iter(_wire.pieces(arrays[k], b)) for k, b in bounds.items()}
+    return [_wire.concat([next(cut[k]) for k, _, _ in runs]) for runs in ranges]
 
 
 def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
@@ -183,13 +190,13 @@ def parts_from_rows(layout: Layout, rows: Sequence[jax.Array], buckets: Sequence
     for k, b in enumerate(buckets):
         for i, off in zip(b.leaves, np.cumsum([0] + [layout.leaves[i].slots for i in b.leaves])):
             where[i] = (k, int(off))
-    return [_pieces(rows, [(*where[i], layout.leaves[i].slots) for i in g.leaves]) for g in layout.groups]
+    return _joined(rows, [[(*where[i], layout.leaves[i].slots) for i in g.leaves] for g in layout.groups])
 
 
 def rows_from_parts(layout: Layout, parts: Sequence[jax.Array], buckets: Sequence[_wire.Bucket]) -> list[jax.Array]:
     """The inverse of `parts_from_rows`: every bucket's row, cut from the groups' parts."""
     where = {i: (g, off) for g, group in enumerate(layout.groups) for i, off in zip(group.leaves, group.offsets)}
-    return [_pieces(parts, [(*where[i], layout.leaves[i].slots) for i in b.leaves]) for b in buckets]
+    return _joined(parts, [[(*where[i], layout.leaves[i].slots) for i in b.leaves] for b in buckets])
 
 
 def group_rank(layout: Layout, group: Group, ranks) -> jax.Array:
