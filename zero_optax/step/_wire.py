@@ -72,11 +72,11 @@ def pieces(x: jax.Array, bounds: Sequence[tuple[int, int]], axis: int = 0) -> li
 
     XLA:CPU compiles a program per distinct fused computation: pieces of one buffer cut at constant offsets are one
     program each (with the update they feed), while at offsets behind an `optimization_barrier` the pieces of a
-    size share one. The values are the same."""
+    size share one. The values are the same. A piece that is the whole of `x` is `x`."""
     whole = [a == 0 and b == x.shape[axis] for a, b in bounds]
     starts = [a for (a, _), w in zip(bounds, whole) if not w]
     if len(starts) < 2 or max(starts) >= np.iinfo(np.int32).max:
-        return [lax.slice_in_dim(x, a, b, axis=axis) for a, b in bounds]
+        return [x if w else lax.slice_in_dim(x, a, b, axis=axis) for (a, b), w in zip(bounds, whole)]
     opaque = iter(lax.optimization_barrier(tuple(np.int32(a) for a in starts)))
     return [x if w else lax.dynamic_slice_in_dim(x, next(opaque), b - a, axis=axis, allow_negative_indices=False)
             for (a, b), w in zip(bounds, whole)]
