@@ -204,6 +204,22 @@ def test_shared_state_that_init_reads_from_the_parameters(partition):
     np.testing.assert_allclose(h.full_state(got_state)["[0].scale"], optax.tree.norm(params), rtol=1e-6)
 
 
+def test_shared_state_that_init_reads_from_the_parameters_under_accumulation():
+    """The same under `accumulate_steps`, whose layout does not keep the inner `init`'s trace (zero1 traces it
+    again to find the shared values read from the parameters): optax.MultiSteps on one device."""
+    make = lambda: optax.chain(_scaled_by_init_norm(), optax.sgd(0.1))
+    params = _params()
+    grads_seq = h.gradient_sequence(params, N, 4)
+    tx = zo.zero1(make(), axis_name="data", accumulate_steps=2)
+    got_params, got_state = _run_zero(tx, params, grads_seq, [None] * 4)
+    want_params, want_state = _run_optax(optax.MultiSteps(make(), 2), params, grads_seq, [None] * 4)
+    for got, want in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    scale = h.full_state(got_state)[".inner[0].scale"]
+    np.testing.assert_allclose(scale, want_state.inner_opt_state[0].scale, rtol=1e-6)
+    np.testing.assert_allclose(scale, optax.tree.norm(params), rtol=1e-6)
+
+
 def _public_names() -> list[str]:
     names = getattr(optax.contrib, "__all__", None)
     return sorted(names if names is not None else (n for n in dir(optax.contrib) if not n.startswith("_")))
