@@ -85,7 +85,7 @@ def accumulator_bytes(state) -> int:
     """Bytes per device of the accumulators: zero1's own (`describe`), or MultiSteps' `acc_grads`."""
     if isinstance(state, optax.MultiStepsState):  # the arrays device 0 holds
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.acc_grads))
-    inner = zo.layout._state.find_states(state)[0].inner_state
+    inner = zo.layout._state.find_states(state)[0]._inner
     if isinstance(inner, tuple) and hasattr(inner, "_fields") and "acc_grads" in inner._fields:
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inner.acc_grads)) // N
     return max(zo.describe(zo.layout._state.find_states(state)[0]).accumulator_bytes_per_device)

@@ -111,7 +111,7 @@ def _sums(state) -> list[float]:
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     out = []
-    for x, size in zip(jax.tree.leaves(state.inner_state), _entry_sizes(state)):
+    for x, size in zip(jax.tree.leaves(state._inner), _entry_sizes(state)):
         if size is None:
             out.append(float(np.asarray(x.addressable_shards[0].data).reshape(-1)[0]))
         else:

@@ -146,11 +146,11 @@ def stored_entries(state) -> dict[int, np.ndarray]:
     device, each row its members' slots one after the other, so a member's values are its columns of the rows."""
     layout = zo.describe(state)
     shared = [j for j in layout.inner_entries if layout.entries[j].leaf is None]
-    stored = jax.tree.leaves(state.inner_state.shared)  # the inner state's tree: one array per shared field
+    stored = jax.tree.leaves(state._inner.shared)  # the inner state's tree: one array per shared field
     assert len(stored) == len(shared)
     out = {j: np.asarray(x) for j, x in zip(shared, stored)}
     masters = [None] * len(layout.groups) if state.master is None else state.master
-    for group, histories, master in zip(layout.groups, state.inner_state.histories, masters, strict=True):
+    for group, histories, master in zip(layout.groups, state._inner.histories, masters, strict=True):
         arrays = list(zip(zip(*group.histories), histories))
         if master is not None:
             arrays.append((group.masters, master))

@@ -115,7 +115,7 @@ def test_adamw_flat_on_tensor_parallel_parameters(mesh_name, form):
     for k, blocks in (("w_in", 2), ("ln", 1)):  # mu: the first history of the leaf's group
         i = layout.paths.index(f"['{k}']")
         g = next(g for g, group in enumerate(layout.groups) if i in group.leaves)
-        mu = state.inner_state.histories[g][0]
+        mu = state._inner.histories[g][0]
         assert mu.shape == (blocks * n_data * layout.groups[g].size,)
         assert all(s.data.shape == (layout.groups[g].size,) for s in mu.addressable_shards)
 

@@ -109,7 +109,7 @@ def test_accumulation_with_offload(mode, case):
     largest_leaf = max(x.nbytes for x in jax.tree.leaves(params))
     # an owned leaf's state: Adam's mu and nu (or Muon's mu), its accumulator and its master copy
     bound = bucket if case == "flat" else 4 * largest_leaf
-    stored = [x for x in jax.tree.leaves(s.inner_state.histories) + jax.tree.leaves(s.master)
+    stored = [x for x in jax.tree.leaves(s._inner.histories) + jax.tree.leaves(s.master)
               + jax.tree.leaves(s.buffers)]
     moves = moves_in_step(step, h.mesh_of(N), p, s, grads[0])
     sizes = sorted(m["bytes"] for m in moves if m["to"] == "device")
@@ -170,7 +170,7 @@ def test_mesh_bound_under_jit(case, n):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
     scattered = jax.jit(lambda s, p: zo.scatter_state(tx, s, p))(zo.gather_state(state), p)
     assert kinds(scattered) == {HOST}
-    for a, b in zip(jax.tree.leaves(scattered.inner_state), jax.tree.leaves(state.inner_state)):
+    for a, b in zip(jax.tree.leaves(scattered._inner), jax.tree.leaves(state._inner)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -286,7 +286,7 @@ def test_owned_leaves_stream_through_the_device_by_bucket():
     largest = max(2 * x.nbytes for x in jax.tree.leaves(params) if x.ndim == 2)  # Muon's mu and the master copy
     assert row > max(bucket, largest)
     moves = moves_in_step(step, h.mesh_of(N), p, s, grads[0])
-    shared = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(s.inner_state.shared))
+    shared = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(s._inner.shared))
     for to in ("device", HOST):
         sizes = [m["bytes"] for m in moves if m["to"] == to]
         assert max(sizes) <= max(bucket, largest) and row not in sizes, (to, sizes)

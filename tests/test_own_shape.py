@@ -61,7 +61,7 @@ def test_one_device_keeps_large_leaves_in_their_shape_and_updates_them_in_place(
     layout = zo.describe(state)
     assert group_shapes(layout) == {"['b']": None, "['t']": (3, 40, 40), "['w']": (72, 64)}
     for g, group in enumerate(layout.groups):
-        assert all(x.shape == group.part_shape for x in state.inner_state.histories[g])
+        assert all(x.shape == group.part_shape for x in state._inner.histories[g])
 
     @jax.jit
     def step(p, s, g):
@@ -166,7 +166,7 @@ def test_tensor_parallel_blocks_on_a_data_axis_of_one():
         return optax.apply_updates(p, u), s
 
     ref_params, ref_state = values, adamw().init(values)
-    mu = state.inner_state.histories[layout.groups.index(group)][0]
+    mu = state._inner.histories[layout.groups.index(group)][0]
     assert mu.shape == (144, 64) and {s.data.shape for s in mu.addressable_shards} == {(72, 64)}  # block-major
     for t in range(3):
         g = {k: np.full(v.shape, 0.01 * (t + 1), np.float32) * np.sign(v - 0.1) for k, v in values.items()}

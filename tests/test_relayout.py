@@ -84,9 +84,9 @@ def test_refusals_name_what_is_wrong():
         zo.relayout(saved, zo.zero1(_inner(), axis_name="data"), params)
     with pytest.raises(zo.ZeroError, match="zo.zero1"):
         zo.relayout(saved, _inner(), params)
-    with pytest.raises(zo.ZeroError, match=r"has no `\.inner_state\.histories"):
-        zo.relayout({"inner_state": {"shared": saved["inner_state"]["shared"]}}, _tx(3), params)
-    histories = saved["inner_state"]["histories"]["0"]
+    with pytest.raises(zo.ZeroError, match=r"has no `\._inner\.histories"):
+        zo.relayout({"_inner": {"shared": saved["_inner"]["shared"]}}, _tx(3), params)
+    histories = saved["_inner"]["histories"]["0"]
     histories["0"] = histories["0"][:-1]
     with pytest.raises(zo.ZeroError, match=r"has shape \(\d+,\), where the state saved on 8 devices holds"):
         zo.relayout(saved, _tx(3), params)

@@ -277,7 +277,7 @@ def test_a_lone_leaf_is_restored_without_a_second_copy():
     again = _arrays.rebuild(state, values)
     by_entry = dict(zip(_arrays.unowned_entries(layout), values))
     lone = next(g for g, group in enumerate(layout.groups) if len(group.leaves) == 1)
-    assert again.inner_state.histories[lone][0] is by_entry[layout.groups[lone].histories[0][0]]
+    assert again._inner.histories[lone][0] is by_entry[layout.groups[lone].histories[0][0]]
     assert again.master[lone] is by_entry[layout.groups[lone].masters[0]]
     for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(state), strict=True):
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)

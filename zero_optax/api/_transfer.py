@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 from zero_optax.api import _bound
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroError
-from zero_optax.layout import _handle, _inner_state, _keys, _specs
+from zero_optax.layout import _handle, _inner_state, _keys, _specs, _view
 from zero_optax.layout._layout import Group, Layout
-from zero_optax.layout._state import GATHER, SlicedState, ZeroState, canonical, find_states, is_state, shared_arrays
+from zero_optax.layout._state import SlicedState, ZeroState, canonical, find_states, is_state, shared_arrays
 from zero_optax.layout._stored import MASTER
 from zero_optax.step import _offload
 
@@ -104,7 +104,7 @@ def unowned(state: ZeroState) -> dict[int, jax.Array]:
     out = shared_arrays(canonical(state))
     if not layout.groups:
         return out
-    histories = _offload.fetched(state.inner_state.histories)
+    histories = _offload.fetched(state._inner.histories)
     master = _offload.fetched(state.master)
     values = _per_device(layout, _cut_all, master is not None, (histories, master))
     out.update(zip(_entry_order(layout), values))
@@ -165,7 +165,7 @@ def stored(template: ZeroState, values: dict[int, jax.Array]) -> tuple[SlicedSta
 
 
 def _group_sharding(template: ZeroState, g: int) -> Any:
-    arrays = list(template.inner_state.histories[g]) + ([] if template.master is None else [template.master[g]])
+    arrays = list(template._inner.histories[g]) + ([] if template.master is None else [template.master[g]])
     return getattr(arrays[0], "sharding", None) if arrays else None
 
 
@@ -211,7 +211,13 @@ def _gather_one(state: ZeroState) -> Any:
     return jax.tree.unflatten(layout.state_treedef, _values(state, layout.inner_entries))
 
 
-GATHER.append(_gather_one)
+def _read_entries(state: ZeroState, entries: Sequence[int]) -> list[jax.Array]:
+    """The full values of `entries`, for a read of a per-parameter field of the state (`layout._view`)."""
+    _require_global(state, "Reading a per-parameter field of a zero1 state")
+    return _values(state, entries)
+
+
+_view.GATHER.append(_read_entries)
 
 
 def gather_state(state: Any) -> Any:
@@ -361,10 +367,10 @@ def _saved_layout(found: dict, tx: Any, params: Any, mesh: Any, axis: str) -> Ze
     """The per-device state (traced, abstract) of `tx` for `params` on `mesh` with `axis` at the saved size (the
     leading dimension of the saved step counts, one row per device)."""
     here = jax.eval_shape(tx.init, params)
-    counts = jax.tree_util.tree_flatten_with_path(here.inner_state.shared)[0]
+    counts = jax.tree_util.tree_flatten_with_path(here._inner.shared)[0]
     if not counts:
         raise ZeroError("zo.relayout reads the saved size from the state's step counts; this state has none.")
-    path = (jax.tree_util.GetAttrKey("inner_state"), jax.tree_util.GetAttrKey("shared"), *counts[0][0])
+    path = (jax.tree_util.GetAttrKey("_inner"), jax.tree_util.GetAttrKey("shared"), *counts[0][0])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     sizes[axis] = int(np.shape(_at(found, path))[0])
     source = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=mesh.abstract_mesh.axis_types)
@@ -378,9 +384,15 @@ def _name(key: Any) -> str:
 
 
 def _by_path(saved: Any) -> dict[tuple[str, ...], Any]:
-    """`saved`'s arrays by path (`_name`s), from a nested mapping or a pytree."""
+    """`saved`'s arrays by path (`_name`s), from a nested mapping or a pytree; the stored inner state under its
+    name of zero_optax 0.5 and before (`inner_state`) too."""
+    found = _paths(saved)
+    return {(("_inner", *path[1:]) if path[:1] == ("inner_state",) else path): v for path, v in found.items()}
+
+
+def _paths(saved: Any) -> dict[tuple[str, ...], Any]:
     if isinstance(saved, Mapping):
-        return {(str(k), *rest): v for k, sub in saved.items() for rest, v in _by_path(sub).items()}
+        return {(str(k), *rest): v for k, sub in saved.items() for rest, v in _paths(sub).items()}
     return {tuple(map(_name, p)): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
 
 

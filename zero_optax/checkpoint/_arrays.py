@@ -153,7 +153,7 @@ def rebuild(template: ZeroState, values: list[Any]) -> ZeroState:
     """A state like `template` holding `values` (in `stored_arrays` order), each in `template`'s memory kinds."""
     unowned = unowned_entries(template.layout)
     inner, master = _transfer.stored(template, dict(zip(unowned, values)))
-    inner = inner._replace(shared=_placed_like(inner.shared, template.inner_state.shared))
+    inner = inner._replace(shared=_placed_like(inner.shared, template._inner.shared))
     n = len(unowned)
     n_buffers = len(template.buffers)
     buffers = _placed_like(dict(zip(sorted(template.buffers), values[n:n + n_buffers])), template.buffers)

@@ -43,10 +43,13 @@ class Shared:
 
     @property
     def value(self) -> jax.Array:
-        """The first copy, after replicating a global array sharded over the mesh (one row of it is refused)."""
+        """The value: inside `shard_map` this device's copy; outside, of a global array sharded over the mesh, each
+        device's own copy as one replicated array (no collective: every copy holds the same value)."""
         x = self.stored
         sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and any(sharding.spec) and not _compat.manual_axes():
+            if sharding.memory_kind in (None, "device") and not sharding.mesh.empty:
+                return _keys.to_key(_own_copy(x, sharding), self.key_impl)
             x = _compat.reshard(x, NamedSharding(sharding.mesh, P()))
         return _keys.to_key(x[0], self.key_impl)
 
@@ -83,6 +86,13 @@ class Shared:
     __lt__, __le__, __gt__, __ge__ = _on_value("__lt__"), _on_value("__le__"), _on_value("__gt__"), _on_value("__ge__")
 
 
+def _own_copy(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Each device's copy (its first row) of `x`, stored one copy per device, as a replicated array."""
+    def first(rows: jax.Array) -> jax.Array:
+        return rows[0]
+    return jax.shard_map(first, mesh=sharding.mesh, in_specs=P(sharding.spec[0]), out_specs=P(), check_vma=False)(x)
+
+
 @jax.tree_util.register_pytree_node_class
 class Sharded:
     """A per-parameter field, stored sharded elsewhere: its path, logical shape and dtype, and no values."""
@@ -104,12 +114,15 @@ class Sharded:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def path_help(self) -> str:
+        return (f"The inner state's `{self.path}` is per-parameter: zero1 stores it sharded across the devices, and "
+                "inside shard_map each device holds its slice only. Outside shard_map it reads gathered, and "
+                "zo.gather_state(state) returns the whole inner state with its values.")
+
     def _refuse(self, *args, **kwargs):
         del args, kwargs
-        raise ZeroStructureError(
-            f"The inner state's `{self.path}` is per-parameter: zero1 stores it sharded across the devices, so the "
-            "state holds no copy of it here. zo.gather_state(state) returns the whole inner state, with its "
-            "values.")
+        raise ZeroStructureError(self.path_help)
 
     __jax_array__ = __array__ = __float__ = __int__ = _refuse
 

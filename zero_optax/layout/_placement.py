@@ -106,7 +106,7 @@ def misplaced_in_body(state: ZeroState) -> str | None:
         return None
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         where = jax.tree_util.keystr(path)
-        if isinstance(x, jax.Array) and not where.startswith(".inner_state.shared") and \
+        if isinstance(x, jax.Array) and not where.startswith("._inner.shared") and \
                 not set(axes) <= _compat.varying_axes(x):
             return BODY_HELP.format(path=where, axes=axes[0] if len(axes) == 1 else axes)
     return None

@@ -51,7 +51,7 @@ def specs_of(state: ZeroState) -> ZeroState:
     layout = state.layout
     groups = [history_spec(layout, layout.leaves[g.first]) for g in layout.groups]
     # (a state whose leaves are specs, where its fields' annotations say arrays)
-    histories: Any = tuple(tuple(spec for _ in h) for spec, h in zip(groups, state.inner_state.histories))
+    histories: Any = tuple(tuple(spec for _ in h) for spec, h in zip(groups, state._inner.histories))
     inner = SlicedState(_inner_state.tree(layout, [_spec(layout.axes) for _ in layout.shared_entries]), histories)
     buffers: dict[str, Any] = {d: _spec(layout.axes) for d in state.buffers}
     master = None if state.master is None else tuple(groups)

@@ -253,12 +253,12 @@ class StoredViews:
 
     @functools.cached_property
     def unpacked_entries(self) -> tuple[int, ...]:
-        """The inner entries stored as arrays of their own (shared and sliced): `ZeroState.inner_state`'s."""
+        """The inner entries stored as arrays of their own (shared and sliced): `ZeroState._inner`'s."""
         return tuple(j for j in self.inner_entries if self.kind(self.entries[j]) != "owned")
 
     @functools.cached_property
     def shared_entries(self) -> tuple[int, ...]:
-        """The shared inner entries (step counts, ...), in order: `ZeroState.inner_state.shared`."""
+        """The shared inner entries (step counts, ...), in order: `ZeroState._inner.shared`."""
         return tuple(j for j in self.inner_entries if self.entries[j].leaf is None)
 
     def kind(self, entry: StateEntry) -> str:

@@ -150,12 +150,12 @@ def take_local(g_leaves: list, state) -> tuple[list, Any]:
 def add_local(layout, state, g_leaves: list, w: jax.Array):
     """A micro-step of `accumulate="local"`: the gradients added to this device's sums, no collective."""
     step, total = _shared_entry(layout, MICRO_STEP_PATH), _shared_entry(layout, WEIGHT_SUM_PATH)
-    inner = state.inner_state._replace(shared=_inner_state.tree(layout, [
+    inner = state._inner._replace(shared=_inner_state.tree(layout, [
         x + 1 if j == step else x + w.astype(x.dtype) if j == total else x
         for j, x in shared_arrays(state).items()]))
     sums = [(a[0] + g.astype(a.dtype))[None] for g, a in zip(g_leaves, jax.tree.leaves(state.local))]
     local = jax.tree.unflatten(jax.tree.structure(state.local), sums)
-    return dataclasses.replace(state, inner_state=inner, local=local)
+    return dataclasses.replace(state, _inner=inner, local=local)
 
 
 def init_local(layout, params, axes):

@@ -89,8 +89,8 @@ def store(x: jax.Array, value: jax.Array, start: Any) -> jax.Array:
 
 def move_small(state: Any, space: MemorySpace, bucket_bytes: int) -> Any:
     """`state` with its shared entries and local accumulators moved to `space` (the step streams the rest)."""
-    inner = state.inner_state._replace(shared=move(state.inner_state.shared, space, bucket_bytes))
-    return dataclasses.replace(state, inner_state=inner, local=move(state.local, space, bucket_bytes))
+    inner = state._inner._replace(shared=move(state._inner.shared, space, bucket_bytes))
+    return dataclasses.replace(state, _inner=inner, local=move(state.local, space, bucket_bytes))
 
 
 def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.sharding.Sharding:
@@ -168,13 +168,13 @@ def stream_groups(groups: _groups.Groups, step: _groups.Step, grads: list[jax.Ar
     """The group views' update, `bucket_bytes` of a group's host arrays at a time: what every device receives (None
     for a micro-step), the new stored state, master copies and old shared values."""
     layout, stepping, ok, chunk_bytes = step.layout, step.stepping, step.denom.ok, groups.cfg.bucket_bytes
-    shared_old = groups.shared_values(layout, state.inner_state)
+    shared_old = groups.shared_values(layout, state._inner)
     step = dataclasses.replace(step, shared_old=shared_old)
     master = state.master is not None and stepping
 
     def one(g: int, group: Group) -> tuple:
         """Group `g`'s new arrays, what every device receives and the new shared values."""
-        arrays = list(state.inner_state.histories[g]) + ([state.master[g]] if master else [])
+        arrays = list(state._inner.histories[g]) + ([state.master[g]] if master else [])
         rank = _groups.group_rank(layout, group, step.ranks)
 
         def chunk(start, length, carry):

@@ -89,10 +89,10 @@ class SlicedStep:
         else:
             masks = [_groups.valid(layout, g, _groups.group_rank(layout, g, ranks)) for g in layout.groups]
             p_parts = self._params(layout, p_leaves, state, ranks)
-            u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state.inner_state, masks)
+            u_parts, new_inner, shared_old = self.groups.update(step, g_parts, p_parts, state._inner, masks)
             done = GroupsDone(new_inner, shared_old, u_parts=u_parts, p_parts=p_parts, masks=masks)
         new_inner = done.new_inner._replace(shared=_reduce.skip_if_empty(step.denom.ok, done.new_inner.shared,
-                                                                         state.inner_state.shared))
+                                                                         state._inner.shared))
         return dataclasses.replace(done, new_inner=new_inner)
 
     def gather(self, step: _groups.Step, done: GroupsDone, state: ZeroState, new_buffers: dict, u_owned: dict,
