@@ -122,13 +122,17 @@ class _Fields(dict):
     __delitem__ = pop = popitem = clear = setdefault = update = _refuse  # type: ignore[assignment]
 
 
-def _flatten_fields(x: _Fields):
-    keys = sorted(x)
+def _flatten_fields(x: Any) -> Any:
+    keys = tuple(sorted(x))
     return [(jax.tree_util.DictKey(k), dict.__getitem__(x, k)) for k in keys], keys
 
 
+def _unflatten_fields(keys: Any, children: Any) -> Any:
+    return dict(zip(keys, children))
+
+
 # (as a pytree, a plain dict: `jax.tree.map` over a read gives plain dicts)
-jax.tree_util.register_pytree_with_keys(_Fields, _flatten_fields, lambda keys, children: dict(zip(keys, children)))
+jax.tree_util.register_pytree_with_keys(_Fields, _flatten_fields, _unflatten_fields)
 
 
 def _top(state: Any) -> tuple[_Reader, Any]:
