@@ -118,10 +118,14 @@ def abstract_mesh(mesh: Any) -> AbstractMesh:
 
 def _structs(params: Any, mesh: AbstractMesh, param_specs: Any) -> tuple[Any, Any]:
     """The parameters as `ShapeDtypeStruct`s sharded over `mesh`, and their specs (given, else their shardings')."""
-    params = _compat.pure(params)
-    bad = [x for x in jax.tree.leaves(params) if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+    params = _compat.as_arrays(_compat.pure(params), "zo.plan", abstract=True)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    bad = [(path, x) for path, x in leaves if not hasattr(x, "shape") or not hasattr(x, "dtype")]
     if bad:
-        raise ZeroError(f"`params` must hold arrays or jax.ShapeDtypeStructs, got a {type(bad[0]).__name__}.")
+        path, x = bad[0]
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
+        raise ZeroError(f"`params` must hold arrays, jax.ShapeDtypeStructs, Python floats or None, got a "
+                        f"{type(x).__name__}{where}.")
     specs = _bound.param_specs(params, mesh) if param_specs is None else param_specs
     specs = _specs.broadcast_specs(specs, params)
     structs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
@@ -139,7 +143,8 @@ def plan(inner: optax.GradientTransformation, params: Any, *, mesh: Any, param_s
 
     Args:
       inner: the optax transformation zero1 would shard.
-      params: the parameters' global shapes and dtypes: arrays or `jax.ShapeDtypeStruct`s (a Flax NNX state works).
+      params: the parameters' global shapes and dtypes: arrays or `jax.ShapeDtypeStruct`s (a Flax NNX state works);
+        Python floats and None leaves as `init` takes them.
       mesh: the mesh, a `jax.sharding.AbstractMesh`, a `Mesh`, or a mapping of axis sizes (`{"data": 64,
         "model": 8}`).
       param_specs: the parameters' `PartitionSpec`s over `mesh` (a tree like `params` or a prefix of it); None
@@ -153,6 +158,7 @@ def plan(inner: optax.GradientTransformation, params: Any, *, mesh: Any, param_s
 
     Raises:
       ZeroError: a bad mesh or option; any error `zero1` raises for these arguments.
+      ZeroStructureError: a parameter is a Python int or bool.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo

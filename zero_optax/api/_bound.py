@@ -55,6 +55,25 @@ def placed(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda x, s: _compat.reshard(x, NamedSharding(mesh, s)), tree, specs)
 
 
+def _struct(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """An array or `jax.ShapeDtypeStruct` `x` as a `ShapeDtypeStruct` placed by `sharding`."""
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
+                                weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def abstract_state(state: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The `jax.eval_shape` of a mesh-bound `init` (`state`, whose shardings it leaves on an abstract mesh or
+    unknown) with the shardings of the arrays `init` returns: `specs` (a tree like it) on `mesh`, in the layout's
+    memory (`pinned_host` with `offload=True`), each spec one entry per dimension as on those arrays. A restore
+    target for Orbax."""
+    kind = state.layout.memory_kind
+
+    def one(x: jax.ShapeDtypeStruct, spec: P) -> jax.ShapeDtypeStruct:
+        spec = P(*spec, *[None] * (len(x.shape) - len(spec)))
+        return _struct(x, NamedSharding(mesh, spec, memory_kind=kind))
+    return jax.tree.map(one, state, specs)
+
+
 ENTER_BYTES = 1 << 16
 """Under `jax.jit`, a leaf of at least this many bytes takes its gradient cut in rows over the data axis (what the
 state needs) where its rows divide, so that GSPMD reduce-scatters it; XLA then partitions the backward pass towards
@@ -83,12 +102,29 @@ class Bound:
         return self._hoisted
 
     def init(self, params, full_state=None):
-        """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`)."""
+        """`init` on global arrays; with `full_state` (a plain optax state), that state sliced (`Engine.build`); on
+        parameters of which any is a `jax.ShapeDtypeStruct`, the abstract state (`abstract_state`)."""
         specs = param_specs(params, self.mesh, self._zero_axes)
         hoisted = self._hoisting(params)
+        fn, out_specs = self._init_program(params, specs, hoisted, jax.tree.structure(full_state))
+        if full_state is None and any(_compat.is_struct(x) for x in jax.tree.leaves(params)):
+            structs = jax.tree.map(lambda x, s: _struct(x, NamedSharding(self.mesh, s)), params, specs)
+            values = [_struct(v, NamedSharding(self.mesh, P())) for v in hoisted.values]
+            with _specs.declared_specs(specs):
+                state = abstract_state(jax.eval_shape(fn, values, structs, None), out_specs, self.mesh)
+        else:
+            full_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), NamedSharding(self.mesh, P())),
+                                      full_state)
+            with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
+                state = fn(hoisted.placed(self.mesh), placed(params, specs, self.mesh), full_state)
+        self._specs[state.layout] = specs
+        return state
+
+    def _init_program(self, params, specs, hoisted: _Hoisted, full_structure) -> tuple[Any, Any]:
+        """The jitted `shard_map` of `init` for parameters like `params` placed by `specs`, with a plain optax state
+        structured as `full_structure` or none, and its state's `PartitionSpec`s (kept by those)."""
         shapes = tuple((np.shape(x), np.dtype(x.dtype).name) for x in jax.tree.leaves(params))
-        key = ("init", jax.tree.structure(params), shapes, tuple(jax.tree.leaves(specs)),
-               jax.tree.structure(full_state))
+        key = ("init", jax.tree.structure(params), shapes, tuple(jax.tree.leaves(specs)), full_structure)
         if key not in self._fns:
             def init(values, params, full_state):
                 with hoisted.reading(values):
@@ -96,13 +132,10 @@ class Bound:
             stand_in = types.SimpleNamespace(init=lambda args: init(*args, full_state=None))
             traced = _specs.traced_state(stand_in, (hoisted.values, params), (hoisted.specs, specs), self.mesh,
                                          declare=specs)
-            self._fns[key] = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs, P()),
-                                                   out_specs=_specs.tree_specs(traced)))
-        full_state = jax.tree.map(lambda x: _compat.reshard(jnp.asarray(x), NamedSharding(self.mesh, P())), full_state)
-        with _specs.declared_specs(specs):  # (the layout reads which dimension each axis cuts: `_tp`)
-            state = self._fns[key](hoisted.placed(self.mesh), placed(params, specs, self.mesh), full_state)
-        self._specs[state.layout] = specs
-        return state
+            out_specs = _specs.tree_specs(traced)
+            self._fns[key] = (jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=(hoisted.specs, specs, P()),
+                                                    out_specs=out_specs)), out_specs)
+        return self._fns[key]
 
     def update(self, grads, state, params=None, *, weight=None, apply: bool = False, **extra):
         """`update` on global arrays (with `apply`, the new parameters: `Engine.update`)."""

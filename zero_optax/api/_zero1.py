@@ -51,12 +51,15 @@ class Zero1:
         return self.bound if self.bound is not None and not _compat.is_bound(self.cfg.axes) else None
 
     def init(self, params: optax.Params) -> ZeroState | _NoParameterTrees:
+        """The state for `params`: arrays, Python floats, None leaves (skipped, as optax skips them) or, for a
+        mesh-bound zero1 outside `shard_map`, `jax.ShapeDtypeStruct`s (the abstract state, `Bound.init`)."""
         if _compat.is_params_placeholder(params):
             return NO_PARAMETER_TREES
         boxed = _compat.has_variables(params)
-        params = _compat.pure(params)
+        params = _compat.as_arrays(_compat.pure(params), "zero1's init")
         bound = self.outside()
         if bound is None:
+            _refuse_structs(params, self.mesh is not None)
             return self.engine.init(params)
         state = bound.init(params)
         # (Flax's Variables in, Variables out: `nnx.Optimizer` keeps their metadata, so code that derives the
@@ -70,6 +73,7 @@ class Zero1:
         """`update`, or with `apply` (`zero_optax.apply_gradients`) the new parameters, and the new state."""
         _engine.check_extra_values(extra_args)
         grads, params, state = _compat.pure(grads), _compat.pure(params), _compat.pure(state)
+        grads, params = _compat.as_arrays(grads, "zero1's update"), _compat.as_arrays(params, "zero1's update")
         outside = self.outside()
         if outside is None and isinstance(state, ZeroState) and (misplaced := _placement.misplaced_in_body(state)):
             raise ZeroStructureError(misplaced)
@@ -80,6 +84,24 @@ class Zero1:
         if outside is not None:
             return outside.update(grads, state, params, weight=weight, apply=apply, **extra_args)
         return self.engine.update(grads, state, params, weight=weight, apply=apply, **extra_args)
+
+
+def _refuse_structs(params: Any, bound: bool) -> None:
+    """Refuses `jax.ShapeDtypeStruct` parameters where `init` builds the state from arrays: inside `shard_map`, or
+    for a zero1 bound to no mesh (`bound`: it has one)."""
+    found = [path for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if _compat.is_struct(x)]
+    if not found:
+        return
+    where = f"at {jax.tree_util.keystr(found[0])}" if found[0] else "(the parameters)"
+    if bound:
+        problem, fix = "inside shard_map, where it builds", "Call the mesh-bound init outside shard_map, which gives"
+    else:
+        problem = "but zero1 bound to no mesh builds"
+        fix = "Bind zero1 to a mesh (zo.zero1(..., mesh=mesh)), whose init gives"
+    raise ZeroStructureError(
+        f"zero1's init got a jax.ShapeDtypeStruct {where}, {problem} the state from arrays. {fix} the abstract "
+        "state for it, or trace init abstractly inside a shard_map: jax.eval_shape(jax.shard_map(tx.init, "
+        "mesh=mesh, in_specs=P(), out_specs=zo.state_specs(tx, params, mesh=mesh)), params).")
 
 
 def zero1(
@@ -135,7 +157,8 @@ def zero1(
         master copy. `update` then needs `params`.
       mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map` on
         global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer`, `TrainState`); the gradients are then
-        the global mean.
+        the global mean. There `init` on `jax.ShapeDtypeStruct`s gives the abstract state: `ShapeDtypeStruct`s
+        with the shardings of the real one (a restore target for Orbax).
       assume_elementwise: skip the proof that the inner update is elementwise (`"flat"`), for custom kernels the
         analysis cannot see into; a wrong answer is then your responsibility.
       bucket_bytes: sliced leaves travel in buckets of at least this many bytes; `0` sends every leaf alone.

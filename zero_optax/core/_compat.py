@@ -18,7 +18,7 @@ import jaxlib.version
 from jax import lax
 from jax._src import config as _jax_config  # (`vma_enabled`: the flag shard_map sets)
 
-from zero_optax.core._errors import ZeroAxisError
+from zero_optax.core._errors import ZeroAxisError, ZeroStructureError
 
 Axes = str | Sequence[str]
 
@@ -171,6 +171,49 @@ def pure(tree):
     nnx = sys.modules["flax.nnx"]
     return jax.tree.map(lambda x: pure(x.get_value()) if isinstance(x, nnx.Variable) else x, tree,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def is_struct(x: Any) -> bool:
+    """Whether `x` is a `jax.ShapeDtypeStruct` (an abstract array: a shape, a dtype, maybe a sharding)."""
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+_PYTHON_SCALARS = (bool, int, float, complex)
+"""Python's number types (exactly: a NumPy scalar, a subclass, keeps its dtype as it does today)."""
+
+
+def _scalar_array(x: float | complex, abstract: bool) -> jax.Array | jax.ShapeDtypeStruct:
+    """A Python float or complex as the 0-d array JAX makes of it (weakly typed), or its `ShapeDtypeStruct`."""
+    if abstract:
+        return jax.ShapeDtypeStruct((), jnp.result_type(x), weak_type=True)
+    return jnp.asarray(x)
+
+
+def as_arrays(tree: Any, what: str, abstract: bool = False) -> Any:
+    """`tree` with its Python floats and complex numbers as 0-d arrays (`ShapeDtypeStruct`s with `abstract`), as
+    optax takes them (`jnp.zeros_like(3.0)`); None leaves stay, as optax skips them.
+
+    Args:
+      tree: parameters or gradients, as `what` (say `"zero1's init"`) received them.
+      what: the function that received them, for the message.
+      abstract: give the floats as `jax.ShapeDtypeStruct`s (nothing allocated).
+
+    Raises:
+      ZeroStructureError: a leaf is a Python int or bool. optax's state for one changes dtype at the first update
+        (an int moment becomes a float), which whole-leaf owners store in the dtype of `init`.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not any(type(x) in _PYTHON_SCALARS for _, x in leaves):
+        return tree
+    for path, x in leaves:
+        if type(x) in (int, bool):
+            where = f"at {jax.tree_util.keystr(path)}" if path else "(the whole tree)"
+            raise ZeroStructureError(
+                f"{what} got the Python {type(x).__name__} {x!r} {where}. zero1 takes arrays and Python floats: "
+                f"pass jnp.asarray({float(x)!r}) for a trainable value, or keep non-trainable values out of the "
+                f"parameters (or set them to None, which optax skips).")
+    return jax.tree.unflatten(treedef, [_scalar_array(x, abstract) if type(x) in _PYTHON_SCALARS else x
+                                        for _, x in leaves])
 
 
 def annotated(tree, specs, mesh):

@@ -85,6 +85,10 @@ def _is_spec(x) -> bool:
     return isinstance(x, P) or x is None
 
 
+def _is_partition_spec(x) -> bool:
+    return isinstance(x, P)
+
+
 def broadcast_specs(specs: Any, tree: Any) -> Any:
     """`specs` (a tree prefix of `tree` with `PartitionSpec` or None leaves) as a tree like `tree`."""
     try:
@@ -92,7 +96,8 @@ def broadcast_specs(specs: Any, tree: Any) -> Any:
                                 specs, tree, is_leaf=_is_spec)
     except ValueError as e:
         raise ZeroError(f"The parameter specs do not match the parameters' structure: {e}") from None
-    return jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(expanded, is_leaf=_is_spec))
+    # (a None of `tree`, a leaf optax skips, maps to None, which holds no spec)
+    return jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(expanded, is_leaf=_is_partition_spec))
 
 
 def traced_state(tx, params, param_specs, mesh, declare: Any = None):
@@ -121,7 +126,8 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
 
     Args:
       tx: the transformation (`zero_optax.zero1(...)`, or a chain holding one).
-      params: the parameters (global arrays, or `jax.ShapeDtypeStruct`s of their global shapes).
+      params: the parameters (global arrays, or `jax.ShapeDtypeStruct`s of their global shapes; Python floats and
+        None leaves as `init` takes them).
       param_specs: their `PartitionSpec`s, a tree like `params` (or a prefix of it); None means replicated.
       mesh: the mesh; defaults to the one `tx` is bound to, the `jax.set_mesh` context, or the parameters'
         `NamedSharding`s.
@@ -131,6 +137,7 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
 
     Raises:
       ZeroError: no mesh is found, or `param_specs` does not match the parameters' structure.
+      ZeroStructureError: a parameter is a Python int or bool.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, zero_optax as zo
@@ -141,5 +148,6 @@ def state_specs(tx: Any, params: Any, param_specs: Any = None, *, mesh: jax.shar
       >>> jax.tree.leaves(specs)
       [P('data',), P('data',), P('data',)]
     """
+    params = _compat.as_arrays(_compat.pure(params), "zo.state_specs", abstract=True)
     mesh = _find_mesh(tx, params) if mesh is None else mesh
     return tree_specs(traced_state(tx, params, P() if param_specs is None else param_specs, mesh))
