@@ -9,7 +9,7 @@ The main job of the package, written to be read top to bottom:
    plain optax optimizer on the same batches, and after every step the parameters of the two must agree to float32
    rounding.
 3. A table compares the optimizer-state bytes each device holds (read from the arrays' `addressable_shards`, and
-   as `zero_optax.describe` reports them) with replicated optax.
+   checked against what `zero_optax.describe` reports) with replicated optax, before and after resharding.
 4. Half-way, the run is saved with an Orbax `CheckpointManager` (`StandardSave` for the parameters, `ZeroSave` for
    the optimizer state), restored onto half the devices with `ZeroRestore(target, reshard=True)`, and resumed
    there; every resumed step is checked against the plain optax run, which never stopped.
@@ -425,20 +425,37 @@ def train(recipe: Recipe, text: Text, devices: Sequence[Device], steps: int, out
 
 
 def memory_table(results: Sequence[Result]) -> Table:
-    table = Table(title="Optimizer-state bytes per device: zero1 (its arrays' addressable shards; what "
-                        "zo.describe counts; what it stores, padding included) against replicated optax")
-    for column in ("optimizer", "devices", "shards", "describe", "stored", "optax", "ratio"):
+    """Optimizer-state bytes per device, one row per optimizer: replicated optax, then zero1 before the checkpoint
+    and after resuming on half the devices, each with its ratio to replicated optax.
+
+    zero1's bytes are its arrays' addressable shards on the fullest device; where `zo.describe` counts otherwise
+    (or stores more, padding included), the cell says so.
+    """
+    table = Table(title="Optimizer state per device (bytes)")
+    r = results[0]
+    columns = ("optimizer", "optax\nreplicated", f"zero1\n{r.devices} devices", "ratio",
+               f"zero1\n{r.resumed_on} device{'s' * (r.resumed_on > 1)}", "ratio")
+    for column in columns:
         table.add_column(column, justify="left" if column == "optimizer" else "right")
-    for m in (m for r in results for m in r.memory):
-        table.add_row(m.label, str(m.devices), f"{m.measured:,}", f"{m.described:,}", f"{m.stored:,}",
-                      f"{m.replicated:,}", f"{m.measured / m.replicated:.3f}")
+
+    def cell(m: Memory) -> str:
+        notes = [f"{name} {value:,}" for name, value in (("describe", m.described), ("stored", m.stored))
+                 if value != m.measured]
+        return f"{m.measured:,}" + (f" ({', '.join(notes)})" if notes else "")
+
+    for r in results:
+        before, after = r.memory
+        table.add_row(f"{r.recipe.name} {r.recipe.partition}", f"{before.replicated:,}",
+                      cell(before), f"{before.measured / before.replicated:.3f}",
+                      cell(after), f"{after.measured / after.replicated:.3f}")
     return table
 
 
 def checks_table(results: Sequence[Result]) -> Table:
-    table = Table(title="Checks against plain optax: max |zero1 - optax| / max |optax|, over the parameters after "
-                        "each step before the checkpoint, the restored optimizer state, and each resumed step")
-    for column in ("optimizer", "steps (devices)", "before", "restored", "resumed", "rtol", ""):
+    """max |zero1 - optax| / max |optax| per optimizer: over the parameters after each step before the checkpoint,
+    the restored optimizer state, and the parameters after each resumed step."""
+    table = Table(title="zero1 against plain optax: max |zero1 - optax| / max |optax|")
+    for column in ("optimizer", "steps (devices)", "params\nbefore", "restored\nstate", "params\nresumed", "rtol", ""):
         table.add_column(column, justify="left" if column == "optimizer" else "right")
     for r in results:
         table.add_row(f"{r.recipe.name} {r.recipe.partition}",
