@@ -4,7 +4,8 @@ The flat partition (and "auto", which then slices every leaf) computes a full re
 max or min of all its coordinates, as a reduction of each device's slice with a collective over the devices:
 `clip_by_global_norm`, `polyak_sgd`, LAMB, LARS, fromage and novograd (whose per-leaf norm, reduced inside a
 `lax.cond`, every device keeps) keep 1/N of their state and match plain optax on one device fed the reduced
-gradient. Partial reductions (factored moments), matrix products and reductions inside loops stay refused.
+gradient; so do reductions inside a `lax.scan` (a `fori_loop` of known length: every device runs every iteration).
+Partial reductions (factored moments), matrix products and reductions inside `while` loops stay refused.
 """
 
 import jax
@@ -134,17 +135,37 @@ def test_novograd_checkpoint_resumes_at_other_world_sizes(tmp_path):
     h.assert_resumes_anywhere(lambda: optax.novograd(1e-2), tmp_path)
 
 
-def test_reduction_inside_a_loop_is_refused():
-    """A norm computed inside a `lax.fori_loop` body cannot run as a collective on slices (devices would have to
-    agree on every iteration): flat refuses it, naming the loop."""
-    def looped():
-        def update(u, state, params=None):
-            del params
-            scale = jax.lax.fori_loop(0, 2, lambda i, c: c + sum(jnp.sum(x * x) for x in jax.tree.leaves(u)), 0.0)
-            return jax.tree.map(lambda g: g / (1 + scale), u), state
-        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+def _looped(loop):
+    """Updates scaled by a norm of the updates that `loop(body, init)` accumulates."""
+    def update(u, state, params=None):
+        del params
+        scale = loop(lambda c: c + sum(jnp.sum(x * x) for x in jax.tree.leaves(u)), 0.0)
+        return jax.tree.map(lambda g: g / (1 + scale), u), state
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def _fori(body, init):
+    return jax.lax.fori_loop(0, 2, lambda i, c: body(c), init)  # (a `scan`: its length is known)
+
+
+def _while(body, init):
+    return jax.lax.while_loop(lambda c: c < 10.0, body, init)
+
+
+def test_reduction_inside_a_scan_runs_on_slices():
+    """A norm computed inside a `lax.fori_loop` of fixed length (a `scan`): every device runs every iteration, so
+    it runs as a collective there, exactly (optax.lbfgs's inner products run so)."""
+    mesh = h.mesh_of(8)
+    tx = zo.zero1(_looped(_fori), axis_name="data", mesh=mesh)
+    z_params, z_state, r_params, r_state = h.run_mesh_bound(tx, _looped(_fori), h.small_params(), 2, mesh)
+    h.assert_matches(z_params, z_state, r_params, r_state)
+
+
+def test_reduction_inside_a_while_loop_is_refused():
+    """A norm computed inside a `lax.while_loop` body (whose trip count may depend on the data) cannot run as a
+    collective on slices: flat refuses it, naming the loop."""
     with pytest.raises(zo.ZeroCouplingError, match=r"inside a loop"):
-        _init(zo.zero1(looped(), axis_name="data"), h.small_params())
+        _init(zo.zero1(_looped(_while), axis_name="data"), h.small_params())
 
 
 def test_auto_refuses_a_global_norm_over_owned_leaves():

@@ -52,7 +52,7 @@ _OPTAX_FAILS: dict[str, str] = {
 # Cases that fail through zero1 only: (reason, strict).
 _ZERO1_FAILS: dict[str, tuple[str, bool]] = {
     "test_init_with_abstract_input_lbfgs":
-        ("zero1 refuses lbfgs under partition=\"auto\" (being fixed); passes once it takes it", False),
+        ("zero1 refuses lbfgs under partition=\"auto\" on a tree of one leaf (being fixed)", False),
 }
 
 

@@ -64,11 +64,14 @@ def adamw(tmp) -> dict:
 
 @pytest.mark.parametrize("over_data", [False, True])
 def test_state_is_one_eighth_per_device_and_losses_equal_maxtexts_adamw(tmp, adamw, over_data):
-    """zero1's state is 1/8 per device before the first step and after the last; the losses are MaxText's, bit for
-    bit. With `shard_optimizer_over_data` true and false: `use_zero1` keeps the parameters' sharding."""
+    """zero1's state is 1/8 per device before the first step and after the last; the losses are MaxText's to float32
+    rounding (bit for bit on JAX 0.12.0.1; on 0.12.1 MaxText's own AdamW moves by 1-2 ulps at three steps, zero1's
+    losses are those of 0.12.0.1). With `shard_optimizer_over_data` true and false: `use_zero1` keeps the
+    parameters' sharding."""
     flag = f"shard_optimizer_over_data={str(over_data).lower()}"
     got = run(tmp, f"zero1_{over_data}", "zero1", f"steps={STEPS}", flag)
-    assert got["losses"] == adamw["losses"] and sorted(got["losses"]) == list(range(STEPS))
+    assert sorted(got["losses"]) == list(range(STEPS))
+    assert got["losses"] == pytest.approx(adamw["losses"], rel=1e-6, abs=0)
     assert len(set(adamw["end"])) == 1 and adamw["end"][0] == adamw["global"]  # MaxText's AdamW: replicated
     assert got["setup"] == got["end"] == [got["global"] // 8] * 8 and got["global"] % 8 == 0
     assert got["specs"] == ['["data"]']
@@ -77,12 +80,15 @@ def test_state_is_one_eighth_per_device_and_losses_equal_maxtexts_adamw(tmp, ada
 
 def test_checkpoint_resumes_as_the_uninterrupted_run(tmp, adamw):
     """MaxText's checkpointer saves zero1's state after 3 steps and restores it 1/8 per device; the resumed run's
-    losses are the uninterrupted run's, bit for bit. At the saved size the restore is MaxText's own (no relayout)."""
+    losses are the uninterrupted run's, bit for bit, and MaxText's AdamW's to float32 rounding (see above). At the
+    saved size the restore is MaxText's own (no relayout)."""
     ckpt = ["enable_checkpointing=true", "checkpoint_period=100"]
     first = run(tmp, "first", "zero1", "steps=3", *ckpt, run_name="resumed")
     second = run(tmp, "second", "zero1", f"steps={STEPS}", *ckpt, run_name="resumed")
     assert sorted(first["losses"]) == [0, 1, 2] and sorted(second["losses"]) == [3, 4, 5]
-    assert {**first["losses"], **second["losses"]} == adamw["losses"]
+    resumed = {**first["losses"], **second["losses"]}
+    assert resumed == run(tmp, "zero1_uninterrupted", "zero1", f"steps={STEPS}")["losses"]
+    assert resumed == pytest.approx(adamw["losses"], rel=1e-6, abs=0)
     assert second["setup"] == second["end"] == [second["global"] // 8] * 8
     assert first["relayouts"] == second["relayouts"] == 0
 

@@ -15,7 +15,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from zero_optax.analysis import _programs
+from zero_optax.analysis import _programs, _stacked
 from zero_optax.core import _compat
 from zero_optax.core._errors import ZeroCouplingError
 
@@ -60,7 +60,8 @@ class _Fact(NamedTuple):
     random: _Origin | None = None  # set if it derives from a random primitive
     positional: _Origin | None = None  # set if, not being parameter-derived, it may vary by position
     reduced: Taint = _NONE  # leaves whose full (collective) reductions the value depends on
-    control: bool = False  # set if it passed through control flow (its coordinates no longer reduce exactly)
+    control: bool = False  # set if it passed through a `while` loop (its coordinates no longer reduce exactly)
+    lead: int = 0  # leading axes that are no coordinates (`_stacked`), where it depends on coordinates
 
 
 _CLEAN = _Fact()
@@ -70,12 +71,27 @@ _SHARED = _Origin("non-scalar shared state (an input without a parameter label, 
 
 
 def _coordinate_facts(closed: _programs.ClosedJaxpr, untainted: frozenset[int] = frozenset(),
-                      scalar_leaves: frozenset[int] = frozenset()) -> list[_Fact]:
+                      scalar_leaves: frozenset[int] = frozenset(), inputs: Inputs | None = None) -> list[_Fact]:
     """One label for every non-scalar input but the `untainted` ones (a PRNG key's data) and for the
-    `scalar_leaves` (one-element parameter data)."""
-    tainted, scalar = _Fact(frozenset({0}), frozenset({0})), _Fact(frozenset({0}))
-    return [tainted if _programs.size(v) > 1 and k not in untainted else scalar if k in scalar_leaves else _CLEAN
-            for k, v in enumerate(closed.jaxpr.invars)]
+    `scalar_leaves` (one-element parameter data); `inputs`: which are shared state, which stacked histories."""
+    inputs = inputs or Inputs()
+    scalar = _Fact(frozenset({0}))
+
+    def fact(k: int, var: Any) -> _Fact:
+        if _programs.size(var) <= 1 or k in untainted:
+            return scalar if k in scalar_leaves else _CLEAN
+        if k in inputs.shared:
+            return _Fact(positional=_SHARED)
+        return _Fact(frozenset({0}), frozenset({0}), lead=inputs.leads.get(k, 0))
+    return [fact(k, v) for k, v in enumerate(closed.jaxpr.invars)]
+
+
+class Inputs(NamedTuple):
+    """What the analyses know of an update's inputs beyond their labels, by flat input index: the `shared` state
+    (no parameter's) and the `leads` of stacked histories (`_stacked`: `(memory, *param.shape)`)."""
+
+    shared: frozenset[int] = frozenset()
+    leads: Mapping[int, int] = {}
 
 
 class Slices(NamedTuple):
@@ -87,29 +103,32 @@ class Slices(NamedTuple):
 
 
 def on_slices(fn: Callable[..., Any] | _programs.Traced, *args: Any, untainted: frozenset[int] = frozenset(),
-              scalar_leaves: frozenset[int] = frozenset()) -> Slices:
+              scalar_leaves: frozenset[int] = frozenset(), inputs: Inputs | None = None) -> Slices:
     """What `fn` needs on coordinate slices; `ZeroCouplingError` where it mixes coordinates other than by full
-    reductions outside control flow (`untainted`, `scalar_leaves`: as for `_coordinate_facts`)."""
+    reductions outside branches on parameter data and `while` loops (`untainted`, `scalar_leaves`, `inputs`: as
+    for `_coordinate_facts`)."""
     closed = _programs.trace(fn, *args).closed
     analysis = _Analysis(strict=True, collective=True)
-    outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves), None)
+    outs = analysis.check(closed, _coordinate_facts(closed, untainted, scalar_leaves, inputs), None)
     return Slices(bool(analysis.reduced or analysis.draws), tuple(bool(f.coords) for f in outs))
 
 
 def analyze_leaves(fn: Callable[..., Any] | _programs.Traced, *args: Any, sources: Any, out_sources: Any = None,
-                   collective: bool = False) -> LeafAnalysis:
+                   collective: bool = False, leads: Mapping[int, int] | None = None) -> LeafAnalysis:
     """Which labelled leaves `fn(*args)` mixes the coordinates of; `ZeroCouplingError` where it mixes two leaves or
     random values reach outputs not labelled None. `sources` (`out_sources`): a prefix of `args` (of the output) with
-    an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it."""
+    an int label or None per subtree; with `collective`, a full reduction of a leaf does not couple it; `leads`: by
+    flat input index, the leading axes of a stacked history (`_stacked`)."""
     traced = _programs.trace(fn, *args)
     in_labels, out_labels = _programs.labels(traced, sources, out_sources)
     facts = []
-    for var, lab in zip(traced.closed.jaxpr.invars, in_labels):
+    for k, (var, lab) in enumerate(zip(traced.closed.jaxpr.invars, in_labels)):
         big = _programs.size(var) > 1
         if lab is None:
             facts.append(_Fact(positional=_SHARED) if big else _CLEAN)
         else:
-            facts.append(_Fact(frozenset({lab}), frozenset({lab}) if big else _NONE))
+            facts.append(_Fact(frozenset({lab}), frozenset({lab}) if big else _NONE,
+                               lead=(leads or {}).get(k, 0) if big else 0))
     analysis = _Analysis(strict=False, collective=collective)
     outs = analysis.check(traced.closed, facts, out_labels)
     return LeafAnalysis(frozenset(analysis.reasons), dict(analysis.reasons), tuple(f.labels for f in outs),
@@ -218,16 +237,18 @@ def _join(facts: Sequence[_Fact]) -> _Fact:
     labels = coords = reduced = _NONE
     random = positional = None
     control = False
+    lead = 0
     for f in facts:
         if f is _CLEAN:
             continue
         control = control or f.control
+        lead = max(lead, f.lead) if f.coords else lead
         labels = labels | f.labels if labels else f.labels
         coords = coords | f.coords if coords else f.coords
         reduced = reduced | f.reduced if reduced else f.reduced
         random = random or f.random
         positional = positional or f.positional
-    return _Fact(labels, coords, random, positional, reduced, control)
+    return _Fact(labels, coords, random, positional, reduced, control, lead)
 
 
 def _fit(var: Any, fact: _Fact) -> _Fact:
@@ -243,13 +264,15 @@ def _literal(atom: Any) -> _Fact:
 
 def _key(facts: Sequence[_Fact]) -> list[tuple[Any, ...]]:
     """What a loop's fixed point compares (origins are kept from the first iteration that sets them)."""
-    return [(f.labels, f.coords, f.random is None, f.positional is None, f.reduced, f.control) for f in facts]
+    return [(f.labels, f.coords, f.random is None, f.positional is None, f.reduced, f.control, f.lead)
+            for f in facts]
 
 
 class _Analysis:
     """Forward propagation of facts over a jaxpr: mixing two labels, or random values meeting parameter data,
     raises; mixing a leaf's coordinates raises if `strict`, else is recorded in `reasons`. With `collective`, a full
-    reduction outside control flow is a collective on slices, whose scalar carries no label."""
+    reduction where every device runs it (not in a `while` loop or a branch on parameter data; a `scan` runs its
+    iterations on every device) is a collective on slices, whose scalar carries no label."""
 
     def __init__(self, strict: bool, collective: bool = False):
         self.strict = strict
@@ -287,7 +310,7 @@ class _Analysis:
             return [_CLEAN] * len(eqn.outvars)
         if name in _programs.CONTROL:
             outs = {"cond": self._cond, "while": self._while, "scan": self._scan}[name](eqn, facts)
-            if name == "cond":  # (the evaluator follows a leaf's coordinates through branches, not loops)
+            if name != "while":  # (the evaluator follows a leaf's coordinates through branches and scans)
                 return outs
             return [f._replace(control=True) if self.collective and f.coords else f for f in outs]
         body = _programs.call_body(eqn)
@@ -310,13 +333,16 @@ class _Analysis:
             # (a scalar leaf's value counts too: on slices one device holds it, the others padding)
             self.reduced.update(out.coords | out.labels)
             return [_Fact(reduced=out.reduced | out.coords | out.labels)] * len(eqn.outvars)
+        stacked = None  # (the lead of a result `_stacked` proves per coordinate: no position-dependent value)
         if out.coords:
-            self._check_coordinates(eqn, facts, out.coords)
+            stacked = self._check_coordinates(eqn, facts, out.coords)
+            out = out._replace(lead=stacked or 0)
         if name in _programs.RANDOM:
             number = name in _programs.RANDOM_NUMBERS
             what = "draws random numbers" if number else "makes or transforms a PRNG key"
             out = out._replace(random=_Origin(what, (*self._stack, eqn), number, name == "random_bits"))
-        elif out.positional is None and (name in _programs.POSITIONAL or name not in _programs.KNOWN):
+        elif out.positional is None and stacked is None and (name in _programs.POSITIONAL
+                                                             or name not in _programs.KNOWN):
             out = out._replace(positional=_Origin(_made_here(name), (*self._stack, eqn)))
         if out.random is not None:
             out = self._drawn(eqn, facts, out)
@@ -336,7 +362,7 @@ class _Analysis:
             out = out._replace(random=origin)
         if not out.labels:
             return out
-        if aligned and self.collective and not self._in_control() and not out.control:
+        if aligned and self.collective and not self._in_loop() and not out.control:
             self.draws.update(out.labels)
             return out._replace(random=None)
         raise self._random(origin, f"meet parameter-derived values in `{eqn.primitive.name}`")
@@ -345,14 +371,22 @@ class _Analysis:
         """Whether `eqn` is a full reduction of values neither random nor position-dependent, outside control
         flow (where alone the evaluator reduces)."""
         return (self.collective and _programs.collective_kind(eqn) is not None and out.random is None
-                and not out.control and all(f.positional is None for f in facts) and not self._in_control())
+                and not out.control and all(f.positional is None for f in facts) and not self._in_control()
+                and len({f.lead for f in facts if f.coords}) <= 1
+                and all(f.lead < len(_programs.shape(v)) for v, f in zip(eqn.invars, facts) if f.coords))
 
     def _in_control(self) -> bool:
-        """Whether the equation at hand runs in a loop, or in a branch devices may not all take (no collective)."""
+        """Whether the equation at hand runs in a `while` loop (its trip count may depend on the data), or in a
+        branch devices may not all take (no collective there)."""
+        return self._split > 0 or any(e.primitive.name == "while" for e in self._stack)
+
+    def _in_loop(self) -> bool:
+        """Whether the equation at hand runs in a loop or in a branch devices may not all take (no draw there)."""
         return self._split > 0 or any(e.primitive.name in ("while", "scan") for e in self._stack)
 
-    def _check_coordinates(self, eqn: Any, facts: Sequence[_Fact], coords: Taint) -> None:
-        """Records (or raises) coordinate mixing by `eqn` of the leaves `coords`, if it mixes them."""
+    def _check_coordinates(self, eqn: Any, facts: Sequence[_Fact], coords: Taint) -> int | None:
+        """Records (or raises) coordinate mixing by `eqn` of the leaves `coords`, if it mixes them; the lead of
+        its result where `_stacked` proves it per coordinate, else None."""
         name = eqn.primitive.name
         chain = (*self._stack, eqn)
         positional = next((f.positional for f in facts if f.positional is not None), None)
@@ -366,13 +400,18 @@ class _Analysis:
             else:
                 self._couple(coords, chain, f"combines a parameter-derived value with {positional.what}: {wrong}")
         else:
-            reason = _structural_violation(eqn, [v for v, f in zip(eqn.invars, facts) if f.coords])
+            stacked = _stacked.lead_of(eqn, [f.lead if f.coords else None for f in facts],
+                                       [not (f.labels or f.coords) and f.random is None for f in facts])
+            lead, reason = stacked or (None, _structural_violation(eqn, [v for v, f in zip(eqn.invars, facts)
+                                                                         if f.coords]))
             if reason is not None and self.collective and _programs.collective_kind(eqn) is not None:
-                reason += (" inside a loop (`while`, `scan`) or a branch on parameter data, or of a value computed "
+                reason += (" inside a loop (`while`) or a branch on parameter data, or of a value computed "
                            "there: zero1 runs full reductions on slices as collectives only where every device "
                            "runs them")
-            if reason is not None:
-                self._couple(coords, chain, reason)
+            if reason is None:
+                return lead
+            self._couple(coords, chain, reason)
+        return None
 
     def _couple(self, coords: Taint, eqns: Sequence[Any], reason: str) -> None:
         """Coordinates of the leaves `coords` are mixed, as `eqns[-1]` shows."""

@@ -115,11 +115,16 @@ def call_body(eqn: Any) -> Any:
 
 
 def collective_kind(eqn: Any) -> str | None:
-    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element (`reduce_*`, or a `dot_general` of
-    two operands of one shape contracting all their axes in order: `jnp.vdot`), else None."""
+    """`"sum"`, `"max"` or `"min"` if `eqn` reduces whole arrays to one element (`reduce_*` over the last axis
+    among others, or a `dot_general` of two operands of one shape contracting all their axes in order: `jnp.vdot`),
+    else None. (A reduction of `(memory, 1)` over its first axis reduces a history stacked along it, one coordinate
+    per device: no collective.)"""
     name = eqn.primitive.name
     kind = _COLLECTIVE_KINDS.get(name)
     if kind is None or not eqn.outvars or size(eqn.outvars[0]) != 1:
+        return None
+    if name != "dot_general" and len(shape(eqn.invars[0])) > 1 and len(shape(eqn.invars[0])) - 1 not in \
+            eqn.params["axes"]:
         return None
     if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]

@@ -203,7 +203,11 @@ def _entry(layout: Layout, j: int, arrays: dict[int, jax.Array], buffers: dict[s
         assert owner is not None  # (an owned leaf's)
         dtype, off = layout.state_packing.offsets[owner][j]
         return jax.lax.slice_in_dim(buffers[dtype][owner], off, off + e.size).reshape(e.shape)
-    return _compat.replicate(arrays[j])[:leaf.size].reshape(leaf.shape)
+    full = _compat.replicate(arrays[j])
+    if len(e.shape) > 1:  # a stacked history (`(*lead, slots)` per device): each row cut as the leaf is
+        rows = jnp.moveaxis(full.reshape(-1, *e.shape), 0, -2).reshape(*e.shape[:-1], -1)
+        return rows[..., :leaf.size].reshape(*e.shape[:-1], *leaf.shape)
+    return full[:leaf.size].reshape(leaf.shape)
 
 
 def _gather_one(state: ZeroState) -> Any:

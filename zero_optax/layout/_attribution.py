@@ -22,7 +22,8 @@ _MARKER = 1_000_000_007
 def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStruct], sliced: Sequence[int] = ()
                      ) -> tuple[tuple[StateEntry, ...], Any]:
     """The entries of `init_fn`'s state, in flatten order, and the full abstract state: state present on a fully
-    masked tree is shared, a `sliced` leaf's histories have length `_MARKER + i`, others are spelled bit by bit."""
+    masked tree is shared, a `sliced` leaf's histories end in an axis of length `_MARKER + i` (after leading axes
+    of a stacked history, L-BFGS's `(memory, *param.shape)`), others are spelled bit by bit."""
     n = len(leaf_structs)
     sliced_leaves = set(sliced)
     owned = [i for i in range(n) if i not in sliced_leaves and not isinstance(leaf_structs[i], optax.MaskedNode)]
@@ -49,9 +50,8 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     for path, x in full:
         if path in shared:
             continue
-        mark = x.shape[0] - _MARKER if len(x.shape) == 1 else -1
-        if mark in sliced_leaves:
-            owner_of[path] = mark
+        if _history_of(x.shape) in sliced_leaves:
+            owner_of[path] = _history_of(x.shape)
         else:
             rest.append(path)
     histories = set(owner_of)
@@ -60,9 +60,16 @@ def discover_entries(init_fn, treedef, leaf_structs: Sequence[jax.ShapeDtypeStru
     entries = []
     for path, x in full:
         leaf = owner_of.get(path)
-        shape = leaf_structs[owner_of[path]].shape if path in histories else tuple(x.shape)
+        shape = (*x.shape[:-1], *leaf_structs[owner_of[path]].shape) if path in histories else tuple(x.shape)
         entries.append(StateEntry(path, leaf, tuple(shape), np.dtype(x.dtype).name))
     return tuple(entries), marked_state
+
+
+def _history_of(shape: tuple[int, ...]) -> int:
+    """The sliced leaf whose marked length ends `shape` (no leading axis marked), or -1."""
+    if not shape or any(d >= _MARKER for d in shape[:-1]):
+        return -1
+    return shape[-1] - _MARKER
 
 
 def _owned_entry_leaves(rest: Sequence[str], owned: Sequence[int], paths_of) -> dict[str, int]:

@@ -117,7 +117,8 @@ def groups(views: Views, entries: tuple[StateEntry, ...], programs: dict, inits:
     for members in sorted(groups):
         offsets = np.cumsum([0] + [leaves[i].slots for i in members]).tolist()
         leaf = leaves[members[0]]  # a lone leaf that one device holds whole keeps its shape, unless offloaded
-        own_shape = len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload
+        own_shape = len(members) == 1 and leaf.group == 1 and len(leaf.shape) >= 2 and not cfg.offload \
+            and all(len(entries[j].shape) == 1 for j in histories[members[0]])  # (or it has a stacked history)
         out.append(Group(tuple(members), tuple(tuple(histories[i]) for i in members),
                          tuple(masters[i] for i in members) if masters else (), tuple(offsets[:-1]), offsets[-1],
                          leaf.shape if own_shape else None, _program_number(members[0], programs, inits, numbers)))
@@ -174,7 +175,8 @@ def _candidates(cfg: Config, leaves: tuple[ParamLeaf, ...], entries: tuple[State
         leaf = leaves[i]
         small = leaf.slots * np.dtype(cfg.inner_dtype(leaf.dtype)).itemsize <= FUSE_BYTES
         program = programs.get(i, i) if small else i  # a leaf without a program of its own stays alone
-        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype, tuple(entries[j].dtype for j in own))
+        key = (program, leaf.axes, leaf.blocks, leaf.group, leaf.dtype,
+               tuple((entries[j].dtype, entries[j].shape[:-1]) for j in own))  # (a stacked history's lead too)
         keyed.setdefault(key, []).append(i)
     return list(keyed.values())
 

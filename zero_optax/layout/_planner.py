@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -117,32 +117,64 @@ class Coupling:
     coupled: frozenset[int]
     joint: bool = False
     invariant: frozenset[int] = frozenset()
+    stacked: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+def stacked_histories(entries, shapes: list[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """Entry index -> the leading axes of a leaf's stacked history (`_stacked`: its shape is the leaf's after them,
+    L-BFGS's `(memory, *param.shape)`), for the entries of `entries` (on the parameters) that are such."""
+    out = {}
+    for k, e in enumerate(entries):
+        shape = None if e.leaf is None else shapes[e.leaf]
+        if shape is not None and len(e.shape) > len(shape) and tuple(e.shape[len(e.shape) - len(shape):]) == shape:
+            out[k] = tuple(e.shape[:len(e.shape) - len(shape)])
+    return out
+
+
+def _flat_inputs(n: int, entries, stacked: Mapping[int, tuple[int, ...]], untainted: frozenset[int]
+                 ) -> _coupling.Inputs:
+    """What the flat analysis knows of the update's state inputs (after the `n` gradients) from `entries`."""
+    shared = frozenset(n + k for k, e in enumerate(entries) if e.leaf is None) - untainted
+    return _coupling.Inputs(shared, {n + k: len(lead) for k, lead in stacked.items()})
+
+
+def _flat_coupling(cfg: Config, traced: _programs.Traced, treedef, state, entries, keys: dict[str, str]
+                   ) -> Coupling:
+    """`_coupled_leaves` under `"flat"` (`entries`: the state's with every leaf sliced, or None where unknown)."""
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    stacked = stacked_histories(entries or (), shapes)
+    if cfg.assume_elementwise:
+        return Coupling(frozenset(), stacked=stacked)
+    # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
+    n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
+    untainted = frozenset(n + k for k, path in enumerate(_names.leaf_paths(state)) if path in keys)
+    scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
+                        if np.size(x) == 1)
+    inputs = None if entries is None else _flat_inputs(n, entries, stacked, untainted)
+    try:
+        slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars, inputs=inputs)
+    except ZeroCouplingError as e:
+        raise ZeroCouplingError(
+            f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
+            f"{e}.\n{FLAT_HELP.format(axis=cfg.axes[0])}") from None
+    return Coupling(frozenset(), slices.joint,
+                    frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c), stacked)
 
 
 def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entries, keys: dict[str, str]
                     ) -> Coupling:
-    """What the inner update needs (`Coupling`), or a `ZeroCouplingError` where the partition cannot run it."""
-    axis = cfg.axes[0]
+    """What the inner update needs (`Coupling`), or a `ZeroCouplingError` where the partition cannot run it
+    (`entries`: the state's on the parameters; under `"flat"`, with every leaf sliced, or None where unknown)."""
     if cfg.partition == FLAT:
-        if cfg.assume_elementwise:
-            return Coupling(frozenset())
-        # (a PRNG key's data is no parameter data; a scalar parameter is, as sliced as any other)
-        n, n_state = treedef.num_leaves, len(jax.tree.leaves(traced.args[1]))
-        untainted = frozenset(n + k for k, path in enumerate(_names.leaf_paths(state)) if path in keys)
-        scalars = frozenset(k + off for off in (0, n + n_state) for k, x in enumerate(jax.tree.leaves(traced.args[0]))
-                            if np.size(x) == 1)
-        try:
-            slices = _coupling.on_slices(traced, untainted=untainted, scalar_leaves=scalars)
-        except ZeroCouplingError as e:
-            raise ZeroCouplingError(
-                f"zero1(partition=\"flat\") cannot run this inner transformation on coordinate slices: it applies "
-                f"{e}.\n{FLAT_HELP.format(axis=axis)}") from None
-        return Coupling(frozenset(), slices.joint,
-                        frozenset(k for k, c in enumerate(slices.coordinate_outputs[n:]) if not c))
+        return _flat_coupling(cfg, traced, treedef, state, entries, keys)
+    axis = cfg.axes[0]
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
+    stacked = stacked_histories(entries, shapes)
     n_leaves = treedef.num_leaves
     ins, outs = _fusion.sources(traced, treedef, entries)
     try:
-        found = _coupling.analyze_leaves(traced, sources=ins, out_sources=outs, collective=cfg.partition == AUTO)
+        found = _coupling.analyze_leaves(traced, sources=ins, out_sources=outs, collective=cfg.partition == AUTO,
+                                         leads={n_leaves + k: len(lead) for k, lead in stacked.items()})
     except ZeroCouplingError as e:
         raise ZeroCouplingError(
             f"zero1(partition=\"{cfg.partition}\") cannot split this inner transformation across owner devices: it "
@@ -163,13 +195,12 @@ def _coupled_leaves(cfg: Config, traced: _programs.Traced, treedef, state, entri
     invariant = frozenset(k for k, (c, r) in enumerate(zip(found.output_coords[n_leaves:],
                                                             found.output_reductions[n_leaves:]))
                           if not c and entries[k].leaf in r)
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(traced.args[0])]
     kept = frozenset(e.leaf for k, e in enumerate(entries)  # (they need an owner)
-                     if e.leaf is not None and tuple(e.shape) != shapes[e.leaf] and k not in invariant)
+                     if e.leaf is not None and tuple(e.shape) != shapes[e.leaf] and k not in invariant | stacked.keys())
     # An invariant entry's leaf is in `found.reductions`, so it makes the view joint unless it is owned already.
     coupled = found.coupled | kept
     _check_reductions(cfg, found, coupled, state, entries)
-    return Coupling(coupled, bool(found.reductions - coupled) or bool(found.draws), invariant)
+    return Coupling(coupled, bool(found.reductions - coupled) or bool(found.draws), invariant, stacked)
 
 
 def _check_reductions(cfg: Config, found: _coupling.LeafAnalysis, coupled: frozenset[int], state, entries) -> None:
@@ -204,7 +235,7 @@ def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], own
     which every device computes alike (in a joint view); refuses any other such entry."""
     out = []
     for k, e in enumerate(entries):
-        if e.leaf is None or owned[e.leaf] or e.shape == (slots[e.leaf],):
+        if e.leaf is None or owned[e.leaf] or e.shape == (*found.stacked.get(k, ()), slots[e.leaf]):
             continue
         if not (found.joint and k in found.invariant):
             raise ZeroCouplingError(
@@ -213,6 +244,40 @@ def _replicas(cfg: Config, found: Coupling, entries: tuple[StateEntry, ...], own
                 f"{FLAT_HELP.format(axis=cfg.axes[0])}")
         out.append((k, e.leaf))
     return tuple(out)
+
+
+def _real_entries(cfg: Config, real: list, real_tree, traced_init: _programs.Traced | None, traced_on: tuple
+                  ) -> tuple[tuple[StateEntry, ...], Any, tuple[StateEntry, ...] | None]:
+    """The inner state's entries on the parameters `real` (none under `"flat"`, which attributes no state to
+    leaves), its abstract state, and the entries the analysis reads (`"flat"`: every leaf sliced, for the shared
+    state and the stacked histories; None where unknown)."""
+    treedef = jax.tree.structure(real_tree)
+    if cfg.partition == FLAT:
+        real_state = jax.eval_shape(cfg.inner.init, real_tree) if traced_init is None else traced_init.out_shape
+        return (), real_state, remembered(("sliced entries", cfg.inner, traced_on),
+                                          lambda: _sliced_entries(cfg, treedef, real))
+    real_entries, real_state = remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
+        cfg.inner.init, treedef, real))
+    return real_entries, real_state, real_entries
+
+
+def _sliced_entries(cfg: Config, treedef, real: list) -> tuple[StateEntry, ...] | None:
+    """The inner state's entries with every leaf sliced, in the parameters' shapes (`flat`); None where the inner
+    `init` cannot run on partial trees (the analysis then reads every state leaf as parameter data)."""
+    try:
+        return _attribution.discover_entries(cfg.inner.init, treedef, real, sliced=range(len(real)))[0]
+    except ZeroCouplingError:
+        return None
+
+
+def _check_stacked(cfg: Config, found: Coupling, entries, owned: list[bool], paths: list[str]) -> None:
+    """Refuses stacked histories of sliced leaves (`_stacked`) with `offload=True`, which streams 1-D ones."""
+    stacked = [e for k, e in enumerate(entries) if k in found.stacked and e.leaf is not None and not owned[e.leaf]]
+    if stacked and cfg.offload:
+        raise ZeroCouplingError(
+            f"zero1(offload=True) streams the sliced leaves' 1-D histories through the device in chunks, but the "
+            f"inner state `{stacked[0].path}` of leaf `{paths[stacked[0].leaf]}` stacks a history per coordinate "
+            f"along leading axes (shape {stacked[0].shape} on a slice). Use offload=False.")
 
 
 def _typed_keys(cfg: Config, treedef, params) -> tuple[dict[str, str], _programs.Traced | None]:
@@ -290,15 +355,10 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     real_tree = jax.tree_util.tree_unflatten(treedef, real)
     keys, traced_init = _typed_keys(cfg, treedef, real_tree)
     traced_on = (treedef, tuple((x.shape, x.dtype) for x in real), tuple(_compat.manual_axes().items()))
-    if cfg.partition == FLAT:  # the analysis needs no attribution of state to leaves
-        real_state = jax.eval_shape(cfg.inner.init, real_tree) if traced_init is None else traced_init.out_shape
-        real_entries = ()
-    else:
-        real_entries, real_state = remembered(("entries", cfg.inner, traced_on), lambda: _attribution.discover_entries(
-            cfg.inner.init, treedef, real))
+    real_entries, real_state, analysed = _real_entries(cfg, real, real_tree, traced_init, traced_on)
     traced, extra = remembered(("update", cfg.inner, traced_on),
                                 lambda: _inner.trace_update(cfg.inner, real_tree, real_state, real_tree))
-    found = _coupled_leaves(cfg, traced, treedef, real_state, real_entries, keys)
+    found = _coupled_leaves(cfg, traced, treedef, real_state, analysed, keys)
     if found.joint and cfg.offload:
         raise ZeroCouplingError(
             "zero1(offload=True) streams the sliced leaves' state through the device in chunks, but the inner "
@@ -316,6 +376,7 @@ def _build_layout(cfg: Config, params, treedef, paths: list[str], values: list, 
     entries = real_entries if all(owned) and not any(dims) else \
         _entries_on_slices(cfg, treedef, mixed, real_state, owned)
     replicas = _replicas(cfg, found, entries, owned, slots, paths)
+    _check_stacked(cfg, found, entries, owned, paths)
     by_leaf = entries  # (a replica's program is its leaf's, as the views trace it)
     entries = tuple(dataclasses.replace(e, leaf=None) if (k, e.leaf) in replicas else e for k, e in enumerate(entries))
     entries = tuple(dataclasses.replace(e, key_impl=keys[e.path]) if e.path in keys else e for e in entries)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -250,6 +251,28 @@ def valid(layout: Layout, group: Group, rank: jax.Array, start=0, length: int | 
     return where - offsets[member] < real[member]
 
 
+def _lead(layout: Layout, group: Group, k: int) -> tuple[int, ...]:
+    """The leading axes of `group`'s history `k` where it is stacked (`(memory, *param.shape)`: L-BFGS's), else ()."""
+    return tuple(layout.entries[group.histories[0][k]].shape[:-1])
+
+
+def viewed(layout: Layout, group: Group, histories: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """`group`'s stored histories as its view holds them: a stacked one, stored 1-D, as `(*lead, part)`."""
+    return tuple(x.reshape(*lead, -1) if (lead := _lead(layout, group, k)) else x for k, x in enumerate(histories))
+
+
+def stored_histories(layout: Layout, group: Group, histories: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """The inverse of `viewed`: a stacked history stored 1-D, row by row (so a group's array keeps one run of
+    its members' columns per row, as a part kept in its leaf's shape does)."""
+    return tuple(x.reshape(-1) if _lead(layout, group, k) else x for k, x in enumerate(histories))
+
+
+def _own_rows(x: jax.Array, leaf: _stored.ParamLeaf, rank: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """This device's slots of every row of a stacked history `x` of `leaf` (`(*lead, *leaf.shape)`)."""
+    rows = x.reshape(math.prod(lead), -1)
+    return jax.vmap(lambda row: _wire.own_slice(row, leaf, rank))(rows).reshape(*lead, leaf.slots)
+
+
 def zero_padding(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Keeps the padded coordinates of a history at zero (some optimizers add eps to them)."""
     return x if mask is None else jnp.where(mask, x, jnp.zeros_like(x))
@@ -361,7 +384,7 @@ class Groups:
             shared = s if shared is None else {**s, **shared}  # (the first view's, and each view's replicas)
             if group is not None:
                 mask = valid(layout, group, group_rank(layout, group, ranks))
-                histories.append(tuple(zero_padding(x, mask) for x in h))
+                histories.append(stored_histories(layout, group, [zero_padding(x, mask) for x in h]))
         assert shared is not None  # (there is always a target)
         return stored_state(layout, {**shared, **{j: x for j, x in (whole or {}).items() if j in shared}}, histories)
 
@@ -392,6 +415,10 @@ class Groups:
         """This device's part of history `k` of `group`, from the full values of its members' entries."""
         values = {i: jnp.asarray(full[entries[k]], layout.entries[entries[k]].dtype)
                   for i, entries in zip(group.leaves, group.histories)}
+        lead = _lead(layout, group, k)
+        if lead:  # (a stacked history: each row cut as the leaf is)
+            rank = group_rank(layout, group, ranks)
+            return _wire.concat([_own_rows(values[i], layout.leaves[i], rank, lead) for i in group.leaves], axis=-1)
         return own_part(layout, group, values, ranks).reshape(group.part_shape)
 
     @staticmethod
@@ -443,7 +470,7 @@ class Groups:
         without group or parameters), and the leaves of its state, in order."""
         assert step.shared_old is not None  # (set by `update`, `stream_groups`)
         group = None if g is None else step.layout.groups[g]
-        own = {} if group is None else dict(zip(group.histories[0], histories))
+        own = {} if group is None else dict(zip(group.histories[0], viewed(step.layout, group, histories)))
         state = [step.shared_old[j] if j in step.shared_old else own[j] for j in self.views.order(step.layout, g)]
 
         def part(x) -> list:
@@ -486,7 +513,8 @@ class Groups:
         assert step.shared_old is not None  # (set by `update`)
         _, order = self.views.joint(layout)
         slices = {g.first: _coordinates(layout, g, mask, step.ranks) for g, mask in zip(layout.groups, masks)}
-        old = _assemble(self.views.joint(layout), step.shared_old, layout.groups, stored.histories)
+        old = _assemble(self.views.joint(layout), step.shared_old, layout.groups,
+                        [viewed(layout, g, h) for g, h in zip(layout.groups, stored.histories)])
         g_view = _view(layout, layout.groups, grads)
         p_view = None if params is None else _view(layout, layout.groups, params)
         firsts = sorted(slices)
@@ -513,8 +541,10 @@ class Groups:
                                   () if g is None else stored.histories[g], params is not None)
                     for t, g in enumerate(self.targets(layout))]
             updates, shared_new, new = [u for u, _, _ in runs], runs[0][1], [h for _, _, h in runs]
-        histories = [tuple(_reduce.skip_if_empty(step.denom.ok, zero_padding(x, mask), y) for x, y in zip(h, old))
-                     for h, old, mask in zip(new, stored.histories, masks)]
+        new = [stored_histories(layout, g, [zero_padding(x, mask) for x in h])
+               for g, h, mask in zip(layout.groups, new, masks)]
+        histories = [tuple(_reduce.skip_if_empty(step.denom.ok, x, y) for x, y in zip(h, old))
+                     for h, old in zip(new, stored.histories)]
         return updates, stored_state(layout, shared_new, histories), shared_old
 
 

@@ -111,7 +111,8 @@ def without_padding(x: jax.Array, where: Coordinates, kind: str) -> jax.Array:
     """`x` (a value on `where`'s coordinates) with its padding set to the identity of a `kind` reduction."""
     if where.valid is None:
         return x
-    return jnp.where(where.valid.reshape(x.shape), x, _identity(kind, x.dtype))
+    valid = where.valid.reshape(x.shape) if where.valid.size == x.size else where.valid  # (stacked: every row)
+    return jnp.where(valid, x, _identity(kind, x.dtype))
 
 
 class _OnSlice(NamedTuple):
@@ -208,14 +209,51 @@ def _tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]
     """One equation's results and their tags (a result holds the coordinates of a tagged operand of its size)."""
     if eqn.primitive.name in _compat.CALLS or eqn.primitive.name == "cond":
         return _programs_tagged(eqn, ins, in_tags, axes)
+    if eqn.primitive.name == "scan":
+        return _scan_tagged(eqn, ins, in_tags, axes)
     kind = _programs.collective_kind(eqn)
     if kind is not None:
         where = next(t for t in in_tags if t is not None)
         ins = [without_padding(x, where, kind) for x in ins]  # (a dot's operands both: 0 * inf is nan)
         return [_wire.Wire(where.axes).joint(_programs.bind(eqn, ins)[0], kind)], [None]  # over the leaf's devices
     out = _apply(eqn, ins, axes)
-    sized = [(jnp.size(x), t) for x, t in zip(ins, in_tags) if t is not None]
-    return out, [next((t for n, t in sized if n == v.aval.size), None) for v in eqn.outvars]
+    tagged = [(jnp.shape(x), t) for x, t in zip(ins, in_tags) if t is not None]
+    return out, [_result_tag(v.aval.shape, tagged) for v in eqn.outvars]
+
+
+def _result_tag(shape: tuple[int, ...], tagged: Sequence[tuple[tuple[int, ...], Any]]) -> Any:
+    """The tag of a result of `shape` from its tagged operands (`(shape, tag)`): that of one of its size, else of
+    one whose last axis, like the result's, holds the leaf's slots (a row of a stacked history, `_stacked`)."""
+    size = math.prod(shape)
+    found = next((t for s, t in tagged if math.prod(s) == size), None)
+    if found is None and shape:
+        found = next((t for s, t in tagged if s and s[-1] == shape[-1] == t.leaf.slots), None)
+    return found
+
+
+def _scan_tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
+    """A `lax.scan` on slices (every device runs its iterations), its body evaluated with the tags of its
+    constants and carry: a carry that holds a leaf's slots after some iteration holds them from the first (found
+    by tracing the loop again, which the dead first trace leaves to XLA to drop)."""
+    nc, nk = _compat.scan_counts(eqn)
+    if any(t is not None for t in in_tags[nc + nk:]):
+        raise ZeroCouplingError("The inner transformation scans over a sliced leaf's coordinates; zero1 runs a "
+                                "`lax.scan` on slices only over values that are not parameter data.")
+    carry = list(in_tags[nc:nc + nk])
+    while True:
+        found: list = []
+
+        def run(program, args: list, carry=carry, found=found) -> list:
+            outs, tags = _eval(*_compat.jaxpr_parts(program), args, axes,
+                               [*in_tags[:nc], *carry, *[None] * (len(args) - nc - nk)])
+            found.append(tags[:nk])
+            return outs
+        outs = _programs.retraced(eqn, ins, run, carry=lambda c: _joined(c, _axes_of(ins[0]) if ins else axes))
+        assert outs is not None  # (a scan)
+        new = [t if t is not None else o for t, o in zip(carry, found[-1])]
+        if all(a is b for a, b in zip(new, carry)):
+            return outs, [*carry, *[None] * (len(eqn.outvars) - nk)]
+        carry = new
 
 
 def _programs_tagged(eqn, ins: list, in_tags: list, axes: frozenset) -> tuple[list, list]:
