@@ -70,7 +70,9 @@ def test_plan_equals_the_real_state_step_and_checkpoint(case, tmp_path):
     assert zo.describe(state) == planned.describe()
     for device in mesh.devices.flat:
         held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == device)
-        assert held == planned.stored_bytes
+        assert held == planned.stored_bytes == planned.memory["zero1"].stored
+        assert sum(s.data.nbytes for x in params.values() for s in x.addressable_shards if s.device == device) \
+            == planned.memory["zero1"].parameters == planned.memory["replicated"].gradients
 
     def step(grads, state, params):
         return tx.update(zo.as_local(grads, planned.layout.replica_axes + planned.layout.axes), state, params)
