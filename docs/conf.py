@@ -4,11 +4,14 @@ Offline: no intersphinx, no downloads. The quickstart notebook (`notebooks/quick
 repository) is copied in and executed at build time on 8 simulated CPU devices; a failing cell fails the build.
 """
 
+import importlib
 import os
 import pathlib
 import re
 import shutil
 import sys
+
+from sphinx.ext.autosummary import Autosummary
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,6 +67,7 @@ nitpick_ignore_regex = [
 html_theme = "sphinx_book_theme"
 html_title = f"zero_optax {release}"
 html_theme_options = {"show_toc_level": 2}
+html_static_path = ["_static"]
 
 
 def _markdown_backticks(app, what, name, obj, options, lines):
@@ -72,5 +76,25 @@ def _markdown_backticks(app, what, name, obj, options, lines):
         lines[i] = re.sub(r"(?<!`)(`[^`]+`)(?!`)(?=[A-Za-z0-9])", r"\1\\ ", line)
 
 
+class _Autosummary(Autosummary):
+    """autosummary whose table gives an alias (`ZeroFlatState = ZeroState`) a one-line description: autodoc
+    documents an alias by its target's name and no docstring, which leaves its summary cell empty."""
+
+    def get_items(self, names):
+        items = super().get_items(names)
+        for i, (display, sig, summary, real_name) in enumerate(items):
+            module, _, attr = real_name.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError, ValueError):
+                continue
+            target = getattr(obj, "__name__", attr)
+            if not summary and isinstance(obj, type) and target != attr:
+                items[i] = (display, sig, f"Another name of :class:`~{module}.{target}` (an alias).", real_name)
+        return items
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _markdown_backticks)
+    app.add_directive("autosummary", _Autosummary, override=True)
+    app.add_css_file("code.css")  # docs/_static/code.css: code blocks within the page column

@@ -157,8 +157,8 @@ def zero1(
         master copy. `update` then needs `params`.
       mesh: bind the transformation to this mesh, so that `init` and `update` also work outside `shard_map` on
         global arrays, eagerly or under `jax.jit` (Flax's `nnx.Optimizer`, `TrainState`); the gradients are then
-        the global mean. There `init` on `jax.ShapeDtypeStruct`s gives the abstract state: `ShapeDtypeStruct`s
-        with the shardings of the real one (a restore target for Orbax).
+        the global mean. There `init` of `jax.ShapeDtypeStruct` leaves gives the abstract state, whose leaves are
+        `jax.ShapeDtypeStruct` instances with the shardings of the real one (a restore target for Orbax).
       assume_elementwise: skip the proof that the inner update is elementwise (`"flat"`), for custom kernels the
         analysis cannot see into; a wrong answer is then your responsibility.
       bucket_bytes: sliced leaves travel in buckets of at least this many bytes; `0` sends every leaf alone.
