@@ -370,15 +370,16 @@ def test_different_owners(saved, reads):
     owners = tuple(reversed(saved_owners := _record.read(saved["muon"])["states"][0]["owners"]))
     assert list(owners) != saved_owners
     with pytest.raises(zo.ZeroCheckpointError,
-                       match=r"zero1 state 0 \(at `<root>`\): owners\[\d+\] is \d+ in the checkpoint but \d+ in the"):
+                       match=r"zero1 state 0 \(at `<root>`\) differs from the checkpoint: leaf `\['a'\]` has owner "
+                             r"device \d+ in the checkpoint, device \d+ in the target.*reshard=True"):
         _restore(saved["muon"], _target("muon", owners=owners))
     assert not reads
 
 
 def test_different_shapes(saved, reads):
     shapes = dict(zs.SHAPES, c=(9,))
-    with pytest.raises(zo.ZeroCheckpointError, match=r"leaves\[2\] is .*\"shape\": \[7\].* in the checkpoint but"
-                                                     r" .*\"shape\": \[9\].* in the target"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['c'\]` has shape \(7,\) in the checkpoint, \(9,\) "
+                                                     r"in the target"):
         _restore(saved["adam"], _target("adam", shapes=shapes))
     with pytest.raises(zo.ZeroCheckpointError, match=r"leaf `\['c'\]` is \[7\] \(whole\) in the checkpoint but \[9\] "
                                                      r"\(whole\) in the target.*shape changed.*same model"):
@@ -387,8 +388,8 @@ def test_different_shapes(saved, reads):
 
 
 def test_adam_record_into_lion_target(saved, reads):
-    with pytest.raises(zo.ZeroCheckpointError, match=r"state_tree is .*ScaleByAdamState.* in the checkpoint but "
-                                                     r".*ScaleByLionState.* in the target"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"the inner optimizer's state is ScaleByAdamState in the "
+                                                     r"checkpoint, ScaleByLionState in the target"):
         _restore(saved["adam"], _target("lion"))
     assert not reads
 
@@ -407,14 +408,14 @@ def test_adam_record_into_adabelief_target(saved, reads):
     tx = zo.zero1(optax.adabelief(1e-2), axis_name="data")
     target = jax.jit(jax.shard_map(tx.init, mesh=tr.mesh, in_specs=jax.P(), out_specs=jax.P("data")))(
         zs.params(tr.mesh))
-    with pytest.raises(zo.ZeroCheckpointError, match=r"state_tree is .*ScaleByAdamState.* in the checkpoint but "
-                       r".*ScaleByBeliefState.* in the target"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"the inner optimizer's state is ScaleByAdamState in the "
+                       r"checkpoint, ScaleByBeliefState in the target"):
         _restore(saved["adam"], target, reshard=True)
     assert not reads
 
 
 def test_different_tree_around_the_zero_state(saved, reads):
-    with pytest.raises(zo.ZeroCheckpointError, match=r"the saved pytree is \"\*\" but the target is .*EmptyState"):
+    with pytest.raises(zo.ZeroCheckpointError, match=r"the saved pytree is `\*` but the target is .*EmptyState"):
         _restore(saved["adam"], _target("adam", chain=True))
     assert not reads
 

@@ -243,13 +243,21 @@ def _raw_key_noise():
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-@pytest.mark.parametrize("partition", ["flat", "leaf"])
-def test_random_numbers_are_refused_naming_the_operation(partition):
-    """The leaf partition cannot draw as one device does; the flat one cannot tell a raw key's data from
-    parameter data (`"auto"` runs it exactly: tests/test_random_draws.py)."""
-    tx = zo.zero1(optax.chain(_raw_key_noise(), optax.adam(1e-2)), axis_name="data", partition=partition)
+def test_random_numbers_are_refused_naming_the_operation():
+    """The leaf partition cannot draw as one device does (`"auto"` and `"flat"` run it exactly: below, and
+    tests/test_random_draws.py)."""
+    tx = zo.zero1(optax.chain(_raw_key_noise(), optax.adam(1e-2)), axis_name="data", partition="leaf")
     with pytest.raises(zo.ZeroCouplingError, match=r"`random_(bits|wrap)`"):
         jax.shard_map(tx.init, mesh=h.mesh_of(2), in_specs=P(), out_specs=P("data"))(h.small_params())
+
+
+def test_raw_key_noise_runs_exactly_under_flat():
+    """The flat partition reads a raw key in shared state as shared state (not parameter data), as `"auto"`
+    does: each device draws the whole leaf's numbers and keeps its slots."""
+    mesh = h.mesh_of(8)
+    tx = zo.zero1(optax.chain(_raw_key_noise(), optax.adam(1e-2)), axis_name="data", mesh=mesh, partition="flat")
+    ref = optax.chain(_raw_key_noise(), optax.adam(1e-2))
+    h.assert_matches(*h.run_mesh_bound(tx, ref, h.small_params(), 3, mesh))
 
 
 def _host_kernel():

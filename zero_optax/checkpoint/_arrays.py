@@ -3,7 +3,8 @@
 A zero1 state may stand alone, nest in a larger optax state, or sit in Flax `nnx.Variable`s (stripped first); every
 other leaf is refused. A state's arrays:
 * `<k>.entry<j>`: an unowned entry; a shared one as `[N, *shape]` (a copy per device), a sliced leaf's history
-  as 1-D `blocks * group * slots` elements, block `b` at `[b * group * slots, (b + 1) * group * slots)`;
+  as 1-D `blocks * group * slots` elements, block `b` at `[b * group * slots, (b + 1) * group * slots)` (a history
+  stacked along leading axes holds `(*lead, slots)` per device, row-major, in place of `slots`);
 * `<k>.buffer_<dtype>`: a packed buffer of owned entries, `[N, size]`;
 * `<k>.local<i>`: `accumulate="local"`'s per-device gradient sums of leaf `i`.
 
@@ -106,7 +107,7 @@ def stored_arrays(layout: StoredViews, k: int) -> list[StoredArray]:
                                    (zero,) + ((),) * len(e.shape), entry=j))
         else:
             leaf = layout.leaves[e.leaf]
-            out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * leaf.slots,), e.dtype,
+            out.append(StoredArray(_names.entry_array(k, j), (leaf.blocks * leaf.group * e.size,), e.dtype,
                                    (layout.history_axes(leaf),), entry=j))
     pack = layout.state_packing
     for d in sorted(pack.sizes):

@@ -104,6 +104,11 @@ def load_rank_records(directory: str | os.PathLike[str], state: int = 0) -> list
     if not sliced:
         raise _Error(f"state {state} of {directory} uses the leaf partition; move whole leaves with "
                      "reshard(..., owners=).")
+    stacked = next((e for e in layout.entries if layout.kind(e) == "sliced" and len(e.shape) > 1), None)
+    if stacked is not None:
+        raise _Error(f"state {state} of {directory} holds `{stacked.path}`, a history stacked along leading axes "
+                     f"(shape {stacked.shape} on each device), which rank records of 1-D coordinate histories "
+                     "cannot hold.")
     clocks = {layout.entries[j].path: v for j, v in shared[state].items()}
     names = {a.entry: a.name for a in saved.states[state].arrays if a.entry is not None}
     histories = {j: store.read(names[j], ((0, math.prod(store.open(names[j]).shape)),))

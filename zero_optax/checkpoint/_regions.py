@@ -289,12 +289,25 @@ class Regions:
         return self._history(array.entry, region[0], np.dtype(e.dtype))
 
 
+def _refuse_stacked(*layouts: StoredViews) -> None:
+    """Refuses re-cutting a sliced leaf's stacked history (`(memory, slots)` per device: L-BFGS's), whose rows a
+    re-cut would have to cut one by one."""
+    for layout in layouts:
+        e = next((e for e in layout.entries if layout.kind(e) == "sliced" and len(e.shape) > 1), None)
+        if e is not None:
+            raise ZeroCheckpointError(
+                f"The state's `{e.path}` is a history stacked along leading axes (shape {e.shape} on each device), "
+                "which restoring into another layout cannot re-cut yet. Restore it on its own mesh, then move it "
+                "with zo.gather_state and zo.scatter_state (or zo.relayout).")
+
+
 class Remap(Regions):
     """The arrays of a state with layout `target` (checked by `_restore`), region by region, from the saved state."""
 
     def __init__(self, saved: SavedState, target: StoredViews, read: Read, shared: dict[int, np.ndarray],
                  where: str = "the checkpoint", specs: dict[str, Any] | None = None):
         super().__init__(target, shared)
+        _refuse_stacked(saved.layout, target)
         self.saved, self.read = saved, read
         self.cuts = recuts(saved.layout, target, where, specs)
         self.names = {(a.entry, a.buffer): a.name for a in saved.arrays}

@@ -4,13 +4,13 @@ A plain restore needs the saved layout itself (world size, owners, slots, packin
 (`reshard=True`) needs only what resharding keeps: the partition, the leaves' paths, dtypes, kinds and logical
 shapes, the inner-state tree, the entries and the master dtype. Orbax reads a checkpoint it wrote at the target's
 own layouts; otherwise each device's region is read or re-cut (`_regions`), placed on its device and released
-before the next, so host memory peaks near one device block.
+before the next, so host memory peaks near one device block. A refusal names every difference it finds, each
+leaf and entry by path, and the fix (`_differences`).
 
 Examples:
   >>> from zero_optax.checkpoint import _restore
-  >>> _restore.first_difference({"world_size": 8, "owners": [0]}, {"world_size": 8, "owners": [1]}, "state 0",
-  ...                           ("owners",))
-  'state 0: owners[0] is 0 in the checkpoint but 1 in the target.'
+  >>> _restore.tree_text("tuple([0]=*,[1]=EmptyState())")
+  '`tuple([0]=*,[1]=EmptyState())`'
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_optax.checkpoint import _arrays, _paths, _record, _regions, _schema, _store
+from zero_optax.checkpoint import _arrays, _differences, _paths, _record, _regions, _schema, _store
 from zero_optax.core._errors import ZeroCheckpointError
 from zero_optax.layout._stored import AUTO, StoredLayout, StoredViews
 from zero_optax.step import _offload
@@ -100,13 +100,15 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead) -
     if len(saved.states) != len(parts.states):
         raise ZeroCheckpointError(
             f"{path} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
-            f"tree {_record.short(saved.tree)}, target tree {_record.short(parts.signature)}).")
+            f"tree {tree_text(saved.tree)}, target tree {tree_text(parts.signature)}). Restore into a target "
+            "built like the run that saved it.")
     plans = [_check_target(k, state_path, state, old, reshard)
              for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states))]
     if saved.tree != parts.signature:
         raise ZeroCheckpointError(
-            f"{path}: the saved pytree is {_record.short(saved.tree)} but the target is "
-            f"{_record.short(parts.signature)} (zero1 states shown as *).")
+            f"{path}: the saved pytree is {tree_text(saved.tree)} but the target is {tree_text(parts.signature)} "
+            "(zero1 states shown as *). Restore into a target built like the run that saved it: the same chain "
+            "of transformations around zero1.")
     store, shared = checked_arrays(path, saved)
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX:
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
@@ -141,21 +143,9 @@ def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shar
     return _arrays.rebuild(plan.state, [build(a, s, region) for a, s in zip(plan.specs, plan.shardings)])
 
 
-def first_difference(saved: dict[str, Any], target: dict[str, Any], where: str, keys) -> str | None:
-    """A sentence naming the first of `keys` whose value differs between two records, or None."""
-    for key in keys:
-        a, b = saved.get(key), target.get(key)
-        if a == b:
-            continue
-        if isinstance(a, list) and isinstance(b, list):
-            if len(a) != len(b):
-                return f"{where}: {key} has {len(a)} items in the checkpoint but {len(b)} in the target."
-            for i, (x, y) in enumerate(zip(a, b)):
-                if x != y:
-                    return (f"{where}: {key}[{i}] is {_record.short(x)} in the checkpoint but {_record.short(y)} in "
-                            "the target.")
-        return f"{where}: {key} is {_record.short(a)} in the checkpoint but {_record.short(b)} in the target."
-    return None
+def tree_text(signature: str, size: int = 200) -> str:
+    """A tree signature (`_names.tree_signature`) as a message shows it: in backticks, cut to `size` characters."""
+    return f"`{signature if len(signature) <= size else signature[:size - 3] + '...'}`"
 
 
 def _comparable(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -180,7 +170,7 @@ def _invariant(rec: dict[str, Any], sliced: list[bool], blocked: list[bool]) -> 
 
 
 def check_layouts(saved_layout: StoredLayout, target: StoredViews, k: int, where: str, reshard: bool) -> None:
-    """Refuses, naming the first difference, a saved state `k` that cannot be restored into layout `target`."""
+    """Refuses, naming its differences and the fix, a saved state `k` that cannot be restored into `target`."""
     if not reshard and saved_layout.world_size != target.world_size:
         m = target.world_size
         raise ZeroCheckpointError(
@@ -192,21 +182,28 @@ def check_layouts(saved_layout: StoredLayout, target: StoredViews, k: int, where
     if difference is None and not reshard:
         difference = plain_difference(saved_layout, target, k, where)
     elif difference is None:
-        sliced = [x.sliced or y.sliced for x, y in zip(saved_layout.leaves, target.leaves)]
-        blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved_layout.leaves, target.leaves)]
-        a, b = _comparable(_record.state_record(saved_layout, k), _record.state_record(target, k))
-        difference = first_difference(_invariant(a, sliced, blocked), _invariant(b, sliced, blocked), where,
-                                      RESHARD_KEYS)
+        difference = _differences.describe(*_kept(saved_layout, target, k), where, RESHARD_KEYS)
     if difference is not None:
         raise ZeroCheckpointError(difference)
     if reshard:
         _regions.recuts(saved_layout, target, where)  # refuses a leaf whose logical shape changed
 
 
+def _kept(saved: StoredViews, target: StoredViews, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The records of two layouts of state `k`, trimmed to what resharding keeps where both have the same leaves
+    (where they do not, the leaves differ, and that is the difference to name)."""
+    a, b = _comparable(_record.state_record(saved, k), _record.state_record(target, k))
+    if [x.path for x in saved.leaves] != [x.path for x in target.leaves]:
+        return a, b
+    sliced = [x.sliced or y.sliced for x, y in zip(saved.leaves, target.leaves)]
+    blocked = [s or x.tp_owned or y.tp_owned for s, x, y in zip(sliced, saved.leaves, target.leaves)]
+    return _invariant(a, sliced, blocked), _invariant(b, sliced, blocked)
+
+
 def plain_difference(saved: StoredViews, target: StoredViews, k: int, where: str) -> str | None:
-    """The first difference between the records of two layouts of state `k` that a plain restore cannot bridge."""
-    return first_difference(*_comparable(_record.state_record(saved, k), _record.state_record(target, k)), where,
-                            PLAIN_KEYS)
+    """The differences between the records of two layouts of state `k` that a plain restore cannot bridge."""
+    return _differences.describe(*_comparable(_record.state_record(saved, k), _record.state_record(target, k)),
+                                 where, PLAIN_KEYS)
 
 
 def partition_difference(saved: StoredViews, target: StoredViews, where: str, reshard: bool = False) -> str | None:

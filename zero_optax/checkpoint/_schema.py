@@ -331,7 +331,7 @@ def _entries(c: _Checker, rec: Any, f: str, leaves: tuple[ParamLeaf, ...], maste
         role = e["role"]
         if role not in (STATE, MASTER):
             c.fail(f"{g}.role", f"is {_record.short(role)}, not \"state\" or \"master\"")
-        if leaf is not None and leaves[leaf].sliced and shape != (leaves[leaf].slots,):
+        if leaf is not None and leaves[leaf].sliced and tuple(shape[-1:]) != (leaves[leaf].slots,):  # (stacked: rows)
             c.fail(f"{g}.shape", f"is {list(shape)}, but a history of leaf {leaf} holds [{leaves[leaf].slots}]")
         key_impl = None
         if "key_impl" in e:
