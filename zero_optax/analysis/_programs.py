@@ -250,15 +250,69 @@ _SHAPE_PARAMS = frozenset({
 
 def signature(jaxpr: jcore.Jaxpr, known: dict[Any, str], out: list[str]) -> None:
     """Appends to `out` one entry per equation of `jaxpr` (sub-jaxprs included, shape-only ones left out), such as
-    `mul(_,0.9)` (`known`: scalar values by var), equal on a leaf and its slice for an elementwise update."""
+    `mul(_,0.9)` (`known`: scalar values by var), equal on a leaf and its slice for an elementwise update. Integer
+    arithmetic on known scalars (an index normalised against a dimension: `select_n(lt(0,0),0,add(0,5))`) is
+    folded into the value it computes, which the equations reading it show (or an entry, where `jaxpr` returns
+    it)."""
+    folded = set()
     for eqn in jaxpr.eqns:
         values = [_scalar_repr(v.val) if isinstance(v, jcore.Literal) else known.get(v) for v in eqn.invars]
         name = eqn.primitive.name
+        value = _folded(eqn, values)
+        if value is not None:
+            known[eqn.outvars[0]] = value
+            folded.add(eqn.outvars[0])
+            continue
         if name not in _SHAPE_ONLY:
-            out.append(_signature_entry(eqn, values))
+            out.append(_signature_entry(eqn, _indices_that_matter(eqn, values)))
         elif name not in CALLS and values and values[0] is not None:
             known[eqn.outvars[0]] = values[0]  # a moved or broadcast known scalar has the same value
         _bodies(eqn, values, out)
+    out.extend(f"={known[v]}" for v in jaxpr.outvars if isinstance(v, jcore.Var) and v in folded)
+
+
+_FOLDABLE: dict[str, Callable[..., Any]] = {
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative, "max": np.maximum, "min": np.minimum,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+    "select_n": lambda which, *cases: cases[int(which)], "clamp": lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi),
+}
+"""Integer and boolean arithmetic `signature` computes on known scalars (as XLA does, wrapping on overflow)."""
+
+
+def _folded(eqn: Any, values: Sequence[str | None]) -> str | None:
+    """The value of `eqn`, integer or boolean arithmetic on the known scalars `values` only, or None."""
+    fn = _FOLDABLE.get(eqn.primitive.name)
+    known = [x for x in values if x is not None]
+    atoms = [*eqn.invars, *eqn.outvars]
+    if fn is None or not known or len(known) != len(values) or len(eqn.outvars) != 1 or \
+            not all(size(v) == 1 and np.dtype(dtype(v)).kind in "biu" for v in atoms):
+        return None
+    try:
+        ins = [np.asarray(x == "True" if np.dtype(dtype(v)).kind == "b" else int(x), dtype(v))
+               for x, v in zip(known, eqn.invars)]
+        with np.errstate(all="ignore"):
+            return _scalar_repr(np.asarray(fn(*ins)).astype(dtype(eqn.outvars[0])))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _indices_that_matter(eqn: Any, operands: Sequence[Any]) -> list[Any]:
+    """`operands` of `eqn` without the start indices of a `dynamic_slice` (`dynamic_update_slice`) along dimensions
+    it takes (writes) whole, which XLA clamps to 0 whatever they are: `x[i]` of a history `(memory, *shape)` indexes
+    the memory axis alone, on the parameter as on its slice `(memory, slots)`."""
+    name = eqn.primitive.name
+    if name == "dynamic_slice":
+        whole, first = tuple(eqn.params["slice_sizes"]), 1
+    elif name == "dynamic_update_slice":
+        whole, first = shape(eqn.invars[1]), 2
+    else:
+        return list(operands)
+    dims = shape(eqn.invars[0])
+    if len(operands) < first + len(dims):
+        return list(operands)
+    kept = [x for d, x in enumerate(operands[first:first + len(dims)]) if whole[d] != dims[d]]
+    return [*operands[:first], *kept, *operands[first + len(dims):]]
 
 
 def _bodies(eqn: Any, values: Sequence[str | None], out: list[str]) -> None:
@@ -360,9 +414,15 @@ class _LeafPrograms:
 
     def _equation(self, eqn: Any, lab: int | None) -> None:
         refs = [self._ref(v) for v in eqn.invars]
+        values = [r[1:] if r.startswith("k") else None for r in refs]  # known scalars by value
+        value = _folded(eqn, values)
+        if value is not None:  # (shared: integer arithmetic on known scalars, named by its value as `signature`)
+            self.label_of.pop(eqn.outvars[0], None)
+            self.name[eqn.outvars[0]] = f"k{value}"
+            return
         body: list[str] = []
-        _bodies(eqn, [r[1:] if r.startswith("k") else None for r in refs], body)  # known scalars by value
-        entry = (f"{_signature_entry(eqn, [None] * len(refs))}({','.join(refs)})"
+        _bodies(eqn, values, body)
+        entry = (f"{_signature_entry(eqn, [None] * len(refs))}({','.join(_indices_that_matter(eqn, refs))})"
                  + (f"{{{';'.join(body)}}}" if body else ""))
         if lab is None:  # shared: named by what computes it
             for i, out in enumerate(eqn.outvars):
