@@ -107,7 +107,6 @@ _PER_EXAMPLE = r"per-example gradients[\s\S]*reduce=False"
 REFUSED = {
     ("muon", "flat"): (zo.ZeroCouplingError, _SLICES),
     ("galore(rank=8)", "flat"): (zo.ZeroCouplingError, _SLICES),
-    ("mechanize", "flat"): (zo.ZeroCouplingError, _SLICES),
     ("sophia", None): (zo.ZeroCouplingError, _OBJ_FN),
     ("hutchinson_estimator_diag_hessian", None): (zo.ZeroCouplingError, _OBJ_FN),
     ("dpsgd", None): (zo.ZeroCouplingError, _PER_EXAMPLE),
@@ -275,7 +274,8 @@ def test_function_valued_extra_argument_refused_by_name(form):
     got_params, got_state = _run_zero(zo.zero1(bound(), axis_name="data"), params, grads_seq, [None])
     want_params, want_state = _run_optax(bound(), params, grads_seq, [None])
     h.assert_matches(got_params, got_state, want_params, want_state)
-    np.testing.assert_allclose(got_params["w"], params["w"] - 0.2 * h.reduced(grads_seq[0])["w"], rtol=1e-6)
+    np.testing.assert_allclose(got_params["w"], params["w"] - 0.2 * h.reduced(grads_seq[0])["w"], rtol=1e-6,
+                               atol=1e-7)  # (float32 rounding of values near zero: JAX 0.12.1 sums otherwise)
 
 
 

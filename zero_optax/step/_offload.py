@@ -100,12 +100,19 @@ def with_memory_kind(sharding: jax.sharding.Sharding, kind: str | None) -> jax.s
     return sharding.with_memory_kind(kind)
 
 
+def _same(x: jax.Array) -> jax.Array:
+    return x
+
+
 def placed(x: Any, kind: str | None) -> Any:
-    """A concrete array `x` in memory `kind`, its sharding otherwise kept (None, or a traced `x`, keeps it)."""
+    """A concrete array `x` in memory `kind`, its sharding otherwise kept (None, or a traced `x`, keeps it).
+
+    The move is a jitted identity: an eager `jax.device_put` of an array a program wrote to `pinned_host` fails on
+    JAX 0.12.1's CPU client ("Unsupported layout used for PjRt CPU buffers"), the program's copy does not."""
     if kind is None or not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or \
             x.sharding.memory_kind == kind:
         return x
-    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+    return jax.jit(_same, out_shardings=x.sharding.with_memory_kind(kind))(x)
 
 
 def fetched(state: Any) -> Any:
