@@ -397,7 +397,7 @@ def _check_options(zero1_options: dict[str, Any], mesh: AbstractMesh) -> None:
         zero1_options["axis_name"] = mesh.axis_names[0]
     for name in ("axis_name", "replica_axis"):
         value = zero1_options.get(name)
-        missing = [a for a in _axes_of(value) if a not in mesh.axis_names]
+        missing = [a for a in (() if value is None else _compat.as_tuple(value)) if a not in mesh.axis_names]
         if missing:
             raise ZeroError(f"{name}={value!r} names {missing}, which are no axes of the mesh "
                             f"{tuple(mesh.axis_names)}.")
@@ -409,13 +409,6 @@ def _sum_dtype(zero1_options: Mapping[str, Any]) -> Any:
         if zero1_options.get(name) is not None:
             return zero1_options[name]
     return None
-
-
-def _axes_of(value: Any) -> list[Any]:
-    """The axis names an `axis_name` or `replica_axis` option gives (none for None)."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,8 +69,8 @@ def describe(saved: dict[str, Any], target: dict[str, Any], where: str, keys: Se
     if "entries" in diff:
         _entries(found, saved, target, gone, changed)
     if "state_tree" in diff and not found.model:
-        found.model.append(f"the inner optimizer's state tree is `{_clipped(saved['state_tree'])}` in the "
-                           f"checkpoint, `{_clipped(target['state_tree'])}` in the target")
+        found.model.append(f"the inner optimizer's state tree is {tree_text(saved['state_tree'], 120)} in the "
+                           f"checkpoint, {tree_text(target['state_tree'], 120)} in the target")
     _settings(found, saved, target, diff)
     if found.model:
         return f"{where} differs from the checkpoint: {_listed(found.model)}. {MODEL_FIX}"
@@ -240,5 +240,11 @@ def _listed(items: list[str]) -> str:
     return "; ".join(items[:MAX_LISTED]) + (f"; and {more} more difference{'s' * (more > 1)}" if more > 0 else "")
 
 
-def _clipped(text: str, size: int = 120) -> str:
-    return text if len(text) <= size else text[:size - 3] + "..."
+def tree_text(signature: str, size: int = 200) -> str:
+    """A tree signature (`_names.tree_signature`) as a message shows it: in backticks, cut to `size` characters.
+
+    Examples:
+      >>> tree_text("tuple([0]=*,[1]=EmptyState())")
+      '`tuple([0]=*,[1]=EmptyState())`'
+    """
+    return f"`{signature if len(signature) <= size else signature[:size - 3] + '...'}`"

@@ -9,8 +9,8 @@ leaf and entry by path, and the fix (`_differences`).
 
 Examples:
   >>> from zero_optax.checkpoint import _restore
-  >>> _restore.tree_text("tuple([0]=*,[1]=EmptyState())")
-  '`tuple([0]=*,[1]=EmptyState())`'
+  >>> _restore.RESHARD_KEYS  # what a restore with `reshard=True` compares
+  ('partition', 'leaves', 'state_tree', 'entries', 'master_dtype')
 """
 
 from __future__ import annotations
@@ -97,18 +97,18 @@ def restore(directory: Any, target: Any, reshard: bool, orbax_read: OrbaxRead) -
     path = _paths.as_path(directory)
     parts = _arrays.split(target, "The restore target")
     saved = _schema.load(path)
+    trees = _differences.tree_text(saved.tree), _differences.tree_text(parts.signature)
     if len(saved.states) != len(parts.states):
         raise ZeroCheckpointError(
             f"{path} holds {len(saved.states)} zero1 states but the target has {len(parts.states)} (checkpoint "
-            f"tree {tree_text(saved.tree)}, target tree {tree_text(parts.signature)}). Restore into a target "
-            "built like the run that saved it.")
+            f"tree {trees[0]}, target tree {trees[1]}). Restore into a target built like the run that saved it.")
     plans = [_check_target(k, state_path, state, old, reshard)
              for k, ((state_path, state), old) in enumerate(zip(parts.states, saved.states))]
     if saved.tree != parts.signature:
         raise ZeroCheckpointError(
-            f"{path}: the saved pytree is {tree_text(saved.tree)} but the target is {tree_text(parts.signature)} "
-            "(zero1 states shown as *). Restore into a target built like the run that saved it: the same chain "
-            "of transformations around zero1.")
+            f"{path}: the saved pytree is {trees[0]} but the target is {trees[1]} (zero1 states shown as *). "
+            "Restore into a target built like the run that saved it: the same chain of transformations around "
+            "zero1.")
     store, shared = checked_arrays(path, saved)
     if all(same for *_, same in plans) and saved.storage == _record.STORAGE_ORBAX:
         structs = {a.name: jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=on_device(s))
@@ -141,11 +141,6 @@ def _load(plan: _Target, old: _schema.SavedState, store: _store.ItemArrays, shar
     region = ((lambda a, r: store.read(a.name, r)) if plan.same
               else _regions.Remap(old, plan.state.layout, store.read, shared).region)
     return _arrays.rebuild(plan.state, [build(a, s, region) for a, s in zip(plan.specs, plan.shardings)])
-
-
-def tree_text(signature: str, size: int = 200) -> str:
-    """A tree signature (`_names.tree_signature`) as a message shows it: in backticks, cut to `size` characters."""
-    return f"`{signature if len(signature) <= size else signature[:size - 3] + '...'}`"
 
 
 def _comparable(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

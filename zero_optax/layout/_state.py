@@ -65,9 +65,6 @@ class ZeroState:
         """A field of the inner state's top level, as plain optax holds it."""
         if name.startswith("_") or "_inner" not in vars(self):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if name not in _view.fields(self):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (nor has its inner "
-                                 f"state, a {type(self._inner.shared).__name__})")
         return _view.field(self, name)
 
     def __len__(self) -> int:

@@ -141,14 +141,16 @@ def _top(state: Any) -> tuple[_Reader, Any]:
     return reader, reader.state._inner.shared
 
 
-def fields(state: Any) -> tuple[str, ...]:
-    """The field names of the inner state's top level (none unless it is a NamedTuple)."""
-    return tuple(getattr(type(_top(state)[1]), "_fields", ()))
-
-
 def field(state: Any, name: str) -> Any:
-    """The field `name` of the inner state's top level, read (`_Reader.read`)."""
+    """The field `name` of the inner state's top level, read (`_Reader.read`).
+
+    Raises:
+      AttributeError: the top level is no NamedTuple with such a field.
+    """
     reader, top = _top(state)
+    if name not in getattr(type(top), "_fields", ()):
+        raise AttributeError(f"{type(state).__name__!r} object has no attribute {name!r} (nor has its inner state, "
+                             f"a {type(top).__name__})")
     return reader.read(getattr(top, name))
 
 
